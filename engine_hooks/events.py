@@ -1,0 +1,286 @@
+"""The wire contract between event sources (engines, gateways) and the ledger.
+
+This module is the one place the contract lives; both sides import it. It depends on msgspec only, so
+it can be imported inside an inference engine without pulling in the ledger's dependencies.
+
+Rules that hold for every event:
+
+* ``seq`` numbers the events of one source, strictly increasing. ``(source.id, seq)`` is the identity
+  of an event: a batch that is sent twice is stored once.
+* ``ts`` is the source's wall clock in unix seconds (float). Intervals inside one source are measured
+  with the source's monotonic clock and sent as durations (fields ending in ``_s``), so the ledger never
+  has to subtract wall-clock timestamps to measure a wait.
+* ``request_id`` is the external request id (the gateway's, or the engine front end's id with vLLM's
+  internal ``-<8 hex>`` suffix stripped). It is present on every event but ``step`` and ``dropped``.
+* Unknown fields are ignored by the decoder, so a newer source can talk to an older ledger. Adding an
+  optional field is a compatible change; anything else bumps ``SCHEMA_VERSION``.
+* Prompt text and output text never travel. Output token ids may travel (for the loop detector) and
+  are not persisted by the ledger unless it is configured to.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+Timestamp = Annotated[float, msgspec.Meta(gt=0, description="unix seconds, the source's wall clock")]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Ratio = Annotated[float, msgspec.Meta(ge=0, le=1)]
+
+FinishReason = Literal["stop", "length", "abort", "cutoff", "error"]
+CommandAction = Literal["abort", "slow_pool", "non_preemptible", "promote"]
+
+
+class Source(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """Who sent a batch: one engine instance or one gateway instance."""
+
+    id: Name  # stable id of the instance, e.g. "vllm-0" or "gw-eu-1"; with seq, the event identity
+    kind: Literal["engine", "gateway"]  # which layers this source can see
+    model: str | None = None  # served model name (engines); gateways may serve several: None
+
+
+class _Event(msgspec.Struct, kw_only=True, tag_field="kind", frozen=True, omit_defaults=True):
+    seq: NonNegInt  # strictly increasing per source, assigned once at emit time
+    ts: Timestamp  # when it happened (source wall clock, unix seconds)
+
+
+class _RequestEvent(_Event, kw_only=True, frozen=True):
+    request_id: RequestId  # external request id shared by gateway and engine
+
+
+# ---------------------------------------------------------------------------------------------------
+# Gateway events: the entry and admission layers.
+
+
+class Arrived(_RequestEvent, tag="arrived", kw_only=True, frozen=True):
+    """The gateway received the request (start of the entry layer)."""
+
+    endpoint: str = ""  # API path, e.g. "/v1/chat/completions"
+    stream: bool = False  # whether the client asked for a streamed response
+    priority: int = 0  # admission priority the client asked for (lower runs first)
+
+
+class AdmissionEnqueued(_RequestEvent, tag="admission_enqueued", kw_only=True, frozen=True):
+    """The request entered the gateway's admission queue (end of entry, start of admission)."""
+
+    queue_depth: NonNegInt = 0  # requests already waiting in the admission queue
+    entry_s: NonNegFloat | None = None  # monotonic duration arrived -> enqueued
+
+
+class Admitted(_RequestEvent, tag="admitted", kw_only=True, frozen=True):
+    """The gateway forwarded the request to the engine (end of the admission layer)."""
+
+    wait_s: NonNegFloat = 0.0  # monotonic time spent in the admission queue
+    in_flight: NonNegInt = 0  # requests in flight to the upstream after this one was admitted
+
+
+class FirstByte(_RequestEvent, tag="first_byte", kw_only=True, frozen=True):
+    """The first response byte from the engine reached the gateway."""
+
+    since_arrived_s: NonNegFloat | None = None  # monotonic duration arrived -> first byte
+
+
+class Completed(_RequestEvent, tag="completed", kw_only=True, frozen=True):
+    """The gateway finished sending the response to the client."""
+
+    status_code: int = 200  # HTTP status sent to the client
+    since_arrived_s: NonNegFloat | None = None  # monotonic duration arrived -> completed
+    finish_reason: str | None = None  # finish reason seen in the response, if any
+
+
+class ClientDisconnected(_RequestEvent, tag="client_disconnected", kw_only=True, frozen=True):
+    """The client went away before the response was complete (the gateway aborts upstream)."""
+
+    since_arrived_s: NonNegFloat | None = None
+
+
+class StreamCut(_RequestEvent, tag="stream_cut", kw_only=True, frozen=True):
+    """The gateway ended a stream because of a cutoff command."""
+
+    rule: Name  # the rule that decided the cutoff, e.g. "loop"
+    command_id: str | None = None  # the command that asked for it
+
+
+# ---------------------------------------------------------------------------------------------------
+# Engine events: the backend wait and batch layers.
+
+
+class Queued(_RequestEvent, tag="queued", kw_only=True, frozen=True):
+    """The engine's scheduler received the request (start of backend wait)."""
+
+    prompt_tokens: NonNegInt  # prompt length in tokens
+    max_tokens: NonNegInt | None = None  # output cap the client asked for; None when unbounded
+    arrival_ts: Timestamp | None = None  # engine front end's arrival time, when it differs from ts
+    priority: int = 0  # engine-side priority
+
+
+class Chunk(_RequestEvent, tag="chunk", kw_only=True, frozen=True):
+    """A prefill chunk scheduled for the request in one engine step."""
+
+    step: NonNegInt  # the engine step (see Step.step) that runs this chunk
+    tokens: NonNegInt  # prefill tokens scheduled this step
+    computed_before: NonNegInt  # tokens already computed (or cached) before this chunk: its depth
+    cached_tokens: NonNegInt = 0  # prefix-cache hits found when this pass was first scheduled
+    kv_blocks: NonNegInt = 0  # KV blocks the request holds after this step's allocation
+    preemptions: NonNegInt = 0  # preemptions so far: 0 = first pass, >0 = recompute after preemption
+    wait_s: NonNegFloat | None = None  # first chunk only: monotonic wait queued -> first scheduled
+
+
+class Tokens(_RequestEvent, tag="tokens", kw_only=True, frozen=True):
+    """Output tokens produced since the request's previous tokens event (coalesced per flush).
+
+    ``ts`` is the time of the last token in the group, ``first_ts`` of the first one.
+    """
+
+    count: NonNegInt  # new output tokens in this group
+    total: NonNegInt  # output tokens so far, this group included
+    first_ts: Timestamp | None = None  # wall time of the group's first token (None: same as ts)
+    kv_blocks: NonNegInt = 0  # KV blocks held at the last token
+    token_ids: list[int] | None = None  # the new token ids, for detectors; not persisted by default
+
+
+class Preempted(_RequestEvent, tag="preempted", kw_only=True, frozen=True):
+    """The engine preempted the request: its KV blocks were freed and it went back to waiting."""
+
+    reason: str = "kv_pressure"  # why, e.g. "kv_pressure", "priority"
+    kv_blocks_freed: NonNegInt = 0  # blocks released
+    computed_tokens: NonNegInt = 0  # tokens computed before preemption (recomputed unless cached)
+
+
+class Resumed(_RequestEvent, tag="resumed", kw_only=True, frozen=True):
+    """A preempted request was scheduled again."""
+
+    wait_s: NonNegFloat = 0.0  # monotonic time from its preemption to now
+    cached_tokens: NonNegInt = 0  # tokens found in the prefix cache on resume
+
+
+class Finished(_RequestEvent, tag="finished", kw_only=True, frozen=True):
+    """The engine finished the request."""
+
+    reason: FinishReason
+    output_tokens: NonNegInt = 0  # output tokens produced in total
+    stop_reason: str | None = None  # engine stop reason (stop string, or "chunkledger:<rule>")
+    wait_s: NonNegFloat | None = None  # set when it finished while waiting: monotonic wait since
+    # it was queued (never scheduled) or preempted, closing the open backend-wait interval
+
+
+class CutoffApplied(_RequestEvent, tag="cutoff_applied", kw_only=True, frozen=True):
+    """A source applied a command from the ledger (engines and gateways both send it)."""
+
+    command_id: str  # id of the command, as the ledger sent it
+    action: CommandAction  # what was done
+    rule: Name  # the rule behind the command
+
+
+class Step(_Event, tag="step", kw_only=True, frozen=True):
+    """One engine step: what it ran and how long it took.
+
+    Enough to rebuild each request's inter-token gaps (``request_ids``) and to fit step time against
+    prefill tokens, prefill depth (join with the step's chunks) and decode batch size.
+    """
+
+    step: NonNegInt  # step counter of the engine, from 0
+    duration_s: NonNegFloat  # monotonic time from schedule() to the step's outputs being processed
+    prefill_tokens: NonNegInt = 0  # prefill tokens computed this step (all chunks)
+    decode_tokens: NonNegInt = 0  # decode tokens computed this step
+    num_prefill_reqs: NonNegInt = 0  # requests that ran a prefill chunk
+    num_decode_reqs: NonNegInt = 0  # requests that ran a decode
+    running: NonNegInt = 0  # requests in the running queue after scheduling
+    waiting: NonNegInt = 0  # requests in the waiting queue after scheduling
+    kv_usage: Ratio = 0.0  # share of the KV cache in use, 0..1
+    request_ids: list[str] = []  # requests scheduled this step (prefill and decode)
+
+
+class Dropped(_Event, tag="dropped", kw_only=True, frozen=True):
+    """The source's exporter had to drop events (queue and spool full); their seqs are missing."""
+
+    count: NonNegInt  # events dropped since the previous marker
+    reason: Name  # e.g. "queue_full", "spool_full"
+    first_ts: Timestamp | None = None  # when the first of them was dropped
+
+
+Event = (
+    Arrived
+    | AdmissionEnqueued
+    | Admitted
+    | FirstByte
+    | Completed
+    | ClientDisconnected
+    | StreamCut
+    | Queued
+    | Chunk
+    | Tokens
+    | Preempted
+    | Resumed
+    | Finished
+    | CutoffApplied
+    | Step
+    | Dropped
+)
+
+EVENT_TYPES: dict[str, type[_Event]] = {
+    cls.__struct_config__.tag: cls  # type: ignore[misc]
+    for cls in (
+        Arrived,
+        AdmissionEnqueued,
+        Admitted,
+        FirstByte,
+        Completed,
+        ClientDisconnected,
+        StreamCut,
+        Queued,
+        Chunk,
+        Tokens,
+        Preempted,
+        Resumed,
+        Finished,
+        CutoffApplied,
+        Step,
+        Dropped,
+    )
+}
+GATEWAY_KINDS = frozenset(
+    {"arrived", "admission_enqueued", "admitted", "first_byte", "completed", "client_disconnected", "stream_cut"}
+)
+ENGINE_KINDS = frozenset(EVENT_TYPES) - GATEWAY_KINDS - {"dropped", "cutoff_applied"}
+
+
+class Batch(msgspec.Struct, kw_only=True):
+    """The body of ``POST /v1/events``."""
+
+    source: Source
+    events: list[Event]
+    schema_version: int = SCHEMA_VERSION
+
+
+class Command(msgspec.Struct, kw_only=True, frozen=True):
+    """An action the ledger asks a source to apply to one of its requests."""
+
+    id: str  # command id; the source confirms with a cutoff_applied event carrying it
+    request_id: RequestId
+    action: CommandAction
+    rule: Name  # the rule that decided it; engines report it as stop reason "chunkledger:<rule>"
+    detail: str = ""  # human-readable detail, e.g. "period 3 repeated 40 times"
+
+
+class IngestResponse(msgspec.Struct, kw_only=True):
+    """The answer to ``POST /v1/events``: sent only after the batch is durably stored."""
+
+    accepted: int  # events stored by this request
+    duplicates: int  # events already stored before (same source and seq)
+    commands: list[Command] = []  # commands for this source, re-sent until confirmed
+
+
+batch_encoder = msgspec.json.Encoder()
+batch_decoder = msgspec.json.Decoder(Batch)
+response_decoder = msgspec.json.Decoder(IngestResponse)
+
+
+def encode_batch(source: Source, events: list[Event]) -> bytes:
+    return batch_encoder.encode(Batch(source=source, events=events))
