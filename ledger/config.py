@@ -1,0 +1,70 @@
+"""Service settings: one pydantic-settings object, env prefix ``CHUNKLEDGER_``."""
+
+from __future__ import annotations
+
+import ipaddress
+from functools import lru_cache
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_DB_URL = "duckdb:///./chunkledger.duckdb"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CHUNKLEDGER_", extra="ignore")
+
+    db_url: str = Field(DEFAULT_DB_URL, description="SQLAlchemy URL: duckdb:///file or postgresql+psycopg://")
+    host: str = "127.0.0.1"
+    port: int = Field(8321, ge=1, le=65535)
+    ingest_token: str = ""  # bearer token for POST /v1/events (empty: no auth, loopback only)
+    read_token: str = ""  # bearer token for the read API
+    admin_token: str = ""  # bearer token for admin endpoints; also allowed wherever the others are
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="413 above this request body size")
+    max_events_per_batch: int = Field(20_000, ge=1)
+    group_commit_max_events: int = Field(50_000, ge=1, description="events per storage transaction")
+    persist_token_ids: bool = False  # store output token ids in events.data (they are user content)
+    log_level: str = "info"
+
+    @field_validator("db_url")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        if not (v.startswith("duckdb://") or v.startswith("postgresql")):
+            raise ValueError("db_url must start with duckdb:// or postgresql (e.g. postgresql+psycopg://...)")
+        return v
+
+    def check_safe_to_bind(self) -> None:
+        """Refuse a non-loopback bind while any token is empty (anyone could write or read)."""
+        if is_loopback(self.host):
+            return
+        empty = [
+            name
+            for name, value in (
+                ("CHUNKLEDGER_INGEST_TOKEN", self.ingest_token),
+                ("CHUNKLEDGER_READ_TOKEN", self.read_token),
+                ("CHUNKLEDGER_ADMIN_TOKEN", self.admin_token),
+            )
+            if not value
+        ]
+        if empty:
+            raise UnsafeConfig(
+                f"refusing to bind {self.host}: a non-loopback address needs tokens; set {', '.join(empty)}"
+            )
+
+
+class UnsafeConfig(ValueError):
+    pass
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

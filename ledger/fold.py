@@ -1,0 +1,253 @@
+"""Fold events into per-request ledger rows, independent of arrival order.
+
+Every column of a ``requests`` row is an aggregate with a commutative, associative merge: the minimum
+(first time something happened), the maximum (last time, or a running total reported by the source),
+or a sum (counts and measured durations). A request's row is therefore the merge of the partial rows of
+its events, in any order and from any number of sources, and the ledger can upsert partial rows
+batch by batch: ``row = merge(row, partial)``. Replays cannot double-count because events are
+deduplicated by ``(source_id, seq)`` before they are folded.
+
+Derived values (the four layers of attribution) are computed from the merged columns, never stored
+by the fold itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from engine_hooks import events as ev
+
+Op = Literal["min", "max", "sum"]
+ColType = Literal["float", "int", "str"]
+
+
+@dataclass(frozen=True)
+class Agg:
+    op: Op
+    type: ColType
+    doc: str
+
+
+# Column name -> how it merges. The order is the column order of the requests table.
+AGGREGATES: dict[str, Agg] = {
+    "model": Agg("max", "str", "served model (from the engine source)"),
+    "engine_source_id": Agg("max", "str", "engine source that ran the request"),
+    "gateway_source_id": Agg("max", "str", "gateway source that proxied it"),
+    # Lifecycle points (source wall clock, unix seconds).
+    "arrived_ts": Agg("min", "float", "gateway received the request"),
+    "admission_enqueued_ts": Agg("min", "float", "entered the gateway admission queue"),
+    "admitted_ts": Agg("min", "float", "gateway forwarded it to the engine"),
+    "engine_arrival_ts": Agg("min", "float", "engine front end received it"),
+    "queued_ts": Agg("min", "float", "engine scheduler queued it"),
+    "first_scheduled_ts": Agg("min", "float", "first prefill chunk scheduled"),
+    "first_token_ts": Agg("min", "float", "first output token"),
+    "last_token_ts": Agg("max", "float", "last output token"),
+    "finished_ts": Agg("min", "float", "engine finished it"),
+    "first_byte_ts": Agg("min", "float", "gateway saw the first response byte"),
+    "completed_ts": Agg("min", "float", "gateway finished the response"),
+    "disconnected_ts": Agg("min", "float", "client disconnected"),
+    "stream_cut_ts": Agg("min", "float", "gateway cut the stream on a command"),
+    "last_event_ts": Agg("max", "float", "newest event of the request"),
+    # Durations measured by the sources' monotonic clocks (seconds).
+    "entry_measured_s": Agg("sum", "float", "gateway: arrived -> admission queue"),
+    "admission_wait_s": Agg("sum", "float", "gateway: time in the admission queue"),
+    "backend_wait_measured_s": Agg("sum", "float", "engine: queued -> scheduled, plus preempted -> resumed"),
+    # Token ledger.
+    "prompt_tokens": Agg("max", "int", "prompt length"),
+    "max_tokens": Agg("max", "int", "output cap the client asked for"),
+    "cached_tokens": Agg("sum", "int", "prefix-cache hits on the first pass"),
+    "prefill_computed_tokens": Agg("sum", "int", "prefill tokens computed on the first pass"),
+    "recomputed_tokens": Agg("sum", "int", "prefill tokens computed again after preemptions"),
+    "output_tokens": Agg("max", "int", "output tokens produced"),
+    "chunks": Agg("sum", "int", "prefill chunks (all passes)"),
+    "preemptions": Agg("sum", "int", "times preempted"),
+    "resumes": Agg("sum", "int", "times resumed after a preemption"),
+    "kv_blocks_max": Agg("max", "int", "most KV blocks held at once"),
+    "token_events": Agg("sum", "int", "tokens events (coalesced groups of output tokens)"),
+    "events": Agg("sum", "int", "events folded into this row"),
+    # Outcome.
+    "finish_reason": Agg("max", "str", "stop | length | abort | cutoff | error"),
+    "stop_reason": Agg("max", "str", "engine stop reason, e.g. chunkledger:<rule>"),
+    "status_code": Agg("max", "int", "HTTP status the gateway sent"),
+    "cut_rule": Agg("max", "str", "rule of the cutoff applied to it"),
+}
+
+SUM_COLUMNS = frozenset(c for c, a in AGGREGATES.items() if a.op == "sum")
+
+Row = dict[str, Any]
+
+
+def _min(row: Row, col: str, v: Any) -> None:
+    if v is None:
+        return
+    cur = row.get(col)
+    if cur is None or v < cur:
+        row[col] = v
+
+
+def _max(row: Row, col: str, v: Any) -> None:
+    if v is None:
+        return
+    cur = row.get(col)
+    if cur is None or v > cur:
+        row[col] = v
+
+
+def _add(row: Row, col: str, v: Any) -> None:
+    if v:
+        row[col] = row.get(col, 0) + v
+
+
+def _arrived(row: Row, e: Any, source: ev.Source) -> None:
+    _max(row, "gateway_source_id", source.id)
+    _min(row, "arrived_ts", e.ts)
+
+
+def _admission_enqueued(row: Row, e: Any, source: ev.Source) -> None:
+    _max(row, "gateway_source_id", source.id)
+    _min(row, "admission_enqueued_ts", e.ts)
+    _add(row, "entry_measured_s", e.entry_s)
+
+
+def _admitted(row: Row, e: Any, source: ev.Source) -> None:
+    _max(row, "gateway_source_id", source.id)
+    _min(row, "admitted_ts", e.ts)
+    _add(row, "admission_wait_s", e.wait_s)
+
+
+def _first_byte(row: Row, e: Any, source: ev.Source) -> None:
+    _min(row, "first_byte_ts", e.ts)
+
+
+def _completed(row: Row, e: Any, source: ev.Source) -> None:
+    _min(row, "completed_ts", e.ts)
+    _max(row, "status_code", e.status_code)
+
+
+def _client_disconnected(row: Row, e: Any, source: ev.Source) -> None:
+    _min(row, "disconnected_ts", e.ts)
+
+
+def _stream_cut(row: Row, e: Any, source: ev.Source) -> None:
+    _min(row, "stream_cut_ts", e.ts)
+    _max(row, "cut_rule", e.rule)
+
+
+def _queued(row: Row, e: Any, source: ev.Source) -> None:
+    _engine(row, source)
+    _min(row, "queued_ts", e.ts)
+    _min(row, "engine_arrival_ts", e.arrival_ts if e.arrival_ts is not None else e.ts)
+    _max(row, "prompt_tokens", e.prompt_tokens)
+    _max(row, "max_tokens", e.max_tokens)
+
+
+def _chunk(row: Row, e: Any, source: ev.Source) -> None:
+    _engine(row, source)
+    _min(row, "first_scheduled_ts", e.ts)
+    _add(row, "chunks", 1)
+    if e.preemptions == 0:
+        _add(row, "cached_tokens", e.cached_tokens)
+        _add(row, "prefill_computed_tokens", e.tokens)
+    else:
+        _add(row, "recomputed_tokens", e.tokens)
+    _max(row, "kv_blocks_max", e.kv_blocks)
+    _add(row, "backend_wait_measured_s", e.wait_s)
+
+
+def _tokens(row: Row, e: Any, source: ev.Source) -> None:
+    _engine(row, source)
+    _min(row, "first_token_ts", e.first_ts if e.first_ts is not None else e.ts)
+    _max(row, "last_token_ts", e.ts)
+    _max(row, "output_tokens", e.total)
+    _max(row, "kv_blocks_max", e.kv_blocks)
+    _add(row, "token_events", 1)
+
+
+def _preempted(row: Row, e: Any, source: ev.Source) -> None:
+    _engine(row, source)
+    _add(row, "preemptions", 1)
+
+
+def _resumed(row: Row, e: Any, source: ev.Source) -> None:
+    _engine(row, source)
+    _add(row, "resumes", 1)
+    _add(row, "backend_wait_measured_s", e.wait_s)
+
+
+def _finished(row: Row, e: Any, source: ev.Source) -> None:
+    _engine(row, source)
+    _min(row, "finished_ts", e.ts)
+    _max(row, "finish_reason", e.reason)
+    _max(row, "stop_reason", e.stop_reason)
+    _max(row, "output_tokens", e.output_tokens)
+    _add(row, "backend_wait_measured_s", e.wait_s)
+
+
+def _cutoff_applied(row: Row, e: Any, source: ev.Source) -> None:
+    _max(row, "cut_rule", e.rule)
+
+
+def _engine(row: Row, source: ev.Source) -> None:
+    _max(row, "engine_source_id", source.id)
+    _max(row, "model", source.model)
+
+
+_FOLDERS: dict[str, Callable[[Row, Any, ev.Source], None]] = {
+    "arrived": _arrived,
+    "admission_enqueued": _admission_enqueued,
+    "admitted": _admitted,
+    "first_byte": _first_byte,
+    "completed": _completed,
+    "client_disconnected": _client_disconnected,
+    "stream_cut": _stream_cut,
+    "queued": _queued,
+    "chunk": _chunk,
+    "tokens": _tokens,
+    "preempted": _preempted,
+    "resumed": _resumed,
+    "finished": _finished,
+    "cutoff_applied": _cutoff_applied,
+}
+
+
+def fold_into(rows: dict[str, Row], source: ev.Source, events: Iterable[Any]) -> None:
+    """Fold request events of one source into ``rows`` (request_id -> partial row), in place.
+
+    Events without a request id (``step``, ``dropped``) are skipped.
+    """
+    for e in events:
+        folder = _FOLDERS.get(e.__struct_config__.tag)
+        if folder is None:
+            continue
+        row = rows.get(e.request_id)
+        if row is None:
+            row = rows[e.request_id] = {}
+        folder(row, e, source)
+        row["events"] = row.get("events", 0) + 1
+        _max(row, "last_event_ts", e.ts)
+
+
+def merge(a: Row, b: Row) -> Row:
+    """Merge two partial rows (the same merge the storage upsert performs)."""
+    out = dict(a)
+    for col, v in b.items():
+        if v is None:
+            continue
+        op = AGGREGATES[col].op
+        if op == "sum":
+            _add(out, col, v)
+        elif op == "min":
+            _min(out, col, v)
+        else:
+            _max(out, col, v)
+    return out
+
+
+def fold(source_events: Iterable[tuple[ev.Source, Any]]) -> dict[str, Row]:
+    """Fold (source, event) pairs into complete rows; a reference for tests and small jobs."""
+    rows: dict[str, Row] = {}
+    for source, e in source_events:
+        fold_into(rows, source, [e])
+    return rows

@@ -1,0 +1,267 @@
+"""Storage: the write path shared by both backends, and the reads.
+
+One call to ``Store.write`` stores a group of batches in one transaction (group commit):
+
+1. lock the sources involved and read their high-water marks (``sources.last_seq``);
+2. deduplicate: an event whose seq is above the mark is new; one at or below it is looked up in
+   ``events`` (a range probe that only retries and reordered batches pay for);
+3. append the accepted events and steps with the backend's bulk path, fold the accepted request
+   events into partial rows and merge them into ``requests`` with one upsert;
+4. advance the marks and commit. Nothing is acknowledged before the commit returns.
+
+Backends implement the few steps that differ (locking, bulk append, upsert staging).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import sqlalchemy as sa
+
+from engine_hooks import events as ev
+from ledger import schema
+from ledger.fold import AGGREGATES, SUM_COLUMNS, Row, fold_into
+
+EVENT_COLUMNS = [c.name for c in schema.events.columns]
+STEP_COLUMNS = [c.name for c in schema.steps.columns]
+REQUEST_COLUMNS = [c.name for c in schema.requests.columns]
+
+
+@dataclass
+class WriteResult:
+    accepted: int
+    duplicates: int
+
+
+@dataclass
+class _SourceState:
+    source: ev.Source
+    last_seq: int  # -1 when new
+    exists: bool
+    accepted: int = 0
+    dropped: int = 0
+    new_last_seq: int = -1
+
+
+@dataclass
+class Prepared:
+    """Column lists ready for the bulk paths, built from the accepted events of a group."""
+
+    events: dict[str, list[Any]] = field(default_factory=lambda: {c: [] for c in EVENT_COLUMNS})
+    steps: dict[str, list[Any]] = field(default_factory=lambda: {c: [] for c in STEP_COLUMNS})
+    requests: dict[str, Row] = field(default_factory=dict)
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def merge_sql(table: str, staging: str) -> str:
+    """INSERT ... ON CONFLICT DO UPDATE that merges staged partial rows into ``requests``.
+
+    The same statement runs on DuckDB and PostgreSQL; LEAST/GREATEST ignore NULLs on both.
+    """
+    cols = ["request_id", *AGGREGATES]
+    sets = []
+    for col, agg in AGGREGATES.items():
+        if agg.op == "sum":
+            expr = f"{table}.{col} + excluded.{col}"
+        elif agg.op == "min":
+            expr = f"LEAST({table}.{col}, excluded.{col})"
+        else:
+            expr = f"GREATEST({table}.{col}, excluded.{col})"
+        sets.append(f"{col} = {expr}")
+    col_list = ", ".join(cols)
+    return (
+        f"INSERT INTO {table} ({col_list}) SELECT {col_list} FROM {staging} "
+        f"ON CONFLICT (request_id) DO UPDATE SET {', '.join(sets)}"
+    )
+
+
+def request_columns(rows: dict[str, Row]) -> dict[str, list[Any]]:
+    """Partial rows as columns; sums default to 0 so the upsert can add them."""
+    cols: dict[str, list[Any]] = {"request_id": list(rows)}
+    values = list(rows.values())
+    for col in AGGREGATES:
+        default = 0 if col in SUM_COLUMNS else None
+        cols[col] = [r.get(col, default) for r in values]
+    return cols
+
+
+class Store:
+    """Base class: the shared write algorithm and the reads (SQLAlchemy Core on both backends)."""
+
+    dialect: str = ""
+
+    def __init__(self, engine: sa.Engine, *, persist_token_ids: bool = False) -> None:
+        self.engine = engine
+        self.persist_token_ids = persist_token_ids
+
+    # -- backend hooks -------------------------------------------------------------------------
+    def _connect(self) -> Any:
+        raise NotImplementedError
+
+    def _lock_sources(self, conn: Any, sources: list[ev.Source], now: float) -> dict[str, int]:
+        """Lock the sources' rows for this transaction; their high-water marks (absent: unknown)."""
+        raise NotImplementedError
+
+    def _existing_seqs(self, conn: Any, source_id: str, lo: int, hi: int) -> set[int]:
+        rows = conn.execute(
+            "SELECT seq FROM events WHERE source_id = %s AND seq BETWEEN %s AND %s"
+            if self.dialect == "postgresql"
+            else "SELECT seq FROM events WHERE source_id = ? AND seq BETWEEN ? AND ?",
+            (source_id, lo, hi),
+        ).fetchall()
+        return {r[0] for r in rows}
+
+    def _append(self, conn: Any, prepared: Prepared) -> None:
+        raise NotImplementedError
+
+    def _save_sources(self, conn: Any, states: list[_SourceState], now: float) -> None:
+        raise NotImplementedError
+
+    def _after_commit(self, states: list[_SourceState]) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- write path ----------------------------------------------------------------------------
+    def write(self, batches: Sequence[ev.Batch]) -> list[WriteResult]:
+        """Store ``batches`` in one transaction; per batch, how many events were new / duplicates."""
+        now = time.time()
+        sources = {b.source.id: b.source for b in batches}
+        ids = sorted(sources)  # one lock order for every writer: no deadlocks between replicas
+        conn = self._connect()
+        try:
+            marks = self._lock_sources(conn, [sources[i] for i in ids], now)
+            states = {
+                sid: _SourceState(source=sources[sid], last_seq=marks.get(sid, -1), exists=sid in marks)
+                for sid in ids
+            }
+            prepared = Prepared()
+            results = [self._accept(conn, b, states[b.source.id], prepared, now) for b in batches]
+            if any(r.accepted for r in results):
+                self._append(conn, prepared)
+            self._save_sources(conn, list(states.values()), now)
+            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+        finally:
+            conn.close()
+        self._after_commit(list(states.values()))
+        return results
+
+    def _accept(
+        self, conn: Any, batch: ev.Batch, state: _SourceState, prepared: Prepared, now: float
+    ) -> WriteResult:
+        evs = batch.events
+        mark = state.last_seq if state.new_last_seq < 0 else state.new_last_seq
+        fresh = [e for e in evs if e.seq > mark]
+        old = [e for e in evs if e.seq <= mark]
+        if old:
+            # Seqs at or below the high-water mark: retries (usual) or a batch overtaken by a later one.
+            seen = self._existing_seqs(conn, state.source.id, old[0].seq, old[-1].seq)
+            seen.update(_accepted_in_group(prepared, state.source.id, old[0].seq, old[-1].seq))
+            old = [e for e in old if e.seq not in seen]
+            accepted = sorted(old + fresh, key=lambda e: e.seq) if old else fresh
+        else:
+            accepted = fresh
+        if accepted:
+            state.new_last_seq = max(mark, accepted[-1].seq)
+            state.accepted += len(accepted)
+            self._prepare(batch.source, accepted, prepared, now, state)
+        return WriteResult(accepted=len(accepted), duplicates=len(evs) - len(accepted))
+
+    def _prepare(
+        self, source: ev.Source, accepted: list[Any], prepared: Prepared, now: float, state: _SourceState
+    ) -> None:
+        ecols = prepared.events
+        request_events = []
+        sid = source.id
+        for e in accepted:
+            kind = e.__struct_config__.tag
+            if kind == "step":
+                data = None
+                s = prepared.steps
+                s["source_id"].append(sid)
+                s["seq"].append(e.seq)
+                s["step"].append(e.step)
+                s["ts"].append(e.ts)
+                s["duration_s"].append(e.duration_s)
+                s["prefill_tokens"].append(e.prefill_tokens)
+                s["decode_tokens"].append(e.decode_tokens)
+                s["num_prefill_reqs"].append(e.num_prefill_reqs)
+                s["num_decode_reqs"].append(e.num_decode_reqs)
+                s["running"].append(e.running)
+                s["waiting"].append(e.waiting)
+                s["kv_usage"].append(e.kv_usage)
+                s["request_ids"].append(e.request_ids)
+                rid = None
+            elif kind == "dropped":
+                data = _encode(e).decode()
+                state.dropped += e.count
+                rid = None
+            else:
+                if kind == "tokens" and e.token_ids is not None and not self.persist_token_ids:
+                    e = msgspec.structs.replace(e, token_ids=None)
+                data = _encode(e).decode()
+                rid = e.request_id
+                request_events.append(e)
+            ecols["source_id"].append(sid)
+            ecols["seq"].append(e.seq)
+            ecols["ts"].append(e.ts)
+            ecols["kind"].append(kind)
+            ecols["request_id"].append(rid)
+            ecols["data"].append(data)
+            ecols["ingested_ts"].append(now)
+        fold_into(prepared.requests, source, request_events)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def ping(self) -> None:
+        with self.engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+
+    def get_request(self, request_id: str) -> dict[str, Any] | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                sa.select(schema.requests).where(schema.requests.c.request_id == request_id)
+            ).first()
+        return dict(row._mapping) if row is not None else None
+
+    def request_events(self, request_id: str) -> list[dict[str, Any]]:
+        """The request's timeline: its events from all sources, oldest first."""
+        t = schema.events
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(t.c.source_id, t.c.seq, t.c.ts, t.c.kind, t.c.data)
+                .where(t.c.request_id == request_id)
+                .order_by(t.c.ts, t.c.source_id, t.c.seq)
+            ).all()
+        out = []
+        for source_id, seq, ts, kind, data in rows:
+            fields = msgspec.json.decode(data) if data else {}
+            for k in ("kind", "seq", "ts", "request_id"):
+                fields.pop(k, None)
+            out.append({"source_id": source_id, "seq": seq, "ts": ts, "kind": kind, **fields})
+        return out
+
+    def source_rows(self) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(schema.sources).order_by(schema.sources.c.source_id)).all()
+        return [dict(r._mapping) for r in rows]
+
+    def count(self, table: str) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one())
+
+
+def _accepted_in_group(prepared: Prepared, source_id: str, lo: int, hi: int) -> set[int]:
+    """Seqs of ``source_id`` accepted earlier in the same group (two copies of a batch in one group)."""
+    sids = prepared.events["source_id"]
+    seqs = prepared.events["seq"]
+    return {s for sid, s in zip(sids, seqs, strict=True) if sid == source_id and lo <= s <= hi}

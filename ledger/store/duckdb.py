@@ -1,0 +1,129 @@
+"""DuckDB backend: the embedded default. The service process is the file's single writer."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pyarrow as pa
+import sqlalchemy as sa
+
+from engine_hooks import events as ev
+from ledger.fold import AGGREGATES
+from ledger.store.base import (
+    EVENT_COLUMNS,
+    STEP_COLUMNS,
+    Prepared,
+    Store,
+    WriteResult,
+    _SourceState,
+    merge_sql,
+    request_columns,
+)
+
+_ARROW = {"float": pa.float64(), "int": pa.int64(), "str": pa.string()}
+EVENTS_SCHEMA = pa.schema(
+    [
+        ("source_id", pa.string()),
+        ("seq", pa.int64()),
+        ("ts", pa.float64()),
+        ("kind", pa.string()),
+        ("request_id", pa.string()),
+        ("data", pa.string()),
+        ("ingested_ts", pa.float64()),
+    ]
+)
+STEPS_SCHEMA = pa.schema(
+    [(c, pa.string() if c == "source_id" else pa.int64()) for c in STEP_COLUMNS[:3]]
+    + [("ts", pa.float64()), ("duration_s", pa.float64())]
+    + [(c, pa.int64()) for c in STEP_COLUMNS[5:11]]
+    + [("kv_usage", pa.float64()), ("request_ids", pa.list_(pa.string()))]
+)
+REQUESTS_SCHEMA = pa.schema([("request_id", pa.string())] + [(c, _ARROW[a.type]) for c, a in AGGREGATES.items()])
+assert EVENTS_SCHEMA.names == EVENT_COLUMNS and STEPS_SCHEMA.names == STEP_COLUMNS
+
+_MERGE = merge_sql("requests", "_req_stage")
+
+
+class _Tx:
+    """The writer connection inside one transaction (close() keeps the connection open)."""
+
+    def __init__(self, duck: Any) -> None:
+        self.duck = duck
+        duck.execute("BEGIN TRANSACTION")
+
+    def execute(self, sql: str, params: Any = None) -> Any:
+        return self.duck.execute(sql, params)
+
+    def commit(self) -> None:
+        self.duck.execute("COMMIT")
+
+    def rollback(self) -> None:
+        try:
+            self.duck.execute("ROLLBACK")
+        except Exception:  # noqa: BLE001 - no transaction left to roll back
+            pass
+
+    def close(self) -> None:
+        pass
+
+
+class DuckDBStore(Store):
+    dialect = "duckdb"
+
+    def __init__(self, engine: sa.Engine, **kw: Any) -> None:
+        super().__init__(engine, **kw)
+        self._raw = engine.raw_connection()  # the writer connection, held for the store's life
+        self._duck = self._raw.driver_connection
+        self._lock = threading.Lock()
+        rows = self._duck.execute("SELECT source_id, last_seq FROM sources").fetchall()
+        self._marks: dict[str, int] = {sid: int(seq) for sid, seq in rows}
+
+    def write(self, batches: Any) -> list[WriteResult]:
+        with self._lock:
+            return super().write(batches)
+
+    def _connect(self) -> _Tx:
+        return _Tx(self._duck)
+
+    def _lock_sources(self, conn: Any, sources: list[ev.Source], now: float) -> dict[str, int]:
+        return {s.id: self._marks[s.id] for s in sources if s.id in self._marks}
+
+    def _append(self, conn: Any, prepared: Prepared) -> None:
+        duck = self._duck
+        if prepared.events["seq"]:
+            duck.register("_ev_stage", pa.table(prepared.events, schema=EVENTS_SCHEMA))
+            duck.execute("INSERT INTO events SELECT * FROM _ev_stage")
+            duck.unregister("_ev_stage")
+        if prepared.steps["seq"]:
+            duck.register("_step_stage", pa.table(prepared.steps, schema=STEPS_SCHEMA))
+            duck.execute("INSERT INTO steps SELECT * FROM _step_stage")
+            duck.unregister("_step_stage")
+        if prepared.requests:
+            duck.register("_req_stage", pa.table(request_columns(prepared.requests), schema=REQUESTS_SCHEMA))
+            duck.execute(_MERGE)
+            duck.unregister("_req_stage")
+
+    def _save_sources(self, conn: Any, states: list[_SourceState], now: float) -> None:
+        for st in states:
+            last = max(st.last_seq, st.new_last_seq)
+            if st.exists:
+                conn.execute(
+                    "UPDATE sources SET last_seq = ?, events_total = events_total + ?, "
+                    "dropped_total = dropped_total + ?, last_seen_ts = ?, kind = ?, "
+                    "model = coalesce(?, model) WHERE source_id = ?",
+                    (last, st.accepted, st.dropped, now, st.source.kind, st.source.model, st.source.id),
+                )
+            else:
+                conn.execute(
+                    "INSERT INTO sources VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (st.source.id, st.source.kind, st.source.model, last, st.accepted, st.dropped, now, now),
+                )
+
+    def _after_commit(self, states: list[_SourceState]) -> None:
+        for st in states:
+            self._marks[st.source.id] = max(st.last_seq, st.new_last_seq)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()

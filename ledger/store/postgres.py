@@ -1,0 +1,101 @@
+"""PostgreSQL backend: several ledger replicas may write; COPY for the bulk path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_hooks import events as ev
+from ledger.fold import AGGREGATES
+from ledger.store.base import (
+    EVENT_COLUMNS,
+    STEP_COLUMNS,
+    Prepared,
+    Store,
+    _SourceState,
+    merge_sql,
+    request_columns,
+)
+
+_MERGE = merge_sql("requests", "_req_stage")
+_REQ_COLS = ["request_id", *AGGREGATES]
+
+
+class _Tx:
+    """A pooled psycopg connection inside one transaction."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.pg = raw.driver_connection
+
+    def execute(self, sql: str, params: Any = None) -> Any:
+        return self.pg.execute(sql, params)
+
+    def commit(self) -> None:
+        self.pg.commit()
+
+    def rollback(self) -> None:
+        self.pg.rollback()
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def _copy(pg: Any, table: str, columns: list[str], cols: dict[str, list[Any]]) -> None:
+    with pg.cursor() as cur, cur.copy(f"COPY {table} ({', '.join(columns)}) FROM STDIN") as copy:
+        for row in zip(*(cols[c] for c in columns), strict=True):
+            copy.write_row(row)
+
+
+class PostgresStore(Store):
+    dialect = "postgresql"
+
+    def _connect(self) -> _Tx:
+        return _Tx(self.engine.raw_connection())
+
+    def _lock_sources(self, conn: Any, sources: list[ev.Source], now: float) -> dict[str, int]:
+        # Create missing rows first so that every source can be locked; ids arrive sorted, so every
+        # replica takes the locks in the same order.
+        with conn.pg.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO sources VALUES (%s, %s, %s, -1, 0, 0, %s, %s) ON CONFLICT DO NOTHING",
+                [(s.id, s.kind, s.model, now, now) for s in sources],
+            )
+        rows = conn.execute(
+            "SELECT source_id, last_seq FROM sources WHERE source_id = ANY(%s) ORDER BY source_id FOR UPDATE",
+            ([s.id for s in sources],),
+        ).fetchall()
+        return {sid: int(seq) for sid, seq in rows}
+
+    def _append(self, conn: Any, prepared: Prepared) -> None:
+        pg = conn.pg
+        if prepared.events["seq"]:
+            _copy(pg, "events", EVENT_COLUMNS, prepared.events)
+        if prepared.steps["seq"]:
+            _copy(pg, "steps", STEP_COLUMNS, prepared.steps)
+        if prepared.requests:
+            pg.execute(
+                "CREATE TEMP TABLE IF NOT EXISTS _req_stage (LIKE requests INCLUDING DEFAULTS) "
+                "ON COMMIT DELETE ROWS"
+            )
+            _copy(pg, "_req_stage", _REQ_COLS, request_columns(prepared.requests))
+            pg.execute(_MERGE)
+
+    def _save_sources(self, conn: Any, states: list[_SourceState], now: float) -> None:
+        with conn.pg.cursor() as cur:
+            cur.executemany(
+                "UPDATE sources SET last_seq = %s, events_total = events_total + %s, "
+                "dropped_total = dropped_total + %s, last_seen_ts = %s, kind = %s, "
+                "model = coalesce(%s, model) WHERE source_id = %s",
+                [
+                    (
+                        max(st.last_seq, st.new_last_seq),
+                        st.accepted,
+                        st.dropped,
+                        now,
+                        st.source.kind,
+                        st.source.model,
+                        st.source.id,
+                    )
+                    for st in states
+                ],
+            )
