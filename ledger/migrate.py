@@ -32,7 +32,7 @@ def upgrade(engine: sa.Engine, revision: str = "head") -> None:
 
 def current_revision(engine: sa.Engine) -> str | None:
     with engine.connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
+        return MigrationContext.configure(conn, opts={"transactional_ddl": True}).get_current_revision()
 
 
 def head_revision() -> str | None:

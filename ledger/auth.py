@@ -1,0 +1,46 @@
+"""Bearer-token roles: ingest (sources), read (dashboards, tools), admin (everything)."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Literal
+
+from fastapi import HTTPException, Request, status
+
+from ledger.config import Settings
+
+Role = Literal["ingest", "read", "admin"]
+
+
+def _tokens_for(settings: Settings, role: Role) -> list[str]:
+    if role == "ingest":
+        return [settings.ingest_token, settings.admin_token]
+    if role == "read":
+        return [settings.read_token, settings.admin_token]
+    return [settings.admin_token]
+
+
+def _required_token(settings: Settings, role: Role) -> str:
+    return {"ingest": settings.ingest_token, "read": settings.read_token, "admin": settings.admin_token}[role]
+
+
+def check(settings: Settings, request: Request, role: Role) -> None:
+    """Raise 401 (no or unknown token) or 403 (a valid token of another role)."""
+    if not _required_token(settings, role):
+        return  # open role: only allowed on a loopback bind (Settings.check_safe_to_bind)
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            detail=f"missing bearer token: this endpoint needs the {role} token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    if any(t and hmac.compare_digest(token.encode(), t.encode()) for t in _tokens_for(settings, role)):
+        return
+    all_tokens = [settings.ingest_token, settings.read_token, settings.admin_token]
+    if any(t and hmac.compare_digest(token.encode(), t.encode()) for t in all_tokens):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, detail=f"this token may not use {role} endpoints")
+    raise HTTPException(
+        status.HTTP_401_UNAUTHORIZED, detail="unknown bearer token", headers={"WWW-Authenticate": "Bearer"}
+    )

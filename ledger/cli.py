@@ -1,0 +1,85 @@
+"""The ``chunkledger`` command line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Annotated
+
+import typer
+
+from ledger.config import DEFAULT_DB_URL, Settings, UnsafeConfig
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="chunkledger: the request ledger for LLM serving")
+
+DbOpt = Annotated[str | None, typer.Option("--db", help=f"database URL (env CHUNKLEDGER_DB_URL; {DEFAULT_DB_URL})")]
+
+
+def _settings(**overrides: object) -> Settings:
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except Exception as exc:  # pydantic ValidationError: print it readably, no traceback
+        typer.echo(f"configuration error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def serve(
+    db: DbOpt = None,
+    host: Annotated[str | None, typer.Option(help="bind address (env CHUNKLEDGER_HOST)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (env CHUNKLEDGER_PORT, default 8321)")] = None,
+    access_log: Annotated[bool, typer.Option(help="log every HTTP request")] = False,
+) -> None:
+    """Upgrade the database schema, then serve the ledger API."""
+    import uvicorn
+
+    from ledger.app import create_app
+
+    settings = _settings(db_url=db, host=host, port=port)
+    try:
+        settings.check_safe_to_bind()
+    except UnsafeConfig as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=access_log,
+        timeout_graceful_shutdown=10,
+    )
+
+
+@app.command()
+def migrate(db: DbOpt = None) -> None:
+    """Create or upgrade the ledger tables (Alembic) and print the revision."""
+    from ledger import migrate as m
+    from ledger.store import make_engine
+
+    settings = _settings(db_url=db)
+    engine = make_engine(settings.db_url)
+    m.upgrade(engine)
+    typer.echo(json.dumps({"db": engine.url.render_as_string(hide_password=True), "revision": m.current_revision(engine)}))
+    engine.dispose()
+
+
+def _register_optional_commands() -> None:
+    try:
+        from engine_hooks.simulator import simulate
+    except ImportError:  # the simulator has optional parts; the rest of the CLI works without it
+        return
+    app.command(name="simulate")(simulate)
+
+
+_register_optional_commands()
+
+
+def main() -> None:
+    app(prog_name="chunkledger")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
