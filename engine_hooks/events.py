@@ -126,9 +126,11 @@ class Chunk(_RequestEvent, tag="chunk", kw_only=True, frozen=True):
     step: NonNegInt  # the engine step (see Step.step) that runs this chunk
     tokens: NonNegInt  # prefill tokens scheduled this step
     computed_before: NonNegInt  # tokens already computed (or cached) before this chunk: its depth
-    cached_tokens: NonNegInt = 0  # prefix-cache hits found when this pass was first scheduled
+    recomputed_tokens: NonNegInt = 0  # of `tokens`, how many had been computed before and were lost
+    # to a preemption (the source knows how far the request ever got; the rest are new prompt tokens)
+    cached_tokens: NonNegInt = 0  # prefix-cache hits, on the request's first chunk only
     kv_blocks: NonNegInt = 0  # KV blocks the request holds after this step's allocation
-    preemptions: NonNegInt = 0  # preemptions so far: 0 = first pass, >0 = recompute after preemption
+    preemptions: NonNegInt = 0  # preemptions so far: 0 = first pass, >0 = a pass after preemption
     wait_s: NonNegFloat | None = None  # first chunk only: monotonic wait queued -> first scheduled
 
 

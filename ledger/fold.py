@@ -57,9 +57,9 @@ AGGREGATES: dict[str, Agg] = {
     # Token ledger.
     "prompt_tokens": Agg("max", "int", "prompt length"),
     "max_tokens": Agg("max", "int", "output cap the client asked for"),
-    "cached_tokens": Agg("sum", "int", "prefix-cache hits on the first pass"),
-    "prefill_computed_tokens": Agg("sum", "int", "prefill tokens computed on the first pass"),
-    "recomputed_tokens": Agg("sum", "int", "prefill tokens computed again after preemptions"),
+    "cached_tokens": Agg("sum", "int", "prefix-cache hits when first scheduled"),
+    "prefill_computed_tokens": Agg("sum", "int", "prompt tokens computed for the first time"),
+    "recomputed_tokens": Agg("sum", "int", "tokens computed again after preemptions"),
     "output_tokens": Agg("max", "int", "output tokens produced"),
     "chunks": Agg("sum", "int", "prefill chunks (all passes)"),
     "preemptions": Agg("sum", "int", "times preempted"),
@@ -147,11 +147,9 @@ def _chunk(row: Row, e: Any, source: ev.Source) -> None:
     _engine(row, source)
     _min(row, "first_scheduled_ts", e.ts)
     _add(row, "chunks", 1)
-    if e.preemptions == 0:
-        _add(row, "cached_tokens", e.cached_tokens)
-        _add(row, "prefill_computed_tokens", e.tokens)
-    else:
-        _add(row, "recomputed_tokens", e.tokens)
+    _add(row, "cached_tokens", e.cached_tokens)
+    _add(row, "prefill_computed_tokens", e.tokens - e.recomputed_tokens)
+    _add(row, "recomputed_tokens", e.recomputed_tokens)
     _max(row, "kv_blocks_max", e.kv_blocks)
     _add(row, "backend_wait_measured_s", e.wait_s)
 

@@ -1,0 +1,112 @@
+"""Folding is a function of the set of events: order, batching and sources do not matter."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_hooks import events as ev
+from ledger.fold import AGGREGATES, fold, fold_into, merge
+from tests.ledger.factories import ENGINE, GATEWAY, lifecycle
+
+T0 = 1_700_000_000.0
+
+
+@st.composite
+def request_events(draw):
+    """A plausible event set for one request: optional gateway, chunks, preemptions, token groups."""
+    rid = "r"
+    prompt = draw(st.integers(1, 5000))
+    cached = draw(st.integers(0, prompt - 1))
+    out: list[tuple[ev.Source, object]] = []
+    t = T0
+    if draw(st.booleans()):
+        out += [
+            (GATEWAY, ev.Arrived(seq=0, ts=t, request_id=rid)),
+            (GATEWAY, ev.AdmissionEnqueued(seq=0, ts=t + 0.001, request_id=rid, entry_s=0.001)),
+            (GATEWAY, ev.Admitted(seq=0, ts=t + draw(st.floats(0.002, 3)), request_id=rid, wait_s=0.5)),
+        ]
+    out.append((ENGINE, ev.Queued(seq=0, ts=t + 3, request_id=rid, prompt_tokens=prompt)))
+    budget = draw(st.integers(16, 2048))
+    done, step, preemptions, high = cached, 0, 0, cached
+    while done < prompt:
+        n = min(budget, prompt - done)
+        first = done == cached and preemptions == 0
+        new = max(0, done + n - max(done, high))
+        out.append((ENGINE, ev.Chunk(seq=0, ts=t + 4 + step, request_id=rid, step=step, tokens=n,
+                                     computed_before=done, cached_tokens=cached if first else 0,
+                                     recomputed_tokens=n - new, preemptions=preemptions,
+                                     wait_s=0.25 if first else None)))
+        done += n
+        high = max(high, done)
+        step += 1
+        if done < prompt and draw(st.integers(0, 9)) == 0:
+            out.append((ENGINE, ev.Preempted(seq=0, ts=t + 4 + step, request_id=rid)))
+            out.append((ENGINE, ev.Resumed(seq=0, ts=t + 4.5 + step, request_id=rid, wait_s=0.5)))
+            preemptions += 1
+            done = 0
+    total = 0
+    for g in range(draw(st.integers(0, 6))):
+        c = draw(st.integers(1, 50))
+        total += c
+        out.append((ENGINE, ev.Tokens(seq=0, ts=t + 100 + g, request_id=rid, count=c, total=total)))
+    if draw(st.booleans()):
+        out.append((ENGINE, ev.Finished(seq=0, ts=t + 200, request_id=rid, reason="stop", output_tokens=total)))
+    return out
+
+
+def _close(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k] == (pytest.approx(b[k]) if isinstance(b[k], float) else b[k]), k
+
+
+@settings(max_examples=200, deadline=None)
+@given(request_events(), st.randoms(use_true_random=False))
+def test_fold_is_independent_of_event_order_and_batching(pairs, rnd):
+    expected = fold(pairs)["r"]
+    shuffled = list(pairs)
+    rnd.shuffle(shuffled)
+    # Fold random slices separately, then merge the partial rows in a random order.
+    cuts = sorted(rnd.sample(range(len(shuffled) + 1), k=min(3, len(shuffled) + 1)))
+    parts = [shuffled[a:b] for a, b in zip([0, *cuts], [*cuts, len(shuffled)], strict=True)]
+    partials = []
+    for part in parts:
+        rows: dict = {}
+        for src, e in part:
+            fold_into(rows, src, [e])
+        if rows:
+            partials.append(rows["r"])
+    rnd.shuffle(partials)
+    merged: dict = {}
+    for p in partials:
+        merged = merge(merged, p)
+    _close(merged, expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(request_events())
+def test_first_pass_token_ledger_adds_up_to_the_prompt(pairs):
+    row = fold(pairs)["r"]
+    queued = next(e for _, e in pairs if isinstance(e, ev.Queued))
+    assert row.get("cached_tokens", 0) + row["prefill_computed_tokens"] == queued.prompt_tokens
+    assert row.get("preemptions", 0) == row.get("resumes", 0)
+    assert row["chunks"] == sum(isinstance(e, ev.Chunk) for _, e in pairs)
+
+
+def test_every_aggregate_column_is_reachable_from_some_event():
+    gw, en = lifecycle("r")
+    extra = [
+        (GATEWAY, ev.ClientDisconnected(seq=0, ts=T0 + 9, request_id="r")),
+        (GATEWAY, ev.StreamCut(seq=0, ts=T0 + 9, request_id="r", rule="loop")),
+    ]
+    row = fold([(GATEWAY, e) for e in gw] + [(ENGINE, e) for e in en] + extra)["r"]
+    missing = set(AGGREGATES) - set(row)
+    assert missing == set()
+
+
+def test_step_and_dropped_events_do_not_create_request_rows():
+    rows = fold([(ENGINE, ev.Step(seq=1, ts=T0, step=0, duration_s=0.01, request_ids=["a"])),
+                 (ENGINE, ev.Dropped(seq=2, ts=T0, count=3, reason="queue_full"))])
+    assert rows == {}
