@@ -37,3 +37,10 @@ def current_revision(engine: sa.Engine) -> str | None:
 
 def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config("duckdb://")).get_current_head()
+
+
+def downgrade(engine: sa.Engine, revision: str) -> None:
+    cfg = alembic_config(engine.url.render_as_string(hide_password=False))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)

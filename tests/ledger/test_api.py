@@ -1,0 +1,170 @@
+"""The HTTP API through the real app (both backends): ingest, errors, auth, reads, health."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+from fastapi.testclient import TestClient
+
+from engine_hooks import events as ev
+from ledger.app import create_app
+from ledger.config import Settings
+from tests.ledger.factories import ENGINE, GATEWAY, body, lifecycle, numbered
+
+TOKENS = {"ingest_token": "ing", "read_token": "rd", "admin_token": "adm"}
+ING = {"Authorization": "Bearer ing"}
+RD = {"Authorization": "Bearer rd"}
+
+
+@pytest.fixture
+def client(db_url: str) -> Iterator[TestClient]:
+    app = create_app(Settings(db_url=db_url, max_body_bytes=64 * 1024, max_events_per_batch=1000, **TOKENS))
+    with TestClient(app) as c:
+        yield c
+
+
+def _post(client: TestClient, data: bytes, headers=ING):
+    return client.post("/v1/events", content=data, headers={**headers, "content-type": "application/json"})
+
+
+def test_ingest_answers_accepted_duplicates_and_an_empty_command_list(client):
+    gw, en = lifecycle("r1")
+    r = _post(client, body(ENGINE, numbered(en)))
+    assert r.status_code == 200
+    assert r.json() == {"accepted": len(en), "duplicates": 0, "commands": []}
+    assert _post(client, body(ENGINE, numbered(en))).json() == {"accepted": 0, "duplicates": len(en), "commands": []}
+    assert _post(client, body(GATEWAY, numbered(gw))).json()["accepted"] == len(gw)
+
+
+def test_ingest_response_decodes_with_the_shared_contract(client):
+    _, en = lifecycle("r1")
+    r = _post(client, body(ENGINE, numbered(en)))
+    assert ev.response_decoder.decode(r.content).accepted == len(en)
+
+
+def test_wrong_field_type_is_a_422_naming_event_index_and_field_and_nothing_is_stored(client):
+    evs = numbered([ev.Queued(seq=0, ts=5.0, request_id=f"r{i}", prompt_tokens=3) for i in range(4)])
+    raw = msgspec.json.decode(body(ENGINE, evs))
+    raw["events"][2]["prompt_tokens"] = "many"
+    r = _post(client, msgspec.json.encode(raw))
+    assert r.status_code == 422
+    assert r.json()["errors"] == [{"index": 2, "field": "prompt_tokens", "reason": "Expected `int`, got `str`"}]
+    assert client.get("/v1/requests/r0", headers=RD).status_code == 404  # all-or-nothing
+
+
+@pytest.mark.parametrize(
+    ("mutate", "index", "field", "reason_part"),
+    [
+        (lambda e: e[1].pop("request_id"), 1, "request_id", "missing required field"),
+        (lambda e: e[0].update(kind="teleported"), 0, "kind", "Invalid value 'teleported'"),
+        (lambda e: e[1].update(ts=-3), 1, "ts", "Expected `float` >"),
+        (lambda e: e[1].update(seq=e[0]["seq"]), 1, "seq", "must increase within a batch"),
+        (lambda e: e[0].update(request_id=""), 0, "request_id", "length >= 1"),
+        (lambda e: e.append({"kind": "arrived", "seq": 99, "ts": 5.0, "request_id": "x"}), 3, "kind",
+         "engine source cannot send 'arrived'"),
+    ],
+)
+def test_each_kind_of_bad_event_is_named_in_the_422(client, mutate, index, field, reason_part):
+    evs = numbered([ev.Queued(seq=0, ts=5.0, request_id=f"r{i}", prompt_tokens=3) for i in range(3)])
+    raw = msgspec.json.decode(body(ENGINE, evs))
+    mutate(raw["events"])
+    r = _post(client, msgspec.json.encode(raw))
+    assert r.status_code == 422, r.text
+    (err,) = r.json()["errors"]
+    assert (err["index"], err["field"]) == (index, field)
+    assert reason_part in err["reason"]
+
+
+def test_batch_level_errors_name_the_field(client):
+    r = _post(client, b'{"source": {"id": "e", "kind": "toaster"}, "events": []}')
+    assert r.status_code == 422
+    assert r.json()["errors"][0]["field"] == "source.kind"
+    r = _post(client, b"{not json")
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "body"
+    evs = numbered([ev.Queued(seq=0, ts=5.0, request_id=f"r{i}", prompt_tokens=3) for i in range(1001)])
+    r = _post(client, body(ENGINE, evs))
+    assert r.status_code in (413, 422)
+
+
+def test_body_over_the_limit_is_a_413(client):
+    evs = numbered([ev.Queued(seq=0, ts=5.0, request_id="r" * 200, prompt_tokens=3) for _ in range(400)])
+    data = body(ENGINE, evs)
+    assert len(data) > 64 * 1024
+    r = _post(client, data)
+    assert r.status_code == 413
+    assert "64" in r.json()["detail"] or "65536" in r.json()["detail"]
+
+
+def test_tokens_missing_wrong_and_of_another_role(client):
+    data = body(ENGINE, numbered(lifecycle("r1")[1]))
+    assert _post(client, data, headers={}).status_code == 401
+    assert _post(client, data, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert _post(client, data, headers=RD).status_code == 403
+    assert _post(client, data, headers={"Authorization": "Bearer adm"}).status_code == 200
+    assert client.get("/v1/requests/r1", headers=ING).status_code == 403
+    assert client.get("/v1/requests/r1").status_code == 401
+    assert client.get("/v1/requests/r1", headers=RD).status_code == 200
+
+
+def test_request_endpoint_returns_the_row_and_the_timeline(client):
+    gw, en = lifecycle("r1")
+    _post(client, body(GATEWAY, numbered(gw)))
+    _post(client, body(ENGINE, numbered(en)))
+    r = client.get("/v1/requests/r1", headers=RD)
+    assert r.status_code == 200
+    doc = r.json()
+    assert doc["request"]["request_id"] == "r1" and doc["request"]["preemptions"] == 1
+    assert [e["kind"] for e in doc["events"]][0] == "arrived"
+    assert len(doc["events"]) == len(gw) + len(en)
+    assert client.get("/v1/requests/nope", headers=RD).status_code == 404
+
+
+def test_sources_endpoint_reports_high_water_marks(client):
+    _post(client, body(ENGINE, numbered(lifecycle("r1")[1], start=10)))
+    (src,) = client.get("/v1/sources", headers=RD).json()["sources"]
+    assert src["source_id"] == "engine-0" and src["last_seq"] == 10 + len(lifecycle("r1")[1]) - 1
+
+
+def test_health_and_readiness(client):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    r = client.get("/readyz")
+    assert r.status_code == 200 and r.json()["schema"] == "0001"
+
+
+def test_storage_failure_is_a_retryable_503_and_keeps_what_was_accepted(client, monkeypatch):
+    ok = numbered([ev.Queued(seq=0, ts=5.0, request_id="kept", prompt_tokens=3)])
+    assert _post(client, body(ENGINE, ok)).status_code == 200
+    store = client.app.state.store
+
+    def broken(batches):
+        raise OSError("database unreachable")
+
+    monkeypatch.setattr(store, "write", broken)
+    later = numbered([ev.Queued(seq=0, ts=6.0, request_id="later", prompt_tokens=3)], start=2)
+    r = _post(client, body(ENGINE, later))
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    monkeypatch.undo()
+    assert client.get("/v1/requests/kept", headers=RD).status_code == 200
+    assert _post(client, body(ENGINE, later)).json()["accepted"] == 1
+
+
+def test_unknown_fields_from_a_newer_source_are_ignored(client):
+    raw = msgspec.json.decode(body(ENGINE, numbered([ev.Queued(seq=0, ts=5.0, request_id="a", prompt_tokens=3)])))
+    raw["events"][0]["brand_new_field"] = {"x": 1}
+    assert _post(client, msgspec.json.encode(raw)).status_code == 200
+
+
+def test_newer_schema_version_is_refused(client):
+    raw = msgspec.json.decode(body(ENGINE, []))
+    raw["schema_version"] = ev.SCHEMA_VERSION + 1
+    r = _post(client, msgspec.json.encode(raw))
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "schema_version"
+
+
+def test_open_ledger_on_loopback_needs_no_token(db_url):
+    with TestClient(create_app(Settings(db_url=db_url))) as c:
+        data = body(ENGINE, numbered([ev.Queued(seq=0, ts=5.0, request_id="a", prompt_tokens=3)]))
+        assert c.post("/v1/events", content=data).status_code == 200
+        assert c.get("/v1/requests/a").status_code == 200

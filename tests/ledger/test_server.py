@@ -1,0 +1,74 @@
+"""The real service in a subprocess: durability across kill -9, the CLI's safety checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import duckdb
+import httpx
+
+from engine_hooks import events as ev
+from tests.ledger.factories import ENGINE, body, numbered
+
+
+def test_kill_9_right_after_a_200_loses_none_of_that_batch(ledger_server):
+    total = 0
+    with httpx.Client(base_url=ledger_server.url) as http:
+        for b in range(5):
+            evs = numbered(
+                [ev.Tokens(seq=0, ts=10.0 + i, request_id=f"r{i % 50}", count=1, total=i + 1) for i in range(2000)],
+                start=1 + b * 2000,
+            )
+            r = http.post("/v1/events", content=body(ENGINE, evs))
+            assert r.status_code == 200 and r.json()["accepted"] == 2000
+            total += 2000
+    ledger_server.stop(kill=True)  # SIGKILL immediately after the last acknowledgement
+    path = ledger_server.db_url.removeprefix("duckdb:///")
+    with duckdb.connect(path) as con:
+        assert con.execute("SELECT count(*), count(DISTINCT seq), max(seq) FROM events").fetchone() == (
+            total,
+            total,
+            total,
+        )
+        assert con.execute("SELECT last_seq FROM sources").fetchone() == (total,)
+    ledger_server.start()  # and it comes back with the same high-water mark: a replay is a duplicate
+    r = httpx.post(f"{ledger_server.url}/v1/events", content=body(ENGINE, evs))
+    assert r.json()["duplicates"] == 2000
+
+
+def test_serve_refuses_a_public_bind_without_tokens(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "ledger.cli", "serve", "--db", f"duckdb:///{tmp_path}/x.duckdb", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 2
+    assert "CHUNKLEDGER_INGEST_TOKEN" in proc.stderr and "0.0.0.0" in proc.stderr
+
+
+def test_migrate_command_creates_the_schema_and_prints_the_revision(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "ledger.cli", "migrate", "--db", f"duckdb:///{tmp_path}/m.duckdb"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["revision"] == "0001"
+    with duckdb.connect(str(tmp_path / "m.duckdb")) as con:
+        tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    assert {"sources", "events", "steps", "requests", "alembic_version"} <= tables
+
+
+def test_bad_database_url_is_a_clear_configuration_error(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "ledger.cli", "migrate", "--db", "mysql://nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "db_url" in proc.stderr
