@@ -210,13 +210,46 @@ _FOLDERS: dict[str, Callable[[Row, Any, ev.Source], None]] = {
 }
 
 
+_BY_TYPE: dict[type, Callable[[Row, Any, ev.Source], None]] = {
+    ev.EVENT_TYPES[kind]: folder for kind, folder in _FOLDERS.items()
+}
+
+
 def fold_into(rows: dict[str, Row], source: ev.Source, events: Iterable[Any]) -> None:
     """Fold request events of one source into ``rows`` (request_id -> partial row), in place.
 
-    Events without a request id (``step``, ``dropped``) are skipped.
+    Events without a request id (``step``, ``dropped``) are skipped. ``tokens`` events, the bulk of
+    any stream, take an inlined path with the same effect as ``_tokens``.
     """
+    tokens_cls = ev.Tokens
     for e in events:
-        folder = _FOLDERS.get(e.__struct_config__.tag)
+        cls = type(e)
+        if cls is tokens_cls:
+            row = rows.get(e.request_id)
+            if row is None:
+                row = rows[e.request_id] = {}
+            _engine(row, source)
+            ts = e.ts
+            first = e.first_ts if e.first_ts is not None else ts
+            cur = row.get("first_token_ts")
+            if cur is None or first < cur:
+                row["first_token_ts"] = first
+            cur = row.get("last_token_ts")
+            if cur is None or ts > cur:
+                row["last_token_ts"] = ts
+            cur = row.get("last_event_ts")
+            if cur is None or ts > cur:
+                row["last_event_ts"] = ts
+            cur = row.get("output_tokens")
+            if cur is None or e.total > cur:
+                row["output_tokens"] = e.total
+            cur = row.get("kv_blocks_max")
+            if cur is None or e.kv_blocks > cur:
+                row["kv_blocks_max"] = e.kv_blocks
+            row["token_events"] = row.get("token_events", 0) + 1
+            row["events"] = row.get("events", 0) + 1
+            continue
+        folder = _BY_TYPE.get(cls)
         if folder is None:
             continue
         row = rows.get(e.request_id)

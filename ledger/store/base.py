@@ -28,6 +28,7 @@ from ledger.fold import AGGREGATES, SUM_COLUMNS, Row, fold_into
 
 EVENT_COLUMNS = [c.name for c in schema.events.columns]
 STEP_COLUMNS = [c.name for c in schema.steps.columns]
+STEP_FIELDS = [c for c in STEP_COLUMNS if c != "source_id"]  # copied from the Step event as is
 REQUEST_COLUMNS = [c.name for c in schema.requests.columns]
 
 
@@ -180,45 +181,35 @@ class Store:
     def _prepare(
         self, source: ev.Source, accepted: list[Any], prepared: Prepared, now: float, state: _SourceState
     ) -> None:
-        ecols = prepared.events
+        ecols, s = prepared.events, prepared.steps
+        e_sid, e_seq, e_ts, e_kind, e_rid, e_data, e_ing = (ecols[c] for c in EVENT_COLUMNS)
+        step_cls, tokens_cls, dropped_cls = ev.Step, ev.Tokens, ev.Dropped
+        strip_ids = not self.persist_token_ids
         request_events = []
         sid = source.id
         for e in accepted:
-            kind = e.__struct_config__.tag
-            if kind == "step":
-                data = None
-                s = prepared.steps
+            cls = type(e)
+            if cls is step_cls:
+                data = rid = None
+                for col in STEP_FIELDS:
+                    s[col].append(getattr(e, col))
                 s["source_id"].append(sid)
-                s["seq"].append(e.seq)
-                s["step"].append(e.step)
-                s["ts"].append(e.ts)
-                s["duration_s"].append(e.duration_s)
-                s["prefill_tokens"].append(e.prefill_tokens)
-                s["decode_tokens"].append(e.decode_tokens)
-                s["num_prefill_reqs"].append(e.num_prefill_reqs)
-                s["num_decode_reqs"].append(e.num_decode_reqs)
-                s["running"].append(e.running)
-                s["waiting"].append(e.waiting)
-                s["kv_usage"].append(e.kv_usage)
-                s["request_ids"].append(e.request_ids)
-                rid = None
-            elif kind == "dropped":
-                data = _encode(e).decode()
+            elif cls is dropped_cls:
+                data, rid = _encode(e).decode(), None
                 state.dropped += e.count
-                rid = None
             else:
-                if kind == "tokens" and e.token_ids is not None and not self.persist_token_ids:
+                if cls is tokens_cls and strip_ids and e.token_ids is not None:
                     e = msgspec.structs.replace(e, token_ids=None)
                 data = _encode(e).decode()
                 rid = e.request_id
                 request_events.append(e)
-            ecols["source_id"].append(sid)
-            ecols["seq"].append(e.seq)
-            ecols["ts"].append(e.ts)
-            ecols["kind"].append(kind)
-            ecols["request_id"].append(rid)
-            ecols["data"].append(data)
-            ecols["ingested_ts"].append(now)
+            e_sid.append(sid)
+            e_seq.append(e.seq)
+            e_ts.append(e.ts)
+            e_kind.append(cls.__struct_config__.tag)
+            e_rid.append(rid)
+            e_data.append(data)
+            e_ing.append(now)
         fold_into(prepared.requests, source, request_events)
 
     # -- reads ---------------------------------------------------------------------------------
