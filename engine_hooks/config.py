@@ -1,0 +1,160 @@
+"""Exporter settings: a validated msgspec Struct, built from keyword arguments or from the environment.
+
+No pydantic here: this module is imported inside inference engines, so it depends on msgspec only.
+Every setting has an environment variable ``CHUNKLEDGER_<NAME>`` (upper case), e.g. ``CHUNKLEDGER_URL``.
+Explicit keyword arguments win over the environment. Invalid values raise :class:`ConfigError` whose
+message names the variable and what it expects.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+ENV_PREFIX = "CHUNKLEDGER_"
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SOURCE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class ConfigError(ValueError):
+    """An exporter setting is missing or invalid; the message says which and why."""
+
+
+class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Settings of one :class:`engine_hooks.exporter.Exporter` (one event source)."""
+
+    url: str  # ledger base URL, e.g. "http://127.0.0.1:8900"; events go to {url}/v1/events
+    source_id: str  # stable id of this engine or gateway instance; (source_id, seq) identifies an event
+    source_kind: Literal["engine", "gateway"] = "engine"
+    model: str | None = None  # served model name (engines)
+    ingest_token: str | None = None  # sent as "Authorization: Bearer <token>"; None or "": no header
+
+    queue_size: PositiveInt = 65536  # events held in memory before emit() starts dropping
+    batch_size: PositiveInt = 512  # events per POST; a full batch wakes the worker early
+    flush_interval_s: PositiveFloat = 0.05  # worker timer: how often a partial batch is sent
+    timeout_s: PositiveFloat = 5.0  # whole-request timeout of one POST
+    connect_timeout_s: PositiveFloat = 1.0  # TCP connect timeout of one POST
+    max_attempts: PositiveInt = 3  # tries of a fresh batch before it goes to the spool
+    backoff_initial_s: PositiveFloat = 0.05  # first retry delay; doubles per failure (with jitter)
+    backoff_max_s: PositiveFloat = 2.0  # cap of the retry delay and of the probe interval while down
+
+    spool_dir: str | None = ".chunkledger/spool"  # parent folder; each source spools to spool_dir/source_id
+    spool_max_bytes: NonNegInt = 256 << 20  # disk cap of the spool; 0 disables spooling
+    spool_segment_bytes: PositiveInt = 8 << 20  # the spool rolls to a new file past this size
+    spool_fsync: bool = True  # fsync each spooled batch (survives a machine crash, not only a process crash)
+
+    seq_start: NonNegInt | None = None  # first seq; None: microseconds since the epoch at start, so a
+    # restarted source never reuses the identities of its previous run
+    shutdown_timeout_s: PositiveFloat = 5.0  # how long the atexit hook lets shutdown() drain
+
+    def __post_init__(self) -> None:
+        if not re.match(r"^https?://[^/\s]+", self.url):
+            raise ValueError(f"url must start with http:// or https:// and name a host, got {self.url!r}")
+        if not _SOURCE_ID_RE.match(self.source_id):
+            raise ValueError(
+                "source_id must be 1-128 characters of letters, digits and ._:@- (starting with a letter or "
+                f"digit), got {self.source_id!r}"
+            )
+        if self.batch_size > self.queue_size:
+            raise ValueError(f"batch_size ({self.batch_size}) must not exceed queue_size ({self.queue_size})")
+        if self.backoff_initial_s > self.backoff_max_s:
+            raise ValueError(
+                f"backoff_initial_s ({self.backoff_initial_s}) must not exceed "
+                f"backoff_max_s ({self.backoff_max_s})"
+            )
+        if self.spool_max_bytes and self.spool_segment_bytes > self.spool_max_bytes:
+            raise ValueError(
+                f"spool_segment_bytes ({self.spool_segment_bytes}) must not exceed spool_max_bytes "
+                f"({self.spool_max_bytes})"
+            )
+
+    @property
+    def events_url(self) -> str:
+        return self.url.rstrip("/") + "/v1/events"
+
+    @property
+    def spool_enabled(self) -> bool:
+        return self.spool_dir is not None and self.spool_max_bytes > 0
+
+    @classmethod
+    def create(cls, **settings: Any) -> ExporterConfig:
+        """Build from keyword arguments, raising :class:`ConfigError` with a readable message."""
+        return _convert(settings, names={k: k for k in settings})
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ExporterConfig:
+        """Build from ``CHUNKLEDGER_*`` variables; keyword ``overrides`` win over the environment."""
+        env = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        names: dict[str, str] = {}
+        for field in msgspec.structs.fields(cls):
+            var = ENV_PREFIX + field.name.upper()
+            if var in env:
+                raw[field.name] = _parse_env_value(field.name, var, env[var])
+                names[field.name] = var
+        for key, value in overrides.items():
+            raw[key] = value
+            names[key] = key
+        for required in ("url", "source_id"):
+            if raw.get(required) in (None, ""):
+                raise ConfigError(
+                    f"{ENV_PREFIX}{required.upper()} is not set (or pass {required}=... to the exporter)"
+                )
+        return _convert(raw, names)
+
+
+def _parse_env_value(name: str, var: str, value: str) -> Any:
+    """Environment strings to Python values; numbers are left to msgspec's lax conversion."""
+    if name in ("spool_max_bytes", "spool_segment_bytes"):
+        return parse_size(value, var)
+    if name in ("spool_dir", "model", "ingest_token", "seq_start"):
+        return value if value.strip() else None
+    if name == "spool_fsync":
+        lowered = value.strip().lower()
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+        raise ConfigError(f"{var} must be a boolean (1/0, true/false, yes/no, on/off), got {value!r}")
+    return value
+
+
+def parse_size(value: str | int, what: str = "size") -> int:
+    """``"256MiB"``, ``"64k"``, ``"1G"`` or ``"1048576"`` to bytes (binary units)."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE_RE.match(value)
+    if not match:
+        raise ConfigError(f"{what} must be a byte size like 1048576, 64KiB, 256MiB or 1G, got {value!r}")
+    number, unit = match.groups()
+    return int(number) * _SIZE_UNITS[(unit or "")[:1].lower()]
+
+
+def _convert(raw: dict[str, Any], names: Mapping[str, str]) -> ExporterConfig:
+    unknown = sorted(set(raw) - {f.name for f in msgspec.structs.fields(ExporterConfig)})
+    if unknown:
+        raise ConfigError(f"unknown exporter setting(s): {', '.join(unknown)}")
+    try:
+        return msgspec.convert(raw, ExporterConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = re.search(r"at `\$\.(\w+)`", message)
+        if match:
+            field = match.group(1)
+            shown = names.get(field, field)
+            raise ConfigError(f"{shown}: {message.split(' - at ')[0]} (got {raw.get(field)!r})") from None
+        for field, shown in names.items():  # cross-field checks name fields: show the variable instead
+            message = re.sub(rf"\b{field}\b", shown, message)
+        raise ConfigError(f"invalid exporter settings: {message}") from None
