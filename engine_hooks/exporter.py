@@ -311,8 +311,13 @@ class Exporter:
                     admit(one, values, 1)
 
             def emit_many(rows: Sequence[Sequence[Any]]) -> None:
-                now = clock()
-                admit(many, [(now, *row) for row in rows], len(rows))
+                try:
+                    now = clock()
+                    admit(many, [(now, *row) for row in rows], len(rows))
+                except Exception:
+                    exporter._log(
+                        logging.ERROR, "many", "chunkledger exporter: bad rows for %s", kind, exc_info=True
+                    )
 
         else:
 
@@ -323,7 +328,12 @@ class Exporter:
                     admit(one, values, 1)
 
             def emit_many(rows: Sequence[Sequence[Any]]) -> None:
-                admit(many, rows, len(rows))
+                try:
+                    admit(many, rows, len(rows))
+                except Exception:
+                    exporter._log(
+                        logging.ERROR, "many", "chunkledger exporter: bad rows for %s", kind, exc_info=True
+                    )
 
         fn = cast(Any, emit)
         fn.many, fn.kind, fn.fields = emit_many, kind, fields
@@ -631,9 +641,13 @@ class Exporter:
         try:
             _event_validator.decode(batch_encoder.encode(event))
             return True
-        except msgspec.ValidationError as exc:
+        except (msgspec.ValidationError, TypeError, ValueError, OverflowError) as exc:
             self._log(
-                logging.ERROR, "invalid", "chunkledger exporter: invalid %s event: %s", type(event), exc
+                logging.ERROR,
+                "invalid",
+                "chunkledger exporter: invalid %s event: %s",
+                type(event).__name__,
+                exc,
             )
             return False
 
@@ -641,7 +655,10 @@ class Exporter:
         out = []
         for start in range(0, len(events), self._batch_size):
             chunk = events[start : start + self._batch_size]
-            body = batch_encoder.encode(Batch(source=self._source, events=chunk))
+            try:
+                body = batch_encoder.encode(Batch(source=self._source, events=chunk))
+            except (TypeError, ValueError, OverflowError):  # a value msgspec cannot encode
+                return None
             try:
                 _batch_validator.decode(body)
             except msgspec.ValidationError:
@@ -741,7 +758,7 @@ class Exporter:
                 status,
                 response.text[:200],
             )
-            return _retry_after(response)
+            return _retry_after(response) or 0.0
         self._log(
             logging.ERROR,
             f"rejected:{status}",

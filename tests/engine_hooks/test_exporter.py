@@ -1,0 +1,396 @@
+"""Exporter behaviour against the in-thread fake ledger: delivery, order, retries, spool, drops, commands."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from conftest import wait_until
+from fake_ledger import FakeLedger
+from prometheus_client import CollectorRegistry
+
+from engine_hooks.events import Command, Dropped, Finished, Queued, Step, Tokens
+
+TOKENS = ("ts", "request_id", "count", "total")
+
+
+def _seqs(ledger: FakeLedger, source: str = "engine-0") -> list[int]:
+    return [seq for sid, seq, _ in ledger.rows if sid == source]
+
+
+def _markers(ledger: FakeLedger) -> list[Dropped]:
+    return [e for e in ledger.store.events if isinstance(e, Dropped)]
+
+
+def _data_events(ledger: FakeLedger) -> list[Tokens]:
+    return [e for e in ledger.store.events if isinstance(e, Tokens)]
+
+
+def test_events_arrive_once_in_emit_order_with_contiguous_seqs(make_exporter, fake_ledger):
+    exporter = make_exporter(batch_size=64)
+    tokens = exporter.emitter(Tokens, *TOKENS)
+    for i in range(1000):
+        tokens(1.7e9 + i, f"r{i}", 1, i + 1)
+    assert exporter.force_flush(5)
+    seqs = _seqs(fake_ledger)
+    assert len(seqs) == 1000
+    assert seqs == list(range(seqs[0], seqs[0] + 1000))
+    assert [e.total for e in _data_events(fake_ledger)] == list(range(1, 1001))
+    assert exporter.stats().sent == 1000
+
+
+def test_single_many_and_keyword_emits_keep_their_relative_order(make_exporter, fake_ledger):
+    exporter = make_exporter()
+    tokens = exporter.emitter(Tokens, *TOKENS)
+    step = exporter.emitter(Step, "ts", "step", "duration_s", "request_ids")
+    exporter.emit(Queued, ts=1.7e9, request_id="a", prompt_tokens=10)
+    tokens.many([(1.7e9, "a", 1, 1), (1.7e9, "b", 1, 1)])
+    step(1.7e9, 0, 0.01, ["a", "b"])
+    tokens(1.7e9, "a", 1, 2)
+    exporter.emit(Finished, request_id="a", reason="stop", output_tokens=2)
+    assert exporter.force_flush(5)
+    kinds = [kind for _, _, kind in fake_ledger.rows]
+    assert kinds == ["queued", "tokens", "tokens", "step", "tokens", "finished"]
+    seqs = _seqs(fake_ledger)
+    assert seqs == sorted(seqs) and len(set(seqs)) == 6
+
+
+def test_emitter_without_ts_stamps_the_wall_clock(make_exporter, fake_ledger):
+    exporter = make_exporter()
+    tokens = exporter.emitter(Tokens, "request_id", "count", "total")
+    before = time.time()
+    tokens("r", 1, 1)
+    tokens.many([("r", 1, 2), ("r", 1, 3)])
+    assert exporter.force_flush(5)
+    stamps = [e.ts for e in _data_events(fake_ledger)]
+    assert len(stamps) == 3 and all(before <= ts <= time.time() for ts in stamps)
+
+
+def test_emitter_rejects_unknown_missing_or_reserved_fields_at_setup(make_exporter):
+    exporter = make_exporter()
+    with pytest.raises(ValueError, match="unknown"):
+        exporter.emitter(Tokens, "ts", "request_id", "count", "total", "colour")
+    with pytest.raises(ValueError, match="required"):
+        exporter.emitter(Tokens, "ts", "request_id", "count")
+    with pytest.raises(ValueError, match="reserved"):
+        exporter.emitter(Tokens, "seq", "ts", "request_id", "count", "total")
+    with pytest.raises(ValueError, match="not an event type"):
+        exporter.emitter(int, "ts")
+
+
+def test_bearer_token_is_sent_only_when_configured(make_exporter, fake_ledger, tmp_path):
+    with_token = make_exporter(ingest_token="s3cret", source_id="with-token")
+    with_token.emit(Queued, request_id="a", prompt_tokens=1)
+    assert with_token.force_flush(5)
+    without = make_exporter(source_id="no-token")
+    without.emit(Queued, request_id="a", prompt_tokens=1)
+    assert without.force_flush(5)
+    assert fake_ledger.auth_headers == ["Bearer s3cret", None]
+
+
+def test_server_error_is_retried_and_delivered_without_spooling(make_exporter, fake_ledger):
+    exporter = make_exporter(max_attempts=3)
+    fake_ledger.fail_next = [503]
+    exporter.emit(Queued, request_id="a", prompt_tokens=1)
+    assert exporter.force_flush(5)
+    stats = exporter.stats()
+    assert stats.retried == 1 and stats.send_failures == 1 and stats.spooled == 0
+    assert len(_seqs(fake_ledger)) == 1
+
+
+def test_ledger_down_spools_then_replays_in_order_when_it_is_back(make_exporter, fake_ledger, spool_dir):
+    exporter = make_exporter(batch_size=50)
+    tokens = exporter.emitter(Tokens, *TOKENS)
+    for i in range(100):
+        tokens(1.7e9, "r", 1, i + 1)
+    assert exporter.force_flush(5)
+    fake_ledger.stop()
+    for i in range(100, 400):
+        tokens(1.7e9, "r", 1, i + 1)
+    assert not exporter.force_flush(0.5)
+    assert exporter.stats().spooled == 300
+    assert any(p.suffix == ".seg" for p in (spool_dir / "engine-0").iterdir())
+    fake_ledger.start()
+    for i in range(400, 500):
+        tokens(1.7e9, "r", 1, i + 1)
+    assert exporter.force_flush(5)
+    assert [e.total for e in _data_events(fake_ledger)] == list(range(1, 501))
+    seqs = _seqs(fake_ledger)
+    assert seqs == list(range(seqs[0], seqs[0] + 500))
+    stats = exporter.stats()
+    # events emitted while older ones still waited in the spool went behind them, through the spool
+    assert stats.spooled >= 300 and stats.replayed == stats.spooled
+    assert stats.spool_pending == 0 and stats.spool_bytes == 0
+
+
+def test_ledger_error_status_spools_like_an_outage(make_exporter, fake_ledger):
+    exporter = make_exporter()
+    fake_ledger.status = 500
+    exporter.emit(Queued, request_id="a", prompt_tokens=1)
+    assert not exporter.force_flush(0.3)
+    assert exporter.stats().spooled == 1
+    fake_ledger.status = None
+    assert exporter.force_flush(5)
+    assert len(_seqs(fake_ledger)) == 1
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_auth_and_not_found_errors_keep_the_batch_instead_of_dropping_it(make_exporter, fake_ledger, status):
+    exporter = make_exporter()
+    fake_ledger.status = status
+    exporter.emit(Queued, request_id="a", prompt_tokens=1)
+    assert not exporter.force_flush(0.3)
+    assert exporter.stats().dropped == {}
+    fake_ledger.status = None
+    assert exporter.force_flush(5)
+    assert len(_seqs(fake_ledger)) == 1
+
+
+def test_rejected_batch_is_dropped_counted_and_marked(make_exporter, fake_ledger):
+    exporter = make_exporter()
+    fake_ledger.fail_next = [400]
+    tokens = exporter.emitter(Tokens, *TOKENS)
+    tokens.many([(1.7e9, "r", 1, i + 1) for i in range(10)])
+    assert exporter.force_flush(5)
+    assert exporter.stats().dropped == {"rejected": 10}
+    markers = _markers(fake_ledger)
+    assert [(m.reason, m.count) for m in markers] == [("rejected", 10)]
+    assert exporter.stats().spooled == 0
+
+
+def test_invalid_event_is_dropped_marked_and_leaves_no_seq_hole(make_exporter, fake_ledger):
+    exporter = make_exporter()
+    tokens = exporter.emitter(Tokens, *TOKENS)
+    tokens(1.7e9, "r", 1, 1)
+    tokens(1.7e9, "r", -5, 1)  # violates count >= 0
+    tokens(1.7e9, "r", 1)  # wrong number of values
+    exporter.emit(Queued, request_id="r", prompt_tokens=1, colour="red")  # unknown field
+    tokens(1.7e9, "r", 1, 2)
+    assert exporter.force_flush(5)
+    assert [e.total for e in _data_events(fake_ledger)] == [1, 2]
+    assert exporter.stats().dropped == {"invalid": 3}
+    assert sum(m.count for m in _markers(fake_ledger) if m.reason == "invalid") == 3
+    seqs = _seqs(fake_ledger)
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+
+
+def test_queue_full_without_spool_counts_drops_and_delivers_the_marker(make_exporter, fake_ledger):
+    exporter = make_exporter(spool_max_bytes=0, queue_size=100, batch_size=20)
+    tokens = exporter.emitter(Tokens, *TOKENS)
+    fake_ledger.stop()
+    for i in range(500):
+        tokens(1.7e9, "r", 1, i + 1)
+    assert wait_until(lambda: exporter.stats().dropped.get("queue_full", 0) > 0)
+    fake_ledger.start()
+    assert exporter.force_flush(5)
+    dropped = exporter.stats().dropped["queue_full"]
+    delivered = len(_data_events(fake_ledger))
+    assert delivered + dropped == 500
+    markers = _markers(fake_ledger)
+    assert {m.reason for m in markers} == {"queue_full"}
+    assert sum(m.count for m in markers) == dropped
+    assert all(m.first_ts is not None for m in markers)
+
+
+def test_spool_full_and_queue_full_drops_are_counted_and_marked(make_exporter, fake_ledger):
+    exporter = make_exporter(spool_max_bytes=4096, spool_segment_bytes=4096, queue_size=100, batch_size=20)
+    tokens = exporter.emitter(Tokens, *TOKENS)
+    fake_ledger.stop()
+    emitted = 0
+    while exporter.stats().dropped.get("spool_full", 0) == 0 and emitted < 20_000:
+        for _ in range(10):
+            emitted += 1
+            tokens(1.7e9, "r", 1, emitted)
+        time.sleep(0.005)
+    stats = exporter.stats()
+    assert stats.dropped.get("spool_full", 0) > 0
+    assert 0 < stats.spool_bytes <= 4096
+    fake_ledger.start()
+    assert exporter.force_flush(10)
+    dropped = exporter.stats().dropped
+    delivered = [e.total for e in _data_events(fake_ledger)]
+    assert len(delivered) + sum(dropped.values()) == emitted
+    assert delivered == sorted(delivered)
+    markers = _markers(fake_ledger)
+    assert {m.reason: 0 for m in markers}.keys() == dropped.keys()
+    for reason, count in dropped.items():
+        assert sum(m.count for m in markers if m.reason == reason) == count
+
+
+def test_torn_spool_record_is_skipped_counted_and_the_rest_replayed(make_exporter, fake_ledger, spool_dir):
+    fake_ledger.stop()
+    first = make_exporter(batch_size=100)
+    tokens = first.emitter(Tokens, *TOKENS)
+    for i in range(300):
+        tokens(1.7e9, "r", 1, i + 1)
+    assert first.shutdown(5)
+    assert first.stats().spooled == 300
+    segment = max((spool_dir / "engine-0").glob("*.seg"))
+    os.truncate(segment, segment.stat().st_size - 7)  # cut the last record short
+
+    fake_ledger.start()
+    second = make_exporter(batch_size=100)
+    assert second.force_flush(5)
+    stats = second.stats()
+    assert stats.spool_torn_records == 1
+    delivered = [e.total for e in _data_events(fake_ledger)]
+    assert delivered == list(range(1, len(delivered) + 1))  # a prefix, in order, nothing corrupt
+    lost = 300 - len(delivered)
+    assert lost > 0
+    assert stats.dropped == {"spool_torn": lost}
+    assert [(m.reason, m.count) for m in _markers(fake_ledger)] == [("spool_torn", lost)]
+
+
+def test_restarted_source_replays_its_spool_and_numbers_above_its_previous_run(make_exporter, fake_ledger):
+    fake_ledger.stop()
+    first = make_exporter()
+    first.emit(Queued, request_id="a", prompt_tokens=1)
+    assert first.shutdown(5)
+    fake_ledger.start()
+    second = make_exporter()
+    second.emit(Queued, request_id="b", prompt_tokens=1)
+    assert second.force_flush(5)
+    assert [(e.request_id) for e in fake_ledger.store.events] == ["a", "b"]
+    seqs = _seqs(fake_ledger)
+    assert seqs[1] > seqs[0]
+
+
+def test_commands_reach_the_callback_once_each(make_exporter, fake_ledger):
+    received: list[Command] = []
+    exporter = make_exporter(on_command=received.append)
+    fake_ledger.commands = [Command(id="c1", request_id="r", action="abort", rule="loop")]
+    for i in range(3):
+        exporter.emit(Queued, request_id=f"r{i}", prompt_tokens=1)
+        assert exporter.force_flush(5)
+    assert [c.id for c in received] == ["c1"]
+    assert exporter.stats().commands == 1
+
+
+def test_failing_command_callback_is_contained_and_retried_on_the_next_answer(make_exporter, fake_ledger):
+    calls: list[str] = []
+
+    def callback(command: Command) -> None:
+        calls.append(command.id)
+        if len(calls) == 1:
+            raise RuntimeError("host bug")
+
+    exporter = make_exporter(on_command=callback)
+    fake_ledger.commands = [Command(id="c1", request_id="r", action="abort", rule="loop")]
+    exporter.emit(Queued, request_id="a", prompt_tokens=1)
+    assert exporter.force_flush(5)
+    exporter.emit(Queued, request_id="b", prompt_tokens=1)
+    assert exporter.force_flush(5)
+    assert calls == ["c1", "c1"]
+    assert len(_seqs(fake_ledger)) == 2
+
+
+def test_shutdown_drains_everything_queued(make_exporter, fake_ledger):
+    exporter = make_exporter(flush_interval_s=10.0)  # the timer never fires: only shutdown sends
+    tokens = exporter.emitter(Tokens, *TOKENS)
+    for i in range(300):
+        tokens(1.7e9, "r", 1, i + 1)
+    assert exporter.shutdown(5)
+    assert len(_data_events(fake_ledger)) == 300
+
+
+def test_shutdown_twice_is_harmless_and_later_emits_are_counted_not_raised(make_exporter, fake_ledger):
+    exporter = make_exporter()
+    tokens = exporter.emitter(Tokens, *TOKENS)
+    tokens(1.7e9, "r", 1, 1)
+    assert exporter.shutdown(5) is True
+    assert exporter.shutdown(5) is True
+    tokens(1.7e9, "r", 1, 2)
+    tokens.many([(1.7e9, "r", 1, 3)])
+    exporter.emit(Queued, request_id="a", prompt_tokens=1)
+    assert exporter.stats().dropped == {"shutdown": 3}
+    assert exporter.force_flush(0.1) is False or exporter.stats().queued == 0
+    assert len(_data_events(fake_ledger)) == 1
+
+
+def test_shutdown_with_the_ledger_down_spools_instead_of_losing(make_exporter, fake_ledger):
+    fake_ledger.stop()
+    exporter = make_exporter()
+    exporter.emit(Queued, request_id="a", prompt_tokens=1)
+    started = time.monotonic()
+    assert exporter.shutdown(5)
+    assert time.monotonic() - started < 2
+    assert exporter.stats().spooled == 1 and exporter.stats().dropped == {}
+
+
+def test_exporter_errors_never_reach_the_caller(make_exporter, fake_ledger):
+    exporter = make_exporter(on_command=lambda c: 1 / 0)
+    fake_ledger.commands = [Command(id="c1", request_id="r", action="abort", rule="loop")]
+    tokens = exporter.emitter(Tokens, *TOKENS)
+    tokens.many(None)  # type: ignore[arg-type]
+    tokens.many([None])  # type: ignore[list-item]
+    tokens(object(), "r", 1, 1)
+    exporter.emit(Tokens, request_id=None)
+    exporter.emit(object)  # type: ignore[arg-type]
+    tokens(1.7e9, "r", 1, 1)
+    assert exporter.force_flush(5)
+    assert [e.total for e in _data_events(fake_ledger)] == [1]
+
+
+def test_force_flush_reports_false_while_the_ledger_is_down(make_exporter, fake_ledger):
+    exporter = make_exporter()
+    fake_ledger.stop()
+    exporter.emit(Queued, request_id="a", prompt_tokens=1)
+    started = time.monotonic()
+    assert exporter.force_flush(0.3) is False
+    assert 0.25 < time.monotonic() - started < 2
+
+
+def test_batch_size_bounds_each_post(make_exporter, fake_ledger):
+    exporter = make_exporter(batch_size=10)
+    exporter.emitter(Tokens, *TOKENS).many([(1.7e9, "r", 1, i + 1) for i in range(95)])
+    assert exporter.force_flush(5)
+    assert fake_ledger.store.posts == 10
+
+
+def test_self_metrics_are_exposed_in_a_prometheus_registry(make_exporter, fake_ledger):
+    registry = CollectorRegistry()
+    exporter = make_exporter(registry=registry)
+    exporter.emitter(Tokens, *TOKENS).many([(1.7e9, "r", 1, i + 1) for i in range(7)])
+    assert exporter.force_flush(5)
+    labels = {"source": "engine-0"}
+    assert registry.get_sample_value("chunkledger_exporter_events_sent_total", labels) == 7
+    assert registry.get_sample_value("chunkledger_exporter_send_attempts_total", labels) >= 1
+    assert registry.get_sample_value("chunkledger_exporter_queue_events", labels) == 0
+    assert (
+        registry.get_sample_value(
+            "chunkledger_exporter_events_dropped_total", {**labels, "reason": "spool_full"}
+        )
+        == 0
+    )
+    assert registry.get_sample_value("chunkledger_exporter_last_success_timestamp_seconds", labels) > 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_is_a_new_source_and_does_not_resend_the_parents_events(make_exporter, fake_ledger):
+    exporter = make_exporter(flush_interval_s=10.0)
+    exporter.emit(Queued, request_id="parent-queued", prompt_tokens=1)
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            exporter.emit(Queued, request_id="child", prompt_tokens=1)
+            code = 0 if exporter.shutdown(5) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert exporter.shutdown(5)
+    by_source = {
+        (sid, e.request_id) for (sid, _, _), e in zip(fake_ledger.rows, fake_ledger.store.events, strict=True)
+    }
+    assert by_source == {("engine-0", "parent-queued"), (f"engine-0-{pid}", "child")}
+
+
+def test_spool_folder_of_a_live_source_cannot_be_opened_twice(make_exporter, spool_dir: Path):
+    from engine_hooks.spool import SpoolError
+
+    make_exporter()
+    with pytest.raises(SpoolError, match="in use"):
+        make_exporter()
