@@ -62,7 +62,9 @@ class _ExporterCollector:
             for snap in snapshots:
                 gauge.add_metric([snap.source_id], getattr(snap, attr) or 0)
             yield gauge
-        dropped = CounterMetricFamily(prefix + "events_dropped", "Events dropped, by reason", labels=["source", "reason"])
+        dropped = CounterMetricFamily(
+            prefix + "events_dropped", "Events dropped, by reason", labels=["source", "reason"]
+        )
         for snap in snapshots:
             for reason in sorted(set(DROP_REASONS) | set(snap.dropped)):
                 dropped.add_metric([snap.source_id, reason], snap.dropped.get(reason, 0))
