@@ -1,0 +1,228 @@
+"""The fleet simulator: determinism, the event mix it produces, commands, and its one-line JSON summary."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import replace
+
+import msgspec
+import typer
+from conftest import wait_until
+from fake_ledger import FakeLedger
+from typer.testing import CliRunner
+
+from engine_hooks.events import Chunk, Command, Finished, Preempted, Queued, Step, Tokens
+from engine_hooks.simulator import SCENARIOS, Fleet, run_simulation, simulate
+
+FAST = {"spool_fsync": False, "flush_interval_s": 0.01}
+
+
+def _events_by_source(ledger: FakeLedger, prefix: str) -> dict[str, list[tuple[str, object]]]:
+    out: dict[str, list[tuple[str, object]]] = {}
+    for (sid, _, kind), event in zip(ledger.rows, ledger.store.events, strict=True):
+        if sid.startswith(prefix):
+            absolute = {"seq", "ts", "first_ts", "arrival_ts"}  # the rest is decided by the seed alone
+            fields = {k: v for k, v in msgspec.structs.asdict(event).items() if k not in absolute}
+            out.setdefault(sid.removeprefix(prefix), []).append((kind, sorted(fields.items())))
+    return out
+
+
+def test_same_seed_emits_the_same_events(fake_ledger, tmp_path):
+    runs = []
+    for prefix in ("a", "b"):
+        run_simulation(
+            engines=2,
+            rps=30,
+            duration_s=1.0,
+            ledger_url=fake_ledger.url,
+            seed=7,
+            spool_dir=str(tmp_path),
+            source_prefix=prefix,
+            pace=False,
+            overrides=FAST,
+        )
+        runs.append(_events_by_source(fake_ledger, prefix))
+    assert runs[0] == runs[1]
+    assert sum(len(v) for v in runs[0].values()) > 100
+
+
+def test_different_seeds_emit_different_events(fake_ledger, tmp_path):
+    runs = []
+    for prefix, seed in (("a", 1), ("b", 2)):
+        run_simulation(
+            engines=1,
+            rps=30,
+            duration_s=1.0,
+            ledger_url=fake_ledger.url,
+            seed=seed,
+            spool_dir=str(tmp_path),
+            source_prefix=prefix,
+            pace=False,
+            overrides=FAST,
+        )
+        runs.append(_events_by_source(fake_ledger, prefix))
+    assert runs[0] != runs[1]
+
+
+def test_summary_counts_match_what_the_ledger_stored(fake_ledger, tmp_path):
+    summary = run_simulation(
+        engines=3,
+        rps=50,
+        duration_s=1.0,
+        ledger_url=fake_ledger.url,
+        seed=3,
+        spool_dir=str(tmp_path),
+        pace=False,
+        overrides=FAST,
+    )
+    stored = Counter(sid for sid, _, _ in fake_ledger.rows)
+    assert set(summary["emitted"]) == {"sim-engine-0", "sim-engine-1", "sim-engine-2", "sim-gateway-0"}
+    assert summary["emitted"] == dict(stored)
+    last = {sid: max(seq for s, seq, _ in fake_ledger.rows if s == sid) for sid in stored}
+    assert summary["last_seq"] == last
+    assert summary["exporter"]["sent"] == sum(stored.values())
+    assert summary["exporter"]["dropped"] == {}
+
+
+def test_long_prompts_are_chunked_under_the_token_budget(fake_ledger, tmp_path):
+    run_simulation(
+        engines=1,
+        rps=20,
+        duration_s=3.0,
+        ledger_url=fake_ledger.url,
+        scenario="long-prompts",
+        seed=5,
+        spool_dir=str(tmp_path),
+        pace=False,
+        overrides=FAST,
+    )
+    events = fake_ledger.store.events
+    budget = SCENARIOS["long-prompts"].max_num_batched_tokens
+    chunks = [e for e in events if isinstance(e, Chunk)]
+    assert max(c.computed_before for c in chunks) >= budget  # some prompt needed several chunks
+    assert all(c.tokens <= budget for c in chunks)
+    for s in (e for e in events if isinstance(e, Step)):
+        assert s.prefill_tokens + s.decode_tokens <= budget
+        assert len(s.request_ids) == s.num_prefill_reqs + s.num_decode_reqs
+    assert any(isinstance(e, Queued) and e.prompt_tokens == 20_000 for e in events)
+
+
+def test_kv_pressure_causes_preemptions_and_recompute_chunks(fake_ledger, tmp_path):
+    run_simulation(
+        engines=1,
+        rps=40,
+        duration_s=6.0,
+        ledger_url=fake_ledger.url,
+        scenario="kv-pressure",
+        seed=2,
+        spool_dir=str(tmp_path),
+        pace=False,
+        overrides=FAST,
+    )
+    kinds = Counter(kind for _, _, kind in fake_ledger.rows)
+    assert kinds["preempted"] > 0 and kinds["resumed"] > 0
+    assert any(isinstance(e, Chunk) and e.preemptions > 0 for e in fake_ledger.store.events)
+    assert all(e.kv_blocks_freed > 0 for e in fake_ledger.store.events if isinstance(e, Preempted))
+
+
+def test_runaways_loop_without_a_token_cap(fake_ledger, tmp_path):
+    run_simulation(
+        engines=1,
+        rps=20,
+        duration_s=2.0,
+        ledger_url=fake_ledger.url,
+        scenario="runaway",
+        seed=4,
+        spool_dir=str(tmp_path),
+        pace=False,
+        overrides=FAST,
+    )
+    uncapped = {
+        e.request_id for e in fake_ledger.store.events if isinstance(e, Queued) and e.max_tokens is None
+    }
+    assert uncapped
+    looping = [e for e in fake_ledger.store.events if isinstance(e, Tokens) and e.request_id in uncapped]
+    ids = [t for e in looping for t in (e.token_ids or [])]
+    assert len(ids) > 30 and set(ids) == {101, 2023, 318}
+
+
+def test_abort_command_cuts_the_request_off_and_both_sources_confirm(tmp_path):
+    ledger = FakeLedger()
+    try:
+        received: list[Command] = []
+
+        def make_exporter(sid, kind, on_command):
+            from engine_hooks.config import ExporterConfig
+            from engine_hooks.exporter import Exporter
+
+            def hook(command: Command) -> None:
+                received.append(command)
+                if on_command is not None:
+                    on_command(command)
+
+            config = ExporterConfig.create(
+                url=ledger.url, source_id=sid, source_kind=kind, spool_dir=str(tmp_path), **FAST
+            )
+            return Exporter(config, on_command=hook if kind == "engine" else None)
+
+        scenario = replace(SCENARIOS["steady"], output_median=2000, max_tokens=4000, disconnect_p=0.0)
+        fleet = Fleet(engines=1, rps=5, scenario=scenario, seed=1, make_exporter=make_exporter)
+        ledger.commands = [Command(id="cmd-1", request_id="req-00000001", action="abort", rule="loop")]
+        fleet.run(3.0, pace=True)
+        assert received, "the engine never got the command"
+        for exporter in fleet.exporters.values():
+            exporter.shutdown(5)
+        assert wait_until(lambda: any(kind == "stream_cut" for _, _, kind in ledger.rows), 2)
+        events = ledger.store.events
+        finished = [e for e in events if isinstance(e, Finished) and e.request_id == "req-00000001"]
+        assert [(f.reason, f.stop_reason) for f in finished] == [("cutoff", "chunkledger:loop")]
+        kinds = {kind for _, _, kind in ledger.rows}
+        assert {"cutoff_applied", "stream_cut"} <= kinds
+    finally:
+        ledger.stop()
+
+
+def test_cli_prints_one_json_line_with_emitted_last_seq_and_counters(fake_ledger, tmp_path):
+    app = typer.Typer()
+    app.command()(simulate)
+    result = CliRunner().invoke(
+        app,
+        [
+            "--engines",
+            "2",
+            "--rps",
+            "20",
+            "--duration",
+            "0.5",
+            "--ledger",
+            fake_ledger.url,
+            "--seed",
+            "9",
+            "--spool-dir",
+            str(tmp_path),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1
+    summary = json.loads(lines[0])
+    assert (
+        set(summary["emitted"])
+        == set(summary["last_seq"])
+        == {"sim-engine-0", "sim-engine-1", "sim-gateway-0"}
+    )
+    assert {"sent", "retried", "spooled", "dropped"} <= set(summary["exporter"])
+    assert summary["exporter"]["sent"] == sum(summary["emitted"].values())
+
+
+def test_cli_refuses_an_unknown_scenario_and_a_missing_ledger(tmp_path, monkeypatch):
+    monkeypatch.delenv("CHUNKLEDGER_URL", raising=False)
+    app = typer.Typer()
+    app.command()(simulate)
+    result = CliRunner().invoke(app, ["--duration", "0.1"])
+    assert result.exit_code == 2 and "--ledger" in result.output
+    result = CliRunner().invoke(
+        app, ["--ledger", "http://127.0.0.1:9", "--scenario", "nope", "--spool-dir", str(tmp_path)]
+    )
+    assert result.exit_code == 2 and "unknown scenario" in result.output
