@@ -1,0 +1,157 @@
+"""Engine-thread cost of the exporter, next to the raw cost of appending to a deque (same run).
+
+A simulated decode step with 256 running requests records one ``tokens`` event per request and one
+``step`` event. Measured per step, best of several rounds (minimum = least disturbed by the machine):
+
+* raw:        ``deque.append((rid, ts, 1, total))`` x 256 -- the floor any in-process hook pays;
+* many:       the hook builds 256 rows and hands them over with ``tokens.many(rows)``, plus ``step(...)``;
+* single:     ``tokens(ts, rid, 1, total)`` x 256 plus ``step(...)``: one call per event;
+* keyword:    ``exporter.emit(Tokens, ts=..., request_id=..., ...)`` x 256: the convenience path;
+* worker:     what the worker thread later spends per event (numbering, building the Struct,
+              encoding, validating) -- off the engine thread, but it shares the GIL.
+
+The worker is kept out of the engine-thread figures (the queue is emptied between steps, as the raw
+deque is), so they measure only what the engine thread pays. Run: ``python bench/exporter.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+
+from engine_hooks.config import ExporterConfig
+from engine_hooks.events import Step, Tokens
+from engine_hooks.exporter import Exporter
+
+RUNNING = 256
+DECODE_STEP_S = 0.010
+
+
+def _best_us_per_step(fn: Callable[[], None], steps: int, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter_ns()
+        for _ in range(steps):
+            fn()
+        best = min(best, (time.perf_counter_ns() - started) / steps / 1000)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=2000, help="steps per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+
+    config = ExporterConfig.create(
+        url="http://127.0.0.1:9",  # never reached: the worker does not run during the engine-side rounds
+        source_id="bench",
+        spool_max_bytes=0,
+        queue_size=10_000_000,
+        batch_size=10_000_000,
+        flush_interval_s=3600.0,
+        spool_dir=tempfile.mkdtemp(prefix="chunkledger-bench-"),
+    )
+    exporter = Exporter(config)
+    tokens = exporter.emitter(Tokens, "ts", "request_id", "count", "total")
+    step = exporter.emitter(Step, "ts", "step", "duration_s", "running")
+    rids = [f"req-{i:05d}" for i in range(RUNNING)]
+    raw: deque[tuple[str, float, int, int]] = deque()
+
+    def reset() -> None:
+        exporter._queue.clear()
+        exporter._extra = 0
+
+    def raw_step() -> None:
+        ts = time.time()
+        append = raw.append
+        for rid in rids:
+            append((rid, ts, 1, 7))
+        raw.clear()
+
+    def many_step() -> None:
+        ts = time.time()
+        tokens.many([(ts, rid, 1, 7) for rid in rids])
+        step(ts, 0, 0.01, RUNNING)
+        reset()
+
+    def single_step() -> None:
+        ts = time.time()
+        for rid in rids:
+            tokens(ts, rid, 1, 7)
+        step(ts, 0, 0.01, RUNNING)
+        reset()
+
+    def keyword_step() -> None:
+        ts = time.time()
+        emit = exporter.emit
+        for rid in rids:
+            emit(Tokens, ts=ts, request_id=rid, count=1, total=7)
+        reset()
+
+    results = {}
+    for name, fn in (
+        ("raw", raw_step),
+        ("many", many_step),
+        ("single", single_step),
+        ("keyword", keyword_step),
+    ):
+        results[name] = _best_us_per_step(fn, args.steps, args.rounds)
+
+    # Worker cost per event: take, number, build, encode and validate 50 steps' worth of events.
+    worker_ns = float("inf")
+    for _ in range(args.rounds):
+        ts = time.time()
+        for _ in range(50):
+            tokens.many([(ts, rid, 1, 7) for rid in rids])
+        started = time.perf_counter_ns()
+        prepared = exporter._prepare(exporter._take(50 * RUNNING))
+        worker_ns = min(worker_ns, (time.perf_counter_ns() - started) / (50 * RUNNING))
+        assert sum(p.events for p in prepared) == 50 * RUNNING
+        reset()
+    exporter.shutdown(1.0)
+
+    raw_us = results["raw"]
+    print(
+        f"engine-thread cost per step, {RUNNING} running requests "
+        f"(best of {args.rounds} x {args.steps} steps)"
+    )
+    print(f"  {'raw deque append x256':34s} {raw_us:7.2f} us/step  {raw_us * 1000 / RUNNING:6.1f} ns/event")
+    labels = {
+        "many": "tokens.many(256 rows) + step()",
+        "single": "tokens(...) x256 + step()",
+        "keyword": "emit(Tokens, **fields) x256",
+    }
+    for name, label in labels.items():
+        us = results[name]
+        events = RUNNING + (1 if name != "keyword" else 0)
+        print(
+            f"  {label:34s} {us:7.2f} us/step  {us * 1000 / events:6.1f} ns/event  "
+            f"{us / raw_us:4.2f}x raw  {us / (DECODE_STEP_S * 1e6) * 100:5.2f}% of a 10 ms step"
+        )
+    print(f"  {'worker thread (off the engine)':34s} {worker_ns:7.0f} ns/event")
+    print(
+        json.dumps(
+            {
+                "running": RUNNING,
+                "raw_us_per_step": round(raw_us, 2),
+                "many_us_per_step": round(results["many"], 2),
+                "single_us_per_step": round(results["single"], 2),
+                "keyword_us_per_step": round(results["keyword"], 2),
+                "single_ns_per_event": round(results["single"] * 1000 / (RUNNING + 1), 1),
+                "many_ratio_to_raw": round(results["many"] / raw_us, 2),
+                "single_ratio_to_raw": round(results["single"] / raw_us, 2),
+                "worker_ns_per_event": round(worker_ns, 1),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
