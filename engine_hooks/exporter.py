@@ -235,6 +235,7 @@ class Exporter:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stop_deadline = 0.0
+        self._send_deadline = 0.0
         self._progress = threading.Condition()
         self._in_cycle = False
         self._shutdown_started = False
@@ -452,7 +453,9 @@ class Exporter:
             self._closed = True
             self._limit = 0
         if first:
-            self._stop_deadline = time.monotonic() + max(0.0, timeout)
+            now = time.monotonic()
+            self._stop_deadline = now + max(0.0, timeout)
+            self._send_deadline = now + 0.8 * max(0.0, timeout)  # then spool the rest, in time
             self._stop.set()
             self._wake.set()
         if threading.current_thread() is not self._thread:
@@ -534,7 +537,7 @@ class Exporter:
 
     def _final_cycle(self) -> None:
         """Shutdown: drain everything before the deadline, without retry sleeps; spool what is left."""
-        deadline = self._stop_deadline
+        deadline = self._send_deadline
         with self._lock:
             if self._drops_pending:
                 self._queue.append((_MARKER, self._take_drops_locked()))
@@ -673,7 +676,8 @@ class Exporter:
 
     def _dispatch(self, prepared: Prepared, final: bool) -> None:
         """Send a fresh batch (with retries) unless older ones wait; what is not delivered is kept."""
-        if self._backlog() or time.monotonic() < self._down_until:
+        now = time.monotonic()
+        if self._backlog() or now < self._down_until or (final and now >= self._send_deadline):
             self._keep(prepared)
             return
         attempts = 1 if final else self.config.max_attempts

@@ -127,9 +127,13 @@ class Spool:
 
     def __bool__(self) -> bool:
         """Whether anything is left to replay (from positions, not from the counters)."""
-        if not self._segments:
-            return False
-        return len(self._segments) > 1 or self._read_off < self._sizes[self._segments[0]]
+        try:  # may be asked from another thread (force_flush) while the worker changes the segments
+            segments = self._segments
+            if not segments:
+                return False
+            return len(segments) > 1 or self._read_off < self._sizes[segments[0]]
+        except (IndexError, KeyError):
+            return True
 
     def take_torn(self) -> tuple[int, int]:
         """(records, events) found torn since the previous call, for the exporter's drop marker."""

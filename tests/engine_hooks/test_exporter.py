@@ -394,3 +394,14 @@ def test_spool_folder_of_a_live_source_cannot_be_opened_twice(make_exporter, spo
     make_exporter()
     with pytest.raises(SpoolError, match="in use"):
         make_exporter()
+
+
+def test_shutdown_against_a_slow_ledger_spools_the_rest_within_its_timeout(make_exporter, fake_ledger):
+    exporter = make_exporter(batch_size=10, flush_interval_s=10.0)
+    fake_ledger.delay_s = 0.3
+    exporter.emitter(Tokens, *TOKENS).many([(1.7e9, "r", 1, i + 1) for i in range(100)])
+    started = time.monotonic()
+    assert exporter.shutdown(1.0)
+    assert time.monotonic() - started < 1.5
+    stats = exporter.stats()
+    assert stats.sent + stats.spooled == 100 and stats.spooled > 0 and stats.dropped == {}
