@@ -6,7 +6,6 @@ tests/conftest.py) instead.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,15 +25,6 @@ FAST = {
     "timeout_s": 2.0,
     "connect_timeout_s": 0.5,
 }
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()
 
 
 @pytest.fixture

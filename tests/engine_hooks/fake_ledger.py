@@ -14,6 +14,8 @@ import contextlib
 import socket
 import sqlite3
 import threading
+import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -22,6 +24,16 @@ import msgspec
 from engine_hooks.events import Command, IngestResponse, batch_decoder
 
 _response_encoder = msgspec.json.Encoder()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
 
 
 class Store:

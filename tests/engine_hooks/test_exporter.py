@@ -7,8 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
-from fake_ledger import FakeLedger
+from fake_ledger import FakeLedger, wait_until
 from prometheus_client import CollectorRegistry
 
 from engine_hooks.events import Command, Dropped, Finished, Queued, Step, Tokens

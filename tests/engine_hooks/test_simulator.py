@@ -8,8 +8,7 @@ from dataclasses import replace
 
 import msgspec
 import typer
-from conftest import wait_until
-from fake_ledger import FakeLedger
+from fake_ledger import FakeLedger, wait_until
 from typer.testing import CliRunner
 
 from engine_hooks.events import Chunk, Command, Finished, Preempted, Queued, Step, Tokens
