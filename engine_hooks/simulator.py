@@ -461,6 +461,8 @@ class Fleet:
     ):
         self.rps = rps
         self.sc = scenario
+        self.seed = seed
+        self.source_prefix = source_prefix  # also in request ids: runs with distinct prefixes never mix
         self.rng = random.Random(seed)
         self.requests: dict[str, SimRequest] = {}
         self.start_wall = time.time()
@@ -515,7 +517,7 @@ class Fleet:
         cached = cached if rng.random() < sc.prefix_hit_p else 0
         disconnect = rng.randint(1, output) if rng.random() < sc.disconnect_p else None
         req = SimRequest(
-            id=f"req-{self.request_count:08d}",
+            id=f"{self.source_prefix}-{self.seed}-req-{self.request_count:07d}",
             prompt_tokens=prompt,
             max_tokens=max_tokens,
             target_output=output,
@@ -676,7 +678,12 @@ def simulate(
         typer.Option(help="ingest token (env CHUNKLEDGER_INGEST_TOKEN)", envvar="CHUNKLEDGER_INGEST_TOKEN"),
     ] = None,
     source_prefix: Annotated[
-        str, typer.Option(help="source ids are <prefix>-engine-<i>, <prefix>-gateway-0")
+        str,
+        typer.Option(
+            help="source ids <prefix>-engine-<i> and <prefix>-gateway-0, request ids "
+            "<prefix>-<seed>-req-<n>; use a new prefix (or seed) per run on the same ledger so that the "
+            "requests of two runs do not merge"
+        ),
     ] = "sim",
 ) -> None:
     """Emit realistic event streams for N engines and a gateway through the real exporter.

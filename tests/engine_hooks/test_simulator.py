@@ -23,6 +23,10 @@ def _events_by_source(ledger: FakeLedger, prefix: str) -> dict[str, list[tuple[s
         if sid.startswith(prefix):
             absolute = {"seq", "ts", "first_ts", "arrival_ts"}  # the rest is decided by the seed alone
             fields = {k: v for k, v in msgspec.structs.asdict(event).items() if k not in absolute}
+            if "request_id" in fields:
+                fields["request_id"] = fields["request_id"].removeprefix(prefix)
+            if "request_ids" in fields:
+                fields["request_ids"] = [r.removeprefix(prefix) for r in fields["request_ids"]]
             out.setdefault(sid.removeprefix(prefix), []).append((kind, sorted(fields.items())))
     return out
 
@@ -167,14 +171,14 @@ def test_abort_command_cuts_the_request_off_and_both_sources_confirm(tmp_path):
 
         scenario = replace(SCENARIOS["steady"], output_median=2000, max_tokens=4000, disconnect_p=0.0)
         fleet = Fleet(engines=1, rps=5, scenario=scenario, seed=1, make_exporter=make_exporter)
-        ledger.commands = [Command(id="cmd-1", request_id="req-00000001", action="abort", rule="loop")]
+        ledger.commands = [Command(id="cmd-1", request_id="sim-1-req-0000001", action="abort", rule="loop")]
         fleet.run(3.0, pace=True)
         assert received, "the engine never got the command"
         for exporter in fleet.exporters.values():
             exporter.shutdown(5)
         assert wait_until(lambda: any(kind == "stream_cut" for _, _, kind in ledger.rows), 2)
         events = ledger.store.events
-        finished = [e for e in events if isinstance(e, Finished) and e.request_id == "req-00000001"]
+        finished = [e for e in events if isinstance(e, Finished) and e.request_id == "sim-1-req-0000001"]
         assert [(f.reason, f.stop_reason) for f in finished] == [("cutoff", "chunkledger:loop")]
         kinds = {kind for _, _, kind in ledger.rows}
         assert {"cutoff_applied", "stream_cut"} <= kinds
