@@ -120,6 +120,7 @@ class SimRequest:
     preemptions: int = 0
     chunks: int = 0
     waiting_since: float = 0.0
+    lost_tokens: int = 0  # computed tokens thrown away by preemptions (recomputed on resume)
     first_token_t: float | None = None
     pending_ids: list[int] = field(default_factory=list)
     pending_first_t: float | None = None
@@ -169,6 +170,7 @@ class SimEngine:
             "kv_blocks",
             "preemptions",
             "wait_s",
+            "recomputed_tokens",
         )
         self.e_tokens = exporter.emitter(
             Tokens, "ts", "request_id", "count", "total", "first_ts", "kv_blocks", "token_ids"
@@ -215,6 +217,7 @@ class SimEngine:
         self.e_preempted(self.fleet.ts(t), victim.id, victim.blocks, victim.computed)
         self.emitted += 1
         victim.blocks = 0
+        victim.lost_tokens = max(victim.lost_tokens, victim.computed)
         victim.computed = 0  # recomputed on resume (no prefix cache for its own output here)
         victim.preemptions += 1
         victim.waiting_since = t
@@ -336,6 +339,7 @@ class SimEngine:
                         req.blocks,
                         req.preemptions,
                         wait_s,
+                        max(0, min(n, req.lost_tokens - req.computed)),
                     )
                 )
                 req.chunks += 1

@@ -125,7 +125,13 @@ def test_kv_pressure_causes_preemptions_and_recompute_chunks(fake_ledger, tmp_pa
     )
     kinds = Counter(kind for _, _, kind in fake_ledger.rows)
     assert kinds["preempted"] > 0 and kinds["resumed"] > 0
-    assert any(isinstance(e, Chunk) and e.preemptions > 0 for e in fake_ledger.store.events)
+    recompute = [e for e in fake_ledger.store.events if isinstance(e, Chunk) and e.preemptions > 0]
+    assert recompute and sum(c.recomputed_tokens for c in recompute) > 0
+    assert all(
+        c.recomputed_tokens == 0
+        for c in fake_ledger.store.events
+        if isinstance(c, Chunk) and not c.preemptions
+    )
     assert all(e.kv_blocks_freed > 0 for e in fake_ledger.store.events if isinstance(e, Preempted))
 
 
