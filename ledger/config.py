@@ -29,7 +29,7 @@ class Settings(BaseSettings):
     @field_validator("db_url")
     @classmethod
     def _known_backend(cls, v: str) -> str:
-        if not (v.startswith("duckdb://") or v.startswith("postgresql")):
+        if not v.startswith(("duckdb://", "postgresql", "null://")):
             raise ValueError("db_url must start with duckdb:// or postgresql (e.g. postgresql+psycopg://...)")
         return v
 

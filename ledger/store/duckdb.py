@@ -43,6 +43,10 @@ REQUESTS_SCHEMA = pa.schema([("request_id", pa.string())] + [(c, _ARROW[a.type])
 assert EVENTS_SCHEMA.names == EVENT_COLUMNS and STEPS_SCHEMA.names == STEP_COLUMNS
 
 _MERGE = merge_sql("requests", "_req_stage")
+_SOURCES_STAGE = pa.schema(
+    [("source_id", pa.string()), ("last_seq", pa.int64()), ("accepted", pa.int64()),
+     ("dropped", pa.int64()), ("model", pa.string())]
+)
 
 
 class _Tx:
@@ -105,16 +109,32 @@ class DuckDBStore(Store):
             duck.unregister("_req_stage")
 
     def _save_sources(self, conn: Any, states: list[_SourceState], now: float) -> None:
+        # One statement per kind of change: DuckDB's per-statement cost is ~1 ms, and a group holds
+        # batches of many sources.
+        changed = [st for st in states if st.exists and (st.accepted or st.dropped)]
+        if changed:
+            stage = pa.table(
+                {
+                    "source_id": [st.source.id for st in changed],
+                    "last_seq": [max(st.last_seq, st.new_last_seq) for st in changed],
+                    "accepted": [st.accepted for st in changed],
+                    "dropped": [st.dropped for st in changed],
+                    "model": [st.source.model for st in changed],
+                },
+                schema=_SOURCES_STAGE,
+            )
+            self._duck.register("_src_stage", stage)
+            conn.execute(
+                "UPDATE sources SET last_seq = s.last_seq, events_total = events_total + s.accepted, "
+                "dropped_total = dropped_total + s.dropped, last_seen_ts = ?, "
+                "model = coalesce(s.model, sources.model) FROM _src_stage s "
+                "WHERE sources.source_id = s.source_id",
+                (now,),
+            )
+            self._duck.unregister("_src_stage")
         for st in states:
-            last = max(st.last_seq, st.new_last_seq)
-            if st.exists:
-                conn.execute(
-                    "UPDATE sources SET last_seq = ?, events_total = events_total + ?, "
-                    "dropped_total = dropped_total + ?, last_seen_ts = ?, kind = ?, "
-                    "model = coalesce(?, model) WHERE source_id = ?",
-                    (last, st.accepted, st.dropped, now, st.source.kind, st.source.model, st.source.id),
-                )
-            else:
+            if not st.exists:
+                last = max(st.last_seq, st.new_last_seq)
                 conn.execute(
                     "INSERT INTO sources VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (st.source.id, st.source.kind, st.source.model, last, st.accepted, st.dropped, now, now),

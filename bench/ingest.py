@@ -1,0 +1,230 @@
+"""Ingest benchmark: durable events/s over HTTP against the real server, next to the ceiling.
+
+Starts ``chunkledger serve`` for each backend in turn (``null://`` = the same server path with storage
+disabled, i.e. the ceiling; a DuckDB file; a throwaway PostgreSQL database), drives it from a separate
+process with batches of 500 events for a fixed time, then stops the server and counts what the store
+holds. Prints one table; ``--json`` adds a JSON line per backend.
+
+    python bench/ingest.py --duration 10 --clients 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine_hooks import events as ev  # noqa: E402
+
+BATCH = 500
+PG_ADMIN = os.environ.get("CHUNKLEDGER_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def batch_template(source: ev.Source) -> str:
+    """One realistic 500-event batch as a %-template over (seq, request number) pairs.
+
+    Mix per 10 events: 1 step (32 participants), 1 prefill chunk, 1 queued, 7 coalesced tokens groups.
+    """
+    evs = []
+    for i in range(BATCH):
+        seq, rid, t = 900_000_000 + i, f"REQ{i:04d}X", 1.7e9 + i * 1e-4
+        k = i % 10
+        if k == 0:
+            evs.append(ev.Step(seq=seq, ts=t, step=i, duration_s=0.011, prefill_tokens=256, decode_tokens=31,
+                               num_prefill_reqs=1, num_decode_reqs=31, running=32, waiting=3, kv_usage=0.41,
+                               request_ids=[f"r-{j}" for j in range(32)]))
+        elif k == 1:
+            evs.append(ev.Chunk(seq=seq, ts=t, request_id=rid, step=i, tokens=256, computed_before=512,
+                                kv_blocks=48))
+        elif k == 2:
+            evs.append(ev.Queued(seq=seq, ts=t, request_id=rid, prompt_tokens=900, max_tokens=256))
+        else:
+            evs.append(ev.Tokens(seq=seq, ts=t, request_id=rid, count=4, total=40 + i, kv_blocks=48,
+                                 token_ids=[11, 12, 13, 14]))
+    raw = ev.encode_batch(source, evs).decode().replace("%", "%%")
+    raw = re.sub(r'"seq":9000\d{5}', '"seq":%d', raw)
+    raw = re.sub(r'"request_id":"REQ\d{4}X"', '"request_id":"%s"', raw)
+    return raw
+
+
+def _client_proc(url: str, source_ids: list[str], duration: float, start_at: float, out: mp.Queue) -> None:
+    """One client process running one thread per source (an engine's exporter: one batch in flight)."""
+    threads = [
+        threading.Thread(target=_client, args=(url, sid, duration, start_at, out)) for sid in source_ids
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _client(url: str, source_id: str, duration: float, start_at: float, out: mp.Queue) -> None:
+    src = ev.Source(id=source_id, kind="engine", model="bench")
+    tpl = batch_template(src)
+    slots = [m.start() for m in re.finditer(r"%[ds]", tpl)]
+    kinds = [tpl[p + 1] for p in slots]
+    lat: list[float] = []
+    acked = 0
+    seq = 1
+    b = 0
+    with httpx.Client(base_url=url, timeout=30.0) as http:
+        while time.time() < start_at:
+            time.sleep(0.001)
+        deadline = time.perf_counter() + duration
+        while time.perf_counter() < deadline:
+            args = []
+            s = seq
+            for k in kinds:
+                if k == "d":
+                    args.append(s)
+                    s += 1
+                else:  # requests live ~4 batches: half the ids continue, half are new
+                    args.append(f"{source_id}-{(b * 40 + (s - seq) // 10) // 2}")
+            body = (tpl % tuple(args)).encode()
+            t0 = time.perf_counter()
+            r = http.post("/v1/events", content=body, headers={"content-type": "application/json"})
+            lat.append(time.perf_counter() - t0)
+            if r.status_code != 200:
+                raise SystemExit(f"{r.status_code}: {r.text[:300]}")
+            acked += r.json()["accepted"]
+            seq = s
+            b += 1
+    out.put({"acked": acked, "lat": lat})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rss_peak_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_backend(name: str, db_url: str, duration: float, clients: int, workdir: Path) -> dict:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ledger.cli", "serve", "--db", db_url, "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            raise SystemExit(f"{name}: server did not get ready; see {workdir / (name + '.log')}")
+        ctx = mp.get_context("spawn")
+        q: mp.Queue = ctx.Queue()
+        start_at = time.time() + 3.0
+        n_procs = min(clients, 2)
+        ids = [f"bench-{name}-{i}" for i in range(clients)]
+        procs = [
+            ctx.Process(target=_client_proc, args=(url, ids[k::n_procs], duration, start_at, q))
+            for k in range(n_procs)
+        ]
+        for p in procs:
+            p.start()
+        results = [q.get(timeout=duration + 120) for _ in ids]
+        for p in procs:
+            p.join()
+        rss = _rss_peak_mb(server.pid)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+    acked = sum(r["acked"] for r in results)
+    lat = sorted(x for r in results for x in r["lat"])
+    stored = _count_stored(db_url) if not db_url.startswith("null") else acked
+    return {
+        "backend": name,
+        "acked": acked,
+        "stored": stored,
+        "events_per_s": stored / duration,
+        "p50_ms": statistics.median(lat) * 1e3,
+        "p99_ms": lat[int(0.99 * (len(lat) - 1))] * 1e3,
+        "batches": len(lat),
+        "server_rss_peak_mb": rss,
+    }
+
+
+def _count_stored(db_url: str) -> int:
+    import sqlalchemy as sa
+
+    eng = sa.create_engine(db_url)
+    with eng.connect() as conn:
+        n = int(conn.exec_driver_sql("SELECT count(*) FROM events").scalar_one())
+    eng.dispose()
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds of load per backend")
+    ap.add_argument("--clients", type=int, default=16,
+                    help="concurrent sources, each with one batch in flight like an exporter (2 processes)")
+    ap.add_argument("--backends", default="null,duckdb,postgres")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="chunkledger-bench-") as tmp:
+        workdir = Path(tmp)
+        for name in args.backends.split(","):
+            if name == "null":
+                rows.append(run_backend("ceiling(null)", "null://", args.duration, args.clients, workdir))
+            elif name == "duckdb":
+                rows.append(run_backend("duckdb", f"duckdb:///{workdir}/bench.duckdb", args.duration,
+                                        args.clients, workdir))
+            elif name == "postgres":
+                import sqlalchemy as sa
+
+                db = f"chunkledger_bench_{uuid.uuid4().hex[:8]}"
+                admin = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+                with admin.connect() as c:
+                    c.exec_driver_sql(f'CREATE DATABASE "{db}"')
+                try:
+                    url = PG_ADMIN.rsplit("/", 1)[0] + f"/{db}"
+                    rows.append(run_backend("postgres", url, args.duration, args.clients, workdir))
+                finally:
+                    with admin.connect() as c:
+                        c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+                    admin.dispose()
+    ceiling = next((r["events_per_s"] for r in rows if r["backend"].startswith("ceiling")), None)
+    print(f"\ningest: {args.clients} clients x batches of {BATCH} events, {args.duration:.0f} s per backend, "
+          f"{os.cpu_count()} cores")
+    print(f"{'backend':<14}{'durable ev/s':>14}{'of ceiling':>12}{'p50 ms':>9}{'p99 ms':>9}"
+          f"{'batches':>9}{'RSS MB':>9}{'stored=acked':>14}")
+    for r in rows:
+        share = f"{r['events_per_s'] / ceiling:.2f}" if ceiling else "-"
+        print(f"{r['backend']:<14}{r['events_per_s']:>14,.0f}{share:>12}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
+              f"{r['batches']:>9}{r['server_rss_peak_mb']:>9.0f}{str(r['stored'] == r['acked']):>14}")
+        if args.json:
+            print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""A store that keeps nothing: the ingest ceiling for benchmarks (``--db null://``). Never for real use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from engine_hooks import events as ev
+from ledger.store.base import Prepared, Store, WriteResult
+
+
+class NullStore(Store):
+    """Runs the whole server path (decode, validation, writer thread, fold) but stores nothing."""
+
+    dialect = "null"
+
+    def __init__(self) -> None:
+        super().__init__(sa.create_engine("duckdb:///:memory:"))
+
+    def write(self, batches: Any) -> list[WriteResult]:
+        prepared = Prepared()
+        out = []
+        for b in batches:
+            self._prepare(b.source, b.events, prepared, 0.0, _Sink())
+            out.append(WriteResult(accepted=len(b.events), duplicates=0))
+        return out
+
+    def get_request(self, request_id: str) -> dict[str, Any] | None:
+        return None
+
+    def request_events(self, request_id: str) -> list[dict[str, Any]]:
+        return []
+
+    def source_rows(self) -> list[dict[str, Any]]:
+        return []
+
+
+class _Sink:
+    dropped = 0
+    source: ev.Source | None = None
