@@ -27,11 +27,10 @@ import uuid
 from pathlib import Path
 
 import httpx
-import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_hooks import events as ev  # noqa: E402
+from engine_hooks import events as ev
 
 BATCH = 500
 PG_ADMIN = os.environ.get("CHUNKLEDGER_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -47,17 +46,40 @@ def batch_template(source: ev.Source) -> str:
         seq, rid, t = 900_000_000 + i, f"REQ{i:04d}X", 1.7e9 + i * 1e-4
         k = i % 10
         if k == 0:
-            evs.append(ev.Step(seq=seq, ts=t, step=i, duration_s=0.011, prefill_tokens=256, decode_tokens=31,
-                               num_prefill_reqs=1, num_decode_reqs=31, running=32, waiting=3, kv_usage=0.41,
-                               request_ids=[f"r-{j}" for j in range(32)]))
+            evs.append(
+                ev.Step(
+                    seq=seq,
+                    ts=t,
+                    step=i,
+                    duration_s=0.011,
+                    prefill_tokens=256,
+                    decode_tokens=31,
+                    num_prefill_reqs=1,
+                    num_decode_reqs=31,
+                    running=32,
+                    waiting=3,
+                    kv_usage=0.41,
+                    request_ids=[f"r-{j}" for j in range(32)],
+                )
+            )
         elif k == 1:
-            evs.append(ev.Chunk(seq=seq, ts=t, request_id=rid, step=i, tokens=256, computed_before=512,
-                                kv_blocks=48))
+            evs.append(
+                ev.Chunk(seq=seq, ts=t, request_id=rid, step=i, tokens=256, computed_before=512, kv_blocks=48)
+            )
         elif k == 2:
             evs.append(ev.Queued(seq=seq, ts=t, request_id=rid, prompt_tokens=900, max_tokens=256))
         else:
-            evs.append(ev.Tokens(seq=seq, ts=t, request_id=rid, count=4, total=40 + i, kv_blocks=48,
-                                 token_ids=[11, 12, 13, 14]))
+            evs.append(
+                ev.Tokens(
+                    seq=seq,
+                    ts=t,
+                    request_id=rid,
+                    count=4,
+                    total=40 + i,
+                    kv_blocks=48,
+                    token_ids=[11, 12, 13, 14],
+                )
+            )
     raw = ev.encode_batch(source, evs).decode().replace("%", "%%")
     raw = re.sub(r'"seq":9000\d{5}', '"seq":%d', raw)
     raw = re.sub(r'"request_id":"REQ\d{4}X"', '"request_id":"%s"', raw)
@@ -128,7 +150,8 @@ def run_backend(name: str, db_url: str, duration: float, clients: int, workdir: 
     log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115
     server = subprocess.Popen(
         [sys.executable, "-m", "ledger.cli", "serve", "--db", db_url, "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         for _ in range(300):
@@ -185,8 +208,12 @@ def _count_stored(db_url: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of load per backend")
-    ap.add_argument("--clients", type=int, default=16,
-                    help="concurrent sources, each with one batch in flight like an exporter (2 processes)")
+    ap.add_argument(
+        "--clients",
+        type=int,
+        default=16,
+        help="concurrent sources, each with one batch in flight like an exporter (2 processes)",
+    )
     ap.add_argument("--backends", default="null,duckdb,postgres")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -197,8 +224,11 @@ def main() -> None:
             if name == "null":
                 rows.append(run_backend("ceiling(null)", "null://", args.duration, args.clients, workdir))
             elif name == "duckdb":
-                rows.append(run_backend("duckdb", f"duckdb:///{workdir}/bench.duckdb", args.duration,
-                                        args.clients, workdir))
+                rows.append(
+                    run_backend(
+                        "duckdb", f"duckdb:///{workdir}/bench.duckdb", args.duration, args.clients, workdir
+                    )
+                )
             elif name == "postgres":
                 import sqlalchemy as sa
 
@@ -214,14 +244,20 @@ def main() -> None:
                         c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
                     admin.dispose()
     ceiling = next((r["events_per_s"] for r in rows if r["backend"].startswith("ceiling")), None)
-    print(f"\ningest: {args.clients} clients x batches of {BATCH} events, {args.duration:.0f} s per backend, "
-          f"{os.cpu_count()} cores")
-    print(f"{'backend':<14}{'durable ev/s':>14}{'of ceiling':>12}{'p50 ms':>9}{'p99 ms':>9}"
-          f"{'batches':>9}{'RSS MB':>9}{'stored=acked':>14}")
+    print(
+        f"\ningest: {args.clients} clients x batches of {BATCH} events, {args.duration:.0f} s per backend, "
+        f"{os.cpu_count()} cores"
+    )
+    print(
+        f"{'backend':<14}{'durable ev/s':>14}{'of ceiling':>12}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'batches':>9}{'RSS MB':>9}{'stored=acked':>14}"
+    )
     for r in rows:
         share = f"{r['events_per_s'] / ceiling:.2f}" if ceiling else "-"
-        print(f"{r['backend']:<14}{r['events_per_s']:>14,.0f}{share:>12}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
-              f"{r['batches']:>9}{r['server_rss_peak_mb']:>9.0f}{str(r['stored'] == r['acked']):>14}")
+        print(
+            f"{r['backend']:<14}{r['events_per_s']:>14,.0f}{share:>12}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
+            f"{r['batches']:>9}{r['server_rss_peak_mb']:>9.0f}{r['stored'] == r['acked']!s:>14}"
+        )
         if args.json:
             print(json.dumps(r))
 

@@ -248,7 +248,15 @@ EVENT_TYPES: dict[str, type[_Event]] = {
     )
 }
 GATEWAY_KINDS = frozenset(
-    {"arrived", "admission_enqueued", "admitted", "first_byte", "completed", "client_disconnected", "stream_cut"}
+    {
+        "arrived",
+        "admission_enqueued",
+        "admitted",
+        "first_byte",
+        "completed",
+        "client_disconnected",
+        "stream_cut",
+    }
 )
 ENGINE_KINDS = frozenset(EVENT_TYPES) - GATEWAY_KINDS - {"dropped", "cutoff_applied"}
 

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from ledger.config import DEFAULT_DB_URL, Settings, UnsafeConfig
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="chunkledger: the request ledger for LLM serving")
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="chunkledger: the request ledger for LLM serving"
+)
 
-DbOpt = Annotated[str | None, typer.Option("--db", help=f"database URL (env CHUNKLEDGER_DB_URL; {DEFAULT_DB_URL})")]
+DbOpt = Annotated[
+    str | None, typer.Option("--db", help=f"database URL (env CHUNKLEDGER_DB_URL; {DEFAULT_DB_URL})")
+]
 
 
-def _settings(**overrides: object) -> Settings:
+def _settings(**overrides: Any) -> Settings:
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except Exception as exc:  # pydantic ValidationError: print it readably, no traceback
@@ -42,7 +45,9 @@ def serve(
     except UnsafeConfig as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -62,7 +67,11 @@ def migrate(db: DbOpt = None) -> None:
     settings = _settings(db_url=db)
     engine = make_engine(settings.db_url)
     m.upgrade(engine)
-    typer.echo(json.dumps({"db": engine.url.render_as_string(hide_password=True), "revision": m.current_revision(engine)}))
+    typer.echo(
+        json.dumps(
+            {"db": engine.url.render_as_string(hide_password=True), "revision": m.current_revision(engine)}
+        )
+    )
     engine.dispose()
 
 
@@ -82,4 +91,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

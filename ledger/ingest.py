@@ -84,7 +84,9 @@ def decode_batch(body: bytes, *, max_events: int) -> ev.Batch:
             FieldError(None, "schema_version", f"{batch.schema_version} is newer than {ev.SCHEMA_VERSION}")
         )
     if len(batch.events) > max_events:
-        errors.append(FieldError(None, "events", f"{len(batch.events)} events, at most {max_events} per batch"))
+        errors.append(
+            FieldError(None, "events", f"{len(batch.events)} events, at most {max_events} per batch")
+        )
     allowed = ev.ENGINE_KINDS if batch.source.kind == "engine" else ev.GATEWAY_KINDS
     prev = -1
     for i, e in enumerate(batch.events):
@@ -111,7 +113,9 @@ class IngestWriter:
     def __init__(self, store: Store, *, max_group_events: int = 50_000) -> None:
         self.store = store
         self.max_group_events = max_group_events
-        self._queue: queue.Queue[tuple[ev.Batch, concurrent.futures.Future[WriteResult]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[ev.Batch, concurrent.futures.Future[WriteResult]] | None] = (
+            queue.Queue()
+        )
         self._thread = threading.Thread(target=self._run, name="chunkledger-writer", daemon=True)
         self._stopping = False
         self.groups_committed = 0

@@ -107,7 +107,9 @@ class LedgerServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ledger exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"ledger exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}"
+                )
             try:
                 if httpx.get(f"{self.url}/readyz", timeout=1.0).status_code == 200:
                     return

@@ -12,9 +12,7 @@ router = APIRouter(dependencies=[require("read")])
 
 
 @router.get("/v1/requests/{request_id}")
-def get_request(
-    store: StoreDep, request_id: str = Path(min_length=1, max_length=256)
-) -> dict[str, Any]:
+def get_request(store: StoreDep, request_id: str = Path(min_length=1, max_length=256)) -> dict[str, Any]:
     row = store.get_request(request_id)
     if row is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no request {request_id!r} in the ledger")

@@ -124,7 +124,7 @@ class Store:
     def _save_sources(self, conn: Any, states: list[_SourceState], now: float) -> None:
         raise NotImplementedError
 
-    def _after_commit(self, states: list[_SourceState]) -> None:  # noqa: B027 - optional hook
+    def _after_commit(self, states: list[_SourceState]) -> None:
         pass
 
     def close(self) -> None:

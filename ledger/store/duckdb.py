@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any
+from typing import Any, cast
 
 import pyarrow as pa
 import sqlalchemy as sa
@@ -39,13 +40,20 @@ STEPS_SCHEMA = pa.schema(
     + [(c, pa.int64()) for c in STEP_COLUMNS[5:11]]
     + [("kv_usage", pa.float64()), ("request_ids", pa.list_(pa.string()))]
 )
-REQUESTS_SCHEMA = pa.schema([("request_id", pa.string())] + [(c, _ARROW[a.type]) for c, a in AGGREGATES.items()])
+REQUESTS_SCHEMA = pa.schema(
+    [("request_id", pa.string())] + [(c, _ARROW[a.type]) for c, a in AGGREGATES.items()]
+)
 assert EVENTS_SCHEMA.names == EVENT_COLUMNS and STEPS_SCHEMA.names == STEP_COLUMNS
 
 _MERGE = merge_sql("requests", "_req_stage")
 _SOURCES_STAGE = pa.schema(
-    [("source_id", pa.string()), ("last_seq", pa.int64()), ("accepted", pa.int64()),
-     ("dropped", pa.int64()), ("model", pa.string())]
+    [
+        ("source_id", pa.string()),
+        ("last_seq", pa.int64()),
+        ("accepted", pa.int64()),
+        ("dropped", pa.int64()),
+        ("model", pa.string()),
+    ]
 )
 
 
@@ -63,10 +71,8 @@ class _Tx:
         self.duck.execute("COMMIT")
 
     def rollback(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # no transaction left to roll back
             self.duck.execute("ROLLBACK")
-        except Exception:  # noqa: BLE001 - no transaction left to roll back
-            pass
 
     def close(self) -> None:
         pass
@@ -78,7 +84,7 @@ class DuckDBStore(Store):
     def __init__(self, engine: sa.Engine, **kw: Any) -> None:
         super().__init__(engine, **kw)
         self._raw = engine.raw_connection()  # the writer connection, held for the store's life
-        self._duck = self._raw.driver_connection
+        self._duck: Any = cast(Any, self._raw.driver_connection)
         self._lock = threading.Lock()
         rows = self._duck.execute("SELECT source_id, last_seq FROM sources").fetchall()
         self._marks: dict[str, int] = {sid: int(seq) for sid, seq in rows}

@@ -6,8 +6,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from engine_hooks import events as ev
-from ledger.store.base import Prepared, Store, WriteResult
+from ledger.store.base import Prepared, Store, WriteResult, _SourceState
 
 
 class NullStore(Store):
@@ -22,7 +21,7 @@ class NullStore(Store):
         prepared = Prepared()
         out = []
         for b in batches:
-            self._prepare(b.source, b.events, prepared, 0.0, _Sink())
+            self._prepare(b.source, b.events, prepared, 0.0, _SourceState(b.source, -1, True))
             out.append(WriteResult(accepted=len(b.events), duplicates=0))
         return out
 
@@ -34,8 +33,3 @@ class NullStore(Store):
 
     def source_rows(self) -> list[dict[str, Any]]:
         return []
-
-
-class _Sink:
-    dropped = 0
-    source: ev.Source | None = None

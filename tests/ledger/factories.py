@@ -21,21 +21,47 @@ def lifecycle(rid: str, t0: float = 1_700_000_000.0, *, preempt: bool = True) ->
     ]
     en = [
         ev.Queued(seq=0, ts=t0 + 0.102, request_id=rid, prompt_tokens=300, max_tokens=64),
-        ev.Chunk(seq=0, ts=t0 + 0.2, request_id=rid, step=1, tokens=128, computed_before=44,
-                 cached_tokens=44, kv_blocks=11, wait_s=0.098),
+        ev.Chunk(
+            seq=0,
+            ts=t0 + 0.2,
+            request_id=rid,
+            step=1,
+            tokens=128,
+            computed_before=44,
+            cached_tokens=44,
+            kv_blocks=11,
+            wait_s=0.098,
+        ),
         ev.Chunk(seq=0, ts=t0 + 0.3, request_id=rid, step=2, tokens=128, computed_before=172, kv_blocks=19),
     ]
     if preempt:
         en += [
             ev.Preempted(seq=0, ts=t0 + 0.35, request_id=rid, kv_blocks_freed=19, computed_tokens=300),
             ev.Resumed(seq=0, ts=t0 + 0.45, request_id=rid, wait_s=0.1, cached_tokens=0),
-            ev.Chunk(seq=0, ts=t0 + 0.5, request_id=rid, step=5, tokens=128, computed_before=0,
-                     kv_blocks=8, preemptions=1, recomputed_tokens=128),
+            ev.Chunk(
+                seq=0,
+                ts=t0 + 0.5,
+                request_id=rid,
+                step=5,
+                tokens=128,
+                computed_before=0,
+                kv_blocks=8,
+                preemptions=1,
+                recomputed_tokens=128,
+            ),
         ]
     en += [
         ev.Tokens(seq=0, ts=t0 + 0.55, request_id=rid, count=1, total=1, kv_blocks=19, token_ids=[7]),
-        ev.Tokens(seq=0, ts=t0 + 1.9, request_id=rid, count=9, total=10, first_ts=t0 + 0.6,
-                  kv_blocks=20, token_ids=list(range(9))),
+        ev.Tokens(
+            seq=0,
+            ts=t0 + 1.9,
+            request_id=rid,
+            count=9,
+            total=10,
+            first_ts=t0 + 0.6,
+            kv_blocks=20,
+            token_ids=list(range(9)),
+        ),
         ev.Finished(seq=0, ts=t0 + 1.95, request_id=rid, reason="stop", output_tokens=10, stop_reason="eos"),
     ]
     return gw, en

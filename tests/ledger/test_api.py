@@ -34,7 +34,11 @@ def test_ingest_answers_accepted_duplicates_and_an_empty_command_list(client):
     r = _post(client, body(ENGINE, numbered(en)))
     assert r.status_code == 200
     assert r.json() == {"accepted": len(en), "duplicates": 0, "commands": []}
-    assert _post(client, body(ENGINE, numbered(en))).json() == {"accepted": 0, "duplicates": len(en), "commands": []}
+    assert _post(client, body(ENGINE, numbered(en))).json() == {
+        "accepted": 0,
+        "duplicates": len(en),
+        "commands": [],
+    }
     assert _post(client, body(GATEWAY, numbered(gw))).json()["accepted"] == len(gw)
 
 
@@ -50,7 +54,9 @@ def test_wrong_field_type_is_a_422_naming_event_index_and_field_and_nothing_is_s
     raw["events"][2]["prompt_tokens"] = "many"
     r = _post(client, msgspec.json.encode(raw))
     assert r.status_code == 422
-    assert r.json()["errors"] == [{"index": 2, "field": "prompt_tokens", "reason": "Expected `int`, got `str`"}]
+    assert r.json()["errors"] == [
+        {"index": 2, "field": "prompt_tokens", "reason": "Expected `int`, got `str`"}
+    ]
     assert client.get("/v1/requests/r0", headers=RD).status_code == 404  # all-or-nothing
 
 
@@ -62,8 +68,12 @@ def test_wrong_field_type_is_a_422_naming_event_index_and_field_and_nothing_is_s
         (lambda e: e[1].update(ts=-3), 1, "ts", "Expected `float` >"),
         (lambda e: e[1].update(seq=e[0]["seq"]), 1, "seq", "must increase within a batch"),
         (lambda e: e[0].update(request_id=""), 0, "request_id", "length >= 1"),
-        (lambda e: e.append({"kind": "arrived", "seq": 99, "ts": 5.0, "request_id": "x"}), 3, "kind",
-         "engine source cannot send 'arrived'"),
+        (
+            lambda e: e.append({"kind": "arrived", "seq": 99, "ts": 5.0, "request_id": "x"}),
+            3,
+            "kind",
+            "engine source cannot send 'arrived'",
+        ),
     ],
 )
 def test_each_kind_of_bad_event_is_named_in_the_422(client, mutate, index, field, reason_part):
@@ -116,7 +126,7 @@ def test_request_endpoint_returns_the_row_and_the_timeline(client):
     assert r.status_code == 200
     doc = r.json()
     assert doc["request"]["request_id"] == "r1" and doc["request"]["preemptions"] == 1
-    assert [e["kind"] for e in doc["events"]][0] == "arrived"
+    assert doc["events"][0]["kind"] == "arrived"
     assert len(doc["events"]) == len(gw) + len(en)
     assert client.get("/v1/requests/nope", headers=RD).status_code == 404
 
@@ -151,7 +161,9 @@ def test_storage_failure_is_a_retryable_503_and_keeps_what_was_accepted(client, 
 
 
 def test_unknown_fields_from_a_newer_source_are_ignored(client):
-    raw = msgspec.json.decode(body(ENGINE, numbered([ev.Queued(seq=0, ts=5.0, request_id="a", prompt_tokens=3)])))
+    raw = msgspec.json.decode(
+        body(ENGINE, numbered([ev.Queued(seq=0, ts=5.0, request_id="a", prompt_tokens=3)]))
+    )
     raw["events"][0]["brand_new_field"] = {"x": 1}
     assert _post(client, msgspec.json.encode(raw)).status_code == 200
 

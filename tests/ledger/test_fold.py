@@ -34,10 +34,23 @@ def request_events(draw):
         n = min(budget, prompt - done)
         first = done == cached and preemptions == 0
         new = max(0, done + n - max(done, high))
-        out.append((ENGINE, ev.Chunk(seq=0, ts=t + 4 + step, request_id=rid, step=step, tokens=n,
-                                     computed_before=done, cached_tokens=cached if first else 0,
-                                     recomputed_tokens=n - new, preemptions=preemptions,
-                                     wait_s=0.25 if first else None)))
+        out.append(
+            (
+                ENGINE,
+                ev.Chunk(
+                    seq=0,
+                    ts=t + 4 + step,
+                    request_id=rid,
+                    step=step,
+                    tokens=n,
+                    computed_before=done,
+                    cached_tokens=cached if first else 0,
+                    recomputed_tokens=n - new,
+                    preemptions=preemptions,
+                    wait_s=0.25 if first else None,
+                ),
+            )
+        )
         done += n
         high = max(high, done)
         step += 1
@@ -52,7 +65,9 @@ def request_events(draw):
         total += c
         out.append((ENGINE, ev.Tokens(seq=0, ts=t + 100 + g, request_id=rid, count=c, total=total)))
     if draw(st.booleans()):
-        out.append((ENGINE, ev.Finished(seq=0, ts=t + 200, request_id=rid, reason="stop", output_tokens=total)))
+        out.append(
+            (ENGINE, ev.Finished(seq=0, ts=t + 200, request_id=rid, reason="stop", output_tokens=total))
+        )
     return out
 
 
@@ -107,6 +122,10 @@ def test_every_aggregate_column_is_reachable_from_some_event():
 
 
 def test_step_and_dropped_events_do_not_create_request_rows():
-    rows = fold([(ENGINE, ev.Step(seq=1, ts=T0, step=0, duration_s=0.01, request_ids=["a"])),
-                 (ENGINE, ev.Dropped(seq=2, ts=T0, count=3, reason="queue_full"))])
+    rows = fold(
+        [
+            (ENGINE, ev.Step(seq=1, ts=T0, step=0, duration_s=0.01, request_ids=["a"])),
+            (ENGINE, ev.Dropped(seq=2, ts=T0, count=3, reason="queue_full")),
+        ]
+    )
     assert rows == {}

@@ -18,7 +18,10 @@ def test_kill_9_right_after_a_200_loses_none_of_that_batch(ledger_server):
     with httpx.Client(base_url=ledger_server.url) as http:
         for b in range(5):
             evs = numbered(
-                [ev.Tokens(seq=0, ts=10.0 + i, request_id=f"r{i % 50}", count=1, total=i + 1) for i in range(2000)],
+                [
+                    ev.Tokens(seq=0, ts=10.0 + i, request_id=f"r{i % 50}", count=1, total=i + 1)
+                    for i in range(2000)
+                ],
                 start=1 + b * 2000,
             )
             r = http.post("/v1/events", content=body(ENGINE, evs))
@@ -40,7 +43,16 @@ def test_kill_9_right_after_a_200_loses_none_of_that_batch(ledger_server):
 
 def test_serve_refuses_a_public_bind_without_tokens(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "ledger.cli", "serve", "--db", f"duckdb:///{tmp_path}/x.duckdb", "--host", "0.0.0.0"],
+        [
+            sys.executable,
+            "-m",
+            "ledger.cli",
+            "serve",
+            "--db",
+            f"duckdb:///{tmp_path}/x.duckdb",
+            "--host",
+            "0.0.0.0",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -100,12 +100,25 @@ def test_any_split_and_order_of_batches_gives_the_same_row(db_url, tmp_path):
 
 
 def test_steps_are_stored_with_their_participants(store):
-    steps = numbered([
-        ev.Step(seq=0, ts=5.0, step=0, duration_s=0.012, prefill_tokens=128, decode_tokens=3,
-                num_prefill_reqs=1, num_decode_reqs=3, running=4, waiting=2, kv_usage=0.25,
-                request_ids=["a", "b", "c", "d"]),
-        ev.Step(seq=0, ts=5.1, step=1, duration_s=0.004, decode_tokens=4, num_decode_reqs=4, running=4),
-    ])
+    steps = numbered(
+        [
+            ev.Step(
+                seq=0,
+                ts=5.0,
+                step=0,
+                duration_s=0.012,
+                prefill_tokens=128,
+                decode_tokens=3,
+                num_prefill_reqs=1,
+                num_decode_reqs=3,
+                running=4,
+                waiting=2,
+                kv_usage=0.25,
+                request_ids=["a", "b", "c", "d"],
+            ),
+            ev.Step(seq=0, ts=5.1, step=1, duration_s=0.004, decode_tokens=4, num_decode_reqs=4, running=4),
+        ]
+    )
     store.write([batch(ENGINE, steps)])
     with store.engine.connect() as conn:
         rows = conn.exec_driver_sql(
@@ -125,9 +138,9 @@ def test_output_token_ids_are_not_persisted_unless_configured(db_url):
             s.write([batch(ev.Source(id=f"e-{persist}", kind="engine"), evs)])
             (data,) = [
                 msgspec.json.decode(r[0])
-                for r in s.engine.connect().exec_driver_sql(
-                    f"SELECT data FROM events WHERE source_id = 'e-{persist}'"
-                ).all()
+                for r in s.engine.connect()
+                .exec_driver_sql(f"SELECT data FROM events WHERE source_id = 'e-{persist}'")
+                .all()
             ]
         finally:
             s.close()
@@ -136,7 +149,9 @@ def test_output_token_ids_are_not_persisted_unless_configured(db_url):
 
 def test_dropped_markers_add_up_in_the_source_row(store):
     store.write([batch(ENGINE, numbered([ev.Dropped(seq=0, ts=5.0, count=40, reason="queue_full")]))])
-    store.write([batch(ENGINE, numbered([ev.Dropped(seq=0, ts=6.0, count=2, reason="spool_full")], start=10))])
+    store.write(
+        [batch(ENGINE, numbered([ev.Dropped(seq=0, ts=6.0, count=2, reason="spool_full")], start=10))]
+    )
     (src,) = store.source_rows()
     assert src["dropped_total"] == 42 and src["last_seq"] == 10
 
