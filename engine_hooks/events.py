@@ -5,8 +5,9 @@ it can be imported inside an inference engine without pulling in the ledger's de
 
 Rules that hold for every event:
 
-* ``seq`` numbers the events of one source, strictly increasing. ``(source.id, seq)`` is the identity
-  of an event: a batch that is sent twice is stored once.
+* ``seq`` numbers the events of one source, strictly increasing in emit order; gaps are allowed
+  (a restarted source starts higher), lost events are reported by ``dropped`` markers.
+  ``(source.id, seq)`` is the identity of an event: a batch that is sent twice is stored once.
 * ``ts`` is the source's wall clock in unix seconds (float). Intervals inside one source are measured
   with the source's monotonic clock and sent as durations (fields ending in ``_s``), so the ledger never
   has to subtract wall-clock timestamps to measure a wait.
@@ -46,7 +47,7 @@ class Source(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
 
 
 class _Event(msgspec.Struct, kw_only=True, tag_field="kind", frozen=True, omit_defaults=True):
-    seq: NonNegInt  # strictly increasing per source, assigned once at emit time
+    seq: NonNegInt  # strictly increasing per source, in emit order; fixed before the first send
     ts: Timestamp  # when it happened (source wall clock, unix seconds)
 
 

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install everything into .venv and run the whole test suite: lint, types, and every pytest marker
+# (slow and PostgreSQL-backed suites included). Needs PostgreSQL on 127.0.0.1:5432 (trust auth,
+# database `test`); starts the local cluster if it is installed but stopped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+
+if command -v pg_isready >/dev/null && ! pg_isready -h 127.0.0.1 -p 5432 -q; then
+  if command -v pg_ctlcluster >/dev/null; then
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start || true
+  fi
+fi
+
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"

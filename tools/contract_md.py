@@ -1,0 +1,55 @@
+"""Print the event contract as Markdown tables (pasted into README; a test keeps them in step)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import msgspec
+
+from engine_hooks import events as ev
+
+_FIELD = re.compile(r"^\s{4}(\w+): ([^=#\n]+?)(?: = ([^#\n]+?))?\s*(?:#\s*(.*))?$", re.M)
+
+
+def field_docs(cls: type) -> dict[str, tuple[str, str, str]]:
+    """Type, default and trailing comment of each field, from the source of the class and its bases."""
+    out: dict[str, tuple[str, str, str]] = {}
+    for klass in reversed([k for k in cls.__mro__ if k.__module__ == ev.__name__]):
+        for m in _FIELD.finditer(inspect.getsource(klass)):
+            out[m[1]] = (m[2].strip(), (m[3] or "").strip(), (m[4] or "").strip())
+    return out
+
+
+def table(cls: type, skip: set[str]) -> str:
+    docs = field_docs(cls)
+    rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
+    for f in msgspec.structs.fields(cls):
+        if f.name in skip:
+            continue
+        t, d, c = docs.get(f.name, ("", "", ""))
+        rows.append(
+            f"| `{f.name}` | `{t}` | {d or ('required' if f.required else '')} | {c} |".replace(
+                " | None`", " \\| None`"
+            )
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    common = {"seq", "ts", "request_id"}
+    print("Every event: `kind` (the tag below), plus\n")
+    print(table(ev.Arrived, set(f.name for f in msgspec.structs.fields(ev.Arrived)) - common))
+    print("\n(`request_id` on every kind but `step` and `dropped`.)\n")
+    for kind, cls in ev.EVENT_TYPES.items():
+        origin = (
+            "gateway" if kind in ev.GATEWAY_KINDS else ("engine" if kind in ev.ENGINE_KINDS else "any source")
+        )
+        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+        print(f"#### `{kind}` ({origin})\n\n{doc}\n")
+        print(table(cls, common))
+        print()
+
+
+if __name__ == "__main__":
+    main()
