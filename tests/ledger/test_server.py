@@ -8,37 +8,44 @@ import sys
 
 import duckdb
 import httpx
+import sqlalchemy as sa
 
 from engine_hooks import events as ev
+from tests.conftest import LedgerServer
 from tests.ledger.factories import ENGINE, body, numbered
 
 
-def test_kill_9_right_after_a_200_loses_none_of_that_batch(ledger_server):
+def test_kill_9_right_after_a_200_loses_none_of_that_batch(db_url, tmp_path):
+    """On both backends: SIGKILL immediately after the last acknowledgement, then count the store."""
+    server = LedgerServer(db_url, tmp_path / "ledger.log")
+    server.start()
     total = 0
-    with httpx.Client(base_url=ledger_server.url) as http:
-        for b in range(5):
-            evs = numbered(
-                [
-                    ev.Tokens(seq=0, ts=10.0 + i, request_id=f"r{i % 50}", count=1, total=i + 1)
-                    for i in range(2000)
-                ],
-                start=1 + b * 2000,
-            )
-            r = http.post("/v1/events", content=body(ENGINE, evs))
-            assert r.status_code == 200 and r.json()["accepted"] == 2000
-            total += 2000
-    ledger_server.stop(kill=True)  # SIGKILL immediately after the last acknowledgement
-    path = ledger_server.db_url.removeprefix("duckdb:///")
-    with duckdb.connect(path) as con:
-        assert con.execute("SELECT count(*), count(DISTINCT seq), max(seq) FROM events").fetchone() == (
-            total,
-            total,
-            total,
-        )
-        assert con.execute("SELECT last_seq FROM sources").fetchone() == (total,)
-    ledger_server.start()  # and it comes back with the same high-water mark: a replay is a duplicate
-    r = httpx.post(f"{ledger_server.url}/v1/events", content=body(ENGINE, evs))
-    assert r.json()["duplicates"] == 2000
+    try:
+        with httpx.Client(base_url=server.url) as http:
+            for b in range(5):
+                evs = numbered(
+                    [
+                        ev.Tokens(seq=0, ts=10.0 + i, request_id=f"r{i % 50}", count=1, total=i + 1)
+                        for i in range(2000)
+                    ],
+                    start=1 + b * 2000,
+                )
+                r = http.post("/v1/events", content=body(ENGINE, evs))
+                assert r.status_code == 200 and r.json()["accepted"] == 2000
+                total += 2000
+        server.stop(kill=True)
+        engine = sa.create_engine(db_url)
+        with engine.connect() as conn:
+            counts = conn.exec_driver_sql("SELECT count(*), count(DISTINCT seq), max(seq) FROM events").one()
+            assert tuple(counts) == (total, total, total)
+            assert conn.exec_driver_sql("SELECT last_seq FROM sources").scalar_one() == total
+            assert conn.exec_driver_sql("SELECT sum(token_events) FROM requests").scalar_one() == total
+        engine.dispose()
+        server.start()  # it comes back with the same high-water mark: a replay is all duplicates
+        r = httpx.post(f"{server.url}/v1/events", content=body(ENGINE, evs))
+        assert r.json() == {"accepted": 0, "duplicates": 2000, "commands": []}
+    finally:
+        server.stop()
 
 
 def test_serve_refuses_a_public_bind_without_tokens(tmp_path):
