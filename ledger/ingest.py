@@ -119,6 +119,7 @@ class IngestWriter:
         self._thread = threading.Thread(target=self._run, name="chunkledger-writer", daemon=True)
         self._stopping = False
         self.groups_committed = 0
+        self.batches_committed = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -148,6 +149,9 @@ class IngestWriter:
         self._queue.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        log.info(
+            "writer stopped: %d batches in %d group commits", self.batches_committed, self.groups_committed
+        )
 
     def _run(self) -> None:
         stop = False
@@ -182,5 +186,6 @@ class IngestWriter:
             group[0][1].set_exception(WriterUnavailable(f"storage failed: {type(exc).__name__}: {exc}"))
             return
         self.groups_committed += 1
+        self.batches_committed += len(group)
         for (_, fut), res in zip(group, results, strict=True):
             fut.set_result(res)
