@@ -135,12 +135,6 @@ class IngestWriter:
         self._queue.put((batch, fut))
         return await asyncio.wrap_future(fut)
 
-    def write_now(self, batch: ev.Batch) -> WriteResult:
-        """Synchronous submit, for tools and tests that do not run an event loop."""
-        fut: concurrent.futures.Future[WriteResult] = concurrent.futures.Future()
-        self._queue.put((batch, fut))
-        return fut.result()
-
     def stop(self, timeout: float = 30.0) -> None:
         """Store everything already queued, then stop. Idempotent."""
         if self._stopping:
