@@ -142,6 +142,16 @@ class SimRequest:
         return rng.randrange(100, 50_000)
 
 
+def _new_prompt_tokens(req: SimRequest, n: int) -> int:
+    """Of a chunk of ``n`` tokens at ``req.computed``, the prompt positions never computed before.
+
+    Everything else in the chunk is recomputation: positions a preemption threw away, and output
+    positions (past the prompt) that decode had already computed.
+    """
+    high = max(min(req.lost_tokens, req.prompt_tokens), req.computed)
+    return max(0, min(req.computed + n, req.prompt_tokens) - high)
+
+
 class SimEngine:
     """One engine: waiting and running queues, a KV block pool, a step clock; emits engine events."""
 
@@ -335,11 +345,11 @@ class SimEngine:
                         self.step_no,
                         n,
                         req.computed,
-                        req.cached_tokens,
+                        req.cached_tokens if req.chunks == 0 else 0,  # prefix hits: first chunk only
                         req.blocks,
                         req.preemptions,
                         wait_s,
-                        max(0, min(n, req.lost_tokens - req.computed)),
+                        n - _new_prompt_tokens(req, n),
                     )
                 )
                 req.chunks += 1

@@ -235,3 +235,36 @@ def test_cli_refuses_an_unknown_scenario_and_a_missing_ledger(tmp_path, monkeypa
         app, ["--ledger", "http://127.0.0.1:9", "--scenario", "nope", "--spool-dir", str(tmp_path)]
     )
     assert result.exit_code == 2 and "unknown scenario" in result.output
+
+
+def test_simulated_streams_keep_the_ledgers_token_accounting(fake_ledger, tmp_path):
+    """Folded by the ledger, every request past its prefill has cached + first-time prefill = prompt,
+    even after preemptions (which the recompute chunks must count as recomputed, not new)."""
+    from engine_hooks.events import Source
+    from ledger.fold import fold
+
+    run_simulation(
+        engines=1,
+        rps=40,
+        duration_s=6.0,
+        ledger_url=fake_ledger.url,
+        scenario="kv-pressure",
+        seed=2,
+        spool_dir=str(tmp_path),
+        pace=False,
+        overrides=FAST,
+    )
+    pairs = [
+        (Source(id=sid, kind="engine"), e)
+        for (sid, _, kind), e in zip(fake_ledger.rows, fake_ledger.store.events, strict=True)
+        if "engine" in sid
+    ]
+    rows = fold(pairs)
+    prefilled = [r for r in rows.values() if r.get("first_token_ts") is not None and r.get("prompt_tokens")]
+    assert sum(r.get("recomputed_tokens", 0) for r in prefilled) > 0  # preemptions happened and resumed
+    bad = [
+        r
+        for r in prefilled
+        if r.get("cached_tokens", 0) + r.get("prefill_computed_tokens", 0) != r["prompt_tokens"]
+    ]
+    assert bad == []
