@@ -109,13 +109,11 @@ class Store:
         """Lock the sources' rows for this transaction; their high-water marks (absent: unknown)."""
         raise NotImplementedError
 
+    # The driver's parameter style differs by backend ("?" for DuckDB, "%s" for psycopg).
+    _EXISTING_SEQS_SQL = "SELECT seq FROM events WHERE source_id = ? AND seq BETWEEN ? AND ?"
+
     def _existing_seqs(self, conn: Any, source_id: str, lo: int, hi: int) -> set[int]:
-        rows = conn.execute(
-            "SELECT seq FROM events WHERE source_id = %s AND seq BETWEEN %s AND %s"
-            if self.dialect == "postgresql"
-            else "SELECT seq FROM events WHERE source_id = ? AND seq BETWEEN ? AND ?",
-            (source_id, lo, hi),
-        ).fetchall()
+        rows = conn.execute(self._EXISTING_SEQS_SQL, (source_id, lo, hi)).fetchall()
         return {r[0] for r in rows}
 
     def _append(self, conn: Any, prepared: Prepared) -> None:

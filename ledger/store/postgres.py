@@ -48,6 +48,7 @@ def _copy(pg: Any, table: str, columns: list[str], cols: dict[str, list[Any]]) -
 
 class PostgresStore(Store):
     dialect = "postgresql"
+    _EXISTING_SEQS_SQL = "SELECT seq FROM events WHERE source_id = %s AND seq BETWEEN %s AND %s"
 
     def _connect(self) -> _Tx:
         return _Tx(self.engine.raw_connection())
