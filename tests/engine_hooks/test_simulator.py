@@ -17,6 +17,11 @@ from engine_hooks.simulator import SCENARIOS, Fleet, run_simulation, simulate
 FAST = {"spool_fsync": False, "flush_interval_s": 0.01}
 
 
+def _simulate(ledger: FakeLedger, tmp_path, **kw):
+    """run_simulation against the fake ledger, unpaced, with fast flushing."""
+    return run_simulation(ledger_url=ledger.url, spool_dir=str(tmp_path), pace=False, overrides=FAST, **kw)
+
+
 def _events_by_source(ledger: FakeLedger, prefix: str) -> dict[str, list[tuple[str, object]]]:
     out: dict[str, list[tuple[str, object]]] = {}
     for (sid, _, kind), event in zip(ledger.rows, ledger.store.events, strict=True):
@@ -34,16 +39,14 @@ def _events_by_source(ledger: FakeLedger, prefix: str) -> dict[str, list[tuple[s
 def test_same_seed_emits_the_same_events(fake_ledger, tmp_path):
     runs = []
     for prefix in ("a", "b"):
-        run_simulation(
+        _simulate(
+            fake_ledger,
+            tmp_path,
             engines=2,
             rps=30,
             duration_s=1.0,
-            ledger_url=fake_ledger.url,
             seed=7,
-            spool_dir=str(tmp_path),
             source_prefix=prefix,
-            pace=False,
-            overrides=FAST,
         )
         runs.append(_events_by_source(fake_ledger, prefix))
     assert runs[0] == runs[1]
@@ -53,31 +56,27 @@ def test_same_seed_emits_the_same_events(fake_ledger, tmp_path):
 def test_different_seeds_emit_different_events(fake_ledger, tmp_path):
     runs = []
     for prefix, seed in (("a", 1), ("b", 2)):
-        run_simulation(
+        _simulate(
+            fake_ledger,
+            tmp_path,
             engines=1,
             rps=30,
             duration_s=1.0,
-            ledger_url=fake_ledger.url,
             seed=seed,
-            spool_dir=str(tmp_path),
             source_prefix=prefix,
-            pace=False,
-            overrides=FAST,
         )
         runs.append(_events_by_source(fake_ledger, prefix))
     assert runs[0] != runs[1]
 
 
 def test_summary_counts_match_what_the_ledger_stored(fake_ledger, tmp_path):
-    summary = run_simulation(
+    summary = _simulate(
+        fake_ledger,
+        tmp_path,
         engines=3,
         rps=50,
         duration_s=1.0,
-        ledger_url=fake_ledger.url,
         seed=3,
-        spool_dir=str(tmp_path),
-        pace=False,
-        overrides=FAST,
     )
     stored = Counter(sid for sid, _, _ in fake_ledger.rows)
     assert set(summary["emitted"]) == {"sim-engine-0", "sim-engine-1", "sim-engine-2", "sim-gateway-0"}
@@ -89,16 +88,14 @@ def test_summary_counts_match_what_the_ledger_stored(fake_ledger, tmp_path):
 
 
 def test_long_prompts_are_chunked_under_the_token_budget(fake_ledger, tmp_path):
-    run_simulation(
+    _simulate(
+        fake_ledger,
+        tmp_path,
         engines=1,
         rps=20,
         duration_s=3.0,
-        ledger_url=fake_ledger.url,
         scenario="long-prompts",
         seed=5,
-        spool_dir=str(tmp_path),
-        pace=False,
-        overrides=FAST,
     )
     events = fake_ledger.store.events
     budget = SCENARIOS["long-prompts"].max_num_batched_tokens
@@ -112,16 +109,14 @@ def test_long_prompts_are_chunked_under_the_token_budget(fake_ledger, tmp_path):
 
 
 def test_kv_pressure_causes_preemptions_and_recompute_chunks(fake_ledger, tmp_path):
-    run_simulation(
+    _simulate(
+        fake_ledger,
+        tmp_path,
         engines=1,
         rps=40,
         duration_s=6.0,
-        ledger_url=fake_ledger.url,
         scenario="kv-pressure",
         seed=2,
-        spool_dir=str(tmp_path),
-        pace=False,
-        overrides=FAST,
     )
     kinds = Counter(kind for _, _, kind in fake_ledger.rows)
     assert kinds["preempted"] > 0 and kinds["resumed"] > 0
@@ -136,16 +131,14 @@ def test_kv_pressure_causes_preemptions_and_recompute_chunks(fake_ledger, tmp_pa
 
 
 def test_runaways_loop_without_a_token_cap(fake_ledger, tmp_path):
-    run_simulation(
+    _simulate(
+        fake_ledger,
+        tmp_path,
         engines=1,
         rps=20,
         duration_s=2.0,
-        ledger_url=fake_ledger.url,
         scenario="runaway",
         seed=4,
-        spool_dir=str(tmp_path),
-        pace=False,
-        overrides=FAST,
     )
     uncapped = {
         e.request_id for e in fake_ledger.store.events if isinstance(e, Queued) and e.max_tokens is None
@@ -243,16 +236,14 @@ def test_simulated_streams_keep_the_ledgers_token_accounting(fake_ledger, tmp_pa
     from engine_hooks.events import Source
     from ledger.fold import fold
 
-    run_simulation(
+    _simulate(
+        fake_ledger,
+        tmp_path,
         engines=1,
         rps=40,
         duration_s=6.0,
-        ledger_url=fake_ledger.url,
         scenario="kv-pressure",
         seed=2,
-        spool_dir=str(tmp_path),
-        pace=False,
-        overrides=FAST,
     )
     pairs = [
         (Source(id=sid, kind="engine"), e)
