@@ -161,6 +161,8 @@ class Resumed(_RequestEvent, tag="resumed", kw_only=True, frozen=True):
 
     wait_s: NonNegFloat = 0.0  # monotonic time from its preemption to now
     cached_tokens: NonNegInt = 0  # tokens found in the prefix cache on resume
+    output_tokens: NonNegInt = 0  # output tokens it had produced when preempted (0: preempted in
+    # prefill, so the wait delayed its first token; >0: the wait delayed its decode)
 
 
 class Finished(_RequestEvent, tag="finished", kw_only=True, frozen=True):
@@ -184,8 +186,8 @@ class CutoffApplied(_RequestEvent, tag="cutoff_applied", kw_only=True, frozen=Tr
 class Step(_Event, tag="step", kw_only=True, frozen=True):
     """One engine step: what it ran and how long it took.
 
-    Enough to rebuild each request's inter-token gaps (``request_ids``) and to fit step time against
-    prefill tokens, prefill depth (join with the step's chunks) and decode batch size.
+    Enough to rebuild each request's inter-token gaps (``request_ids``), to count KV idle time
+    (``stalled_*``) and to fit step time against prefill tokens, prefill depth and decode batch size.
     """
 
     step: NonNegInt  # step counter of the engine, from 0
@@ -198,6 +200,12 @@ class Step(_Event, tag="step", kw_only=True, frozen=True):
     waiting: NonNegInt = 0  # requests in the waiting queue after scheduling
     kv_usage: Ratio = 0.0  # share of the KV cache in use, 0..1
     request_ids: list[str] = []  # requests scheduled this step (prefill and decode)
+    prefill_depth_tokens: NonNegInt = 0  # sum over this step's chunks of tokens * computed_before:
+    # the attention work that grows with prefill depth (for the chunk-size fit)
+    max_prefill_depth: NonNegInt = 0  # deepest chunk start (computed_before) among this step's chunks
+    stalled_request_ids: list[str] = []  # requests holding KV blocks that got no token this step
+    # (a chunked prefill or a decode left out of the batch): their KV sat idle for duration_s
+    stalled_kv_blocks: list[NonNegInt] = []  # KV blocks each stalled request held, same order
 
 
 class Dropped(_Event, tag="dropped", kw_only=True, frozen=True):

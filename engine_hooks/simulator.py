@@ -188,7 +188,9 @@ class SimEngine:
         self.e_preempted = exporter.emitter(
             Preempted, "ts", "request_id", "kv_blocks_freed", "computed_tokens"
         )
-        self.e_resumed = exporter.emitter(Resumed, "ts", "request_id", "wait_s", "cached_tokens")
+        self.e_resumed = exporter.emitter(
+            Resumed, "ts", "request_id", "wait_s", "cached_tokens", "output_tokens"
+        )
         self.e_finished = exporter.emitter(
             Finished, "ts", "request_id", "reason", "output_tokens", "stop_reason", "wait_s"
         )
@@ -206,6 +208,10 @@ class SimEngine:
             "waiting",
             "kv_usage",
             "request_ids",
+            "prefill_depth_tokens",
+            "max_prefill_depth",
+            "stalled_request_ids",
+            "stalled_kv_blocks",
         )
 
     @property
@@ -326,17 +332,18 @@ class SimEngine:
             req.state = "running"
             planned.add(req.id)
             if req.preemptions:
-                self.e_resumed(ts, req.id, t - req.waiting_since, 0)
+                self.e_resumed(ts, req.id, t - req.waiting_since, 0, req.output)
                 self.emitted += 1
             budget -= n
             plan.append((req, n))
         prefill_tokens = decode_reqs = prefill_reqs = 0
-        depth_work = 0
+        depth_work = max_depth = 0
         for req, n in plan:
             if req.prefilling:
                 prefill_reqs += 1
                 prefill_tokens += n
                 depth_work += n * req.computed
+                max_depth = max(max_depth, req.computed)
                 wait_s = t - req.queued_t if req.chunks == 0 else None
                 chunk_rows.append(
                     (
@@ -384,6 +391,8 @@ class SimEngine:
             elif len(req.pending_ids) >= sc.tokens_flush:
                 self._flush_tokens(req, end)
         running_ids = [req.id for req, _ in plan]
+        # Running requests left out of this step (the budget ran out) hold their KV with no progress.
+        stalled = [r for r in self.running if r.id not in planned and r.blocks]
         usage = 1.0 - self.free_blocks / sc.kv_blocks
         self.e_step(
             ts,
@@ -397,6 +406,10 @@ class SimEngine:
             len(self.waiting),
             min(max(usage, 0.0), 1.0),
             running_ids,
+            depth_work,
+            max_depth,
+            [r.id for r in stalled],
+            [r.blocks for r in stalled],
         )
         self.emitted += 1
         self.step_no += 1

@@ -72,6 +72,17 @@ AGGREGATES: dict[str, Agg] = {
     "stop_reason": Agg("max", "str", "engine stop reason, e.g. chunkledger:<rule>"),
     "status_code": Agg("max", "int", "HTTP status the gateway sent"),
     "cut_rule": Agg("max", "str", "rule of the cutoff applied to it"),
+    # Waits split by what they delayed (for attribution; monotonic, seconds).
+    "requeue_wait_prefill_s": Agg("sum", "float", "preempted -> resumed waits before the first token"),
+    "requeue_wait_decode_s": Agg("sum", "float", "preempted -> resumed waits after the first token"),
+    "final_wait_s": Agg("sum", "float", "wait that ended with the request finishing while waiting"),
+    # Step participation and KV idle time, folded from ``step`` events.
+    "step_count": Agg("sum", "int", "engine steps it took part in (a chunk or a decode)"),
+    "active_s": Agg("sum", "float", "summed duration of the steps it took part in"),
+    "last_step_ts": Agg("max", "float", "end of the last step it took part in"),
+    "stalled_steps": Agg("sum", "int", "steps it sat out while holding KV blocks"),
+    "kv_idle_s": Agg("sum", "float", "seconds holding KV blocks with no progress (steps sat out)"),
+    "kv_idle_block_s": Agg("sum", "float", "KV block-seconds held idle (blocks x seconds sat out)"),
 }
 
 SUM_COLUMNS = frozenset(c for c, a in AGGREGATES.items() if a.op == "sum")
@@ -172,6 +183,7 @@ def _resumed(row: Row, e: Any, source: ev.Source) -> None:
     _engine(row, source)
     _add(row, "resumes", 1)
     _add(row, "backend_wait_measured_s", e.wait_s)
+    _add(row, "requeue_wait_decode_s" if e.output_tokens else "requeue_wait_prefill_s", e.wait_s)
 
 
 def _finished(row: Row, e: Any, source: ev.Source) -> None:
@@ -181,6 +193,7 @@ def _finished(row: Row, e: Any, source: ev.Source) -> None:
     _max(row, "stop_reason", e.stop_reason)
     _max(row, "output_tokens", e.output_tokens)
     _add(row, "backend_wait_measured_s", e.wait_s)
+    _add(row, "final_wait_s", e.wait_s)
 
 
 def _cutoff_applied(row: Row, e: Any, source: ev.Source) -> None:
@@ -215,15 +228,46 @@ _BY_TYPE: dict[type, Callable[[Row, Any, ev.Source], None]] = {
 }
 
 
+def fold_step(rows: dict[str, Row], step: ev.Step) -> None:
+    """Fold one ``step`` event into the rows of the requests it ran and the ones it left stalled.
+
+    Only counts and sums, so the rows still merge in any order; the step's own row goes to ``steps``.
+    """
+    end = step.ts + step.duration_s
+    d = step.duration_s
+    for rid in step.request_ids:
+        row = rows.get(rid)
+        if row is None:
+            row = rows[rid] = {}
+        row["step_count"] = row.get("step_count", 0) + 1
+        row["active_s"] = row.get("active_s", 0.0) + d
+        cur = row.get("last_step_ts")
+        if cur is None or end > cur:
+            row["last_step_ts"] = end
+    blocks = step.stalled_kv_blocks
+    for i, rid in enumerate(step.stalled_request_ids):
+        row = rows.get(rid)
+        if row is None:
+            row = rows[rid] = {}
+        row["stalled_steps"] = row.get("stalled_steps", 0) + 1
+        row["kv_idle_s"] = row.get("kv_idle_s", 0.0) + d
+        if i < len(blocks):
+            row["kv_idle_block_s"] = row.get("kv_idle_block_s", 0.0) + d * blocks[i]
+
+
 def fold_into(rows: dict[str, Row], source: ev.Source, events: Iterable[Any]) -> None:
     """Fold request events of one source into ``rows`` (request_id -> partial row), in place.
 
-    Events without a request id (``step``, ``dropped``) are skipped. ``tokens`` events, the bulk of
-    any stream, take an inlined path with the same effect as ``_tokens``.
+    ``step`` events fold into the requests they name (see ``fold_step``); ``dropped`` markers are
+    skipped. ``tokens`` events, the bulk of any stream, take an inlined path with the same effect as
+    ``_tokens``.
     """
-    tokens_cls = ev.Tokens
+    tokens_cls, step_cls = ev.Tokens, ev.Step
     for e in events:
         cls = type(e)
+        if cls is step_cls:
+            fold_step(rows, e)
+            continue
         if cls is tokens_cls:
             row = rows.get(e.request_id)
             if row is None:

@@ -5,7 +5,10 @@
   event's fields as JSON (output token ids removed unless configured). ``step`` events are stored
   here by identity only (``data`` NULL); their fields live in ``steps``.
 * ``steps``    one row per engine step.
-* ``requests`` one row per request, the merge of its events (see ``ledger.fold``).
+* ``request_rows`` one row per request, the merge of its events (see ``ledger.fold``); only the
+  write path touches it.
+* ``requests`` a VIEW: every ``request_rows`` column plus the four-layer attribution derived from them
+  (``ATTRIBUTION``; the view's SQL lives in migration 0002). Every read and every user query uses it.
 """
 
 from __future__ import annotations
@@ -59,13 +62,14 @@ steps = sa.Table(
     sa.Column("waiting", sa.BigInteger, nullable=False),
     sa.Column("kv_usage", sa.Double, nullable=False),
     sa.Column("request_ids", sa.ARRAY(sa.Text), nullable=False),
+    sa.Column("prefill_depth_tokens", sa.BigInteger, nullable=False, server_default=sa.text("0")),
+    sa.Column("max_prefill_depth", sa.BigInteger, nullable=False, server_default=sa.text("0")),
+    sa.Column("stalled_request_ids", sa.ARRAY(sa.Text)),
 )
 
-requests = sa.Table(
-    "requests",
-    metadata,
-    sa.Column("request_id", sa.Text, primary_key=True),
-    *(
+
+def _aggregate_columns() -> list[sa.Column[object]]:
+    return [
         sa.Column(
             name,
             _SQL_TYPES[agg.type],
@@ -74,7 +78,39 @@ requests = sa.Table(
             comment=agg.doc,
         )
         for name, agg in AGGREGATES.items()
-    ),
+    ]
+
+
+request_rows = sa.Table(
+    "request_rows",
+    metadata,
+    sa.Column("request_id", sa.Text, primary_key=True),
+    *_aggregate_columns(),
+)
+
+# The four-layer attribution (ARCHITECTURE.md, "The four layers"), seconds, derived by the view from
+# the merged row: entry_s + admission_s + backend_wait_s + prefill_s + decode_s = e2e_s exactly, and
+# entry_s + admission_s + backend_wait_ttft_s + prefill_s = ttft_s. NULL while the request is live
+# (ttft_s: until its first token).
+ATTRIBUTION: dict[str, str] = {
+    "entry_s": "entry layer: gateway arrived -> admission queue (no gateway: engine arrival -> queued)",
+    "admission_s": "admission layer: time in the gateway's admission queue -> forwarded",
+    "backend_wait_s": "backend wait: forwarded -> first scheduled, plus every preempted -> resumed wait",
+    "backend_wait_ttft_s": "the part of backend_wait_s before the first token",
+    "prefill_s": "batch prefill: first scheduled -> first token, less waits while preempted",
+    "decode_s": "batch decode: first token -> end, less waits while preempted",
+    "e2e_s": "end to end: arrival -> response complete (gateway clock when there is one)",
+    "ttft_s": "time to first token: arrival -> first token",
+}
+
+# Not in ``metadata``: migrations create the view; this object lets queries name its columns.
+_views = sa.MetaData()
+requests = sa.Table(
+    "requests",
+    _views,
+    sa.Column("request_id", sa.Text, primary_key=True),
+    *_aggregate_columns(),
+    *(sa.Column(name, sa.Double, comment=doc) for name, doc in ATTRIBUTION.items()),
 )
 
 # Indexes that only PostgreSQL gets: on DuckDB the unique (source_id, seq) is enforced by the single

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from ledger.fold import AGGREGATES
+from ledger.schema import ATTRIBUTION
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
@@ -29,5 +30,5 @@ def test_readme_event_contract_is_the_generated_one():
 
 def test_readme_lists_every_requests_column():
     section = _section("requests")
-    for col in ["request_id", *AGGREGATES]:
+    for col in ["request_id", *AGGREGATES, *ATTRIBUTION]:
         assert f"| `{col}` |" in section, col

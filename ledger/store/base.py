@@ -29,7 +29,7 @@ from ledger.fold import AGGREGATES, SUM_COLUMNS, Row, fold_into
 EVENT_COLUMNS = [c.name for c in schema.events.columns]
 STEP_COLUMNS = [c.name for c in schema.steps.columns]
 STEP_FIELDS = [c for c in STEP_COLUMNS if c != "source_id"]  # copied from the Step event as is
-REQUEST_COLUMNS = [c.name for c in schema.requests.columns]
+REQUEST_COLUMNS = [c.name for c in schema.request_rows.columns]
 
 
 @dataclass
@@ -61,7 +61,7 @@ _encode = msgspec.json.Encoder().encode
 
 
 def merge_sql(table: str, staging: str) -> str:
-    """INSERT ... ON CONFLICT DO UPDATE that merges staged partial rows into ``requests``.
+    """INSERT ... ON CONFLICT DO UPDATE that merges staged partial rows into ``request_rows``.
 
     The same statement runs on DuckDB and PostgreSQL; LEAST/GREATEST ignore NULLs on both.
     """
@@ -192,6 +192,8 @@ class Store:
                 for col in STEP_FIELDS:
                     s[col].append(getattr(e, col))
                 s["source_id"].append(sid)
+                if e.request_ids or e.stalled_request_ids:
+                    request_events.append(e)
             elif cls is dropped_cls:
                 data, rid = _encode(e).decode(), None
                 state.dropped += e.count

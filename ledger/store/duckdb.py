@@ -39,13 +39,15 @@ STEPS_SCHEMA = pa.schema(
     + [("ts", pa.float64()), ("duration_s", pa.float64())]
     + [(c, pa.int64()) for c in STEP_COLUMNS[5:11]]
     + [("kv_usage", pa.float64()), ("request_ids", pa.list_(pa.string()))]
+    + [("prefill_depth_tokens", pa.int64()), ("max_prefill_depth", pa.int64())]
+    + [("stalled_request_ids", pa.list_(pa.string()))]
 )
 REQUESTS_SCHEMA = pa.schema(
     [("request_id", pa.string())] + [(c, _ARROW[a.type]) for c, a in AGGREGATES.items()]
 )
 assert EVENTS_SCHEMA.names == EVENT_COLUMNS and STEPS_SCHEMA.names == STEP_COLUMNS
 
-_MERGE = merge_sql("requests", "_req_stage")
+_MERGE = merge_sql("request_rows", "_req_stage")
 _SOURCES_STAGE = pa.schema(
     [
         ("source_id", pa.string()),

@@ -16,7 +16,7 @@ from ledger.store.base import (
     request_columns,
 )
 
-_MERGE = merge_sql("requests", "_req_stage")
+_MERGE = merge_sql("request_rows", "_req_stage")
 _REQ_COLS = ["request_id", *AGGREGATES]
 
 
@@ -75,7 +75,7 @@ class PostgresStore(Store):
             _copy(pg, "steps", STEP_COLUMNS, prepared.steps)
         if prepared.requests:
             pg.execute(
-                "CREATE TEMP TABLE IF NOT EXISTS _req_stage (LIKE requests INCLUDING DEFAULTS) "
+                "CREATE TEMP TABLE IF NOT EXISTS _req_stage (LIKE request_rows INCLUDING DEFAULTS) "
                 "ON COMMIT DELETE ROWS"
             )
             _copy(pg, "_req_stage", _REQ_COLS, request_columns(prepared.requests))

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from engine_hooks import events as ev
 from ledger.app import create_app
 from ledger.config import Settings
+from ledger.migrate import head_revision
 from tests.ledger.factories import ENGINE, GATEWAY, body, lifecycle, numbered
 
 TOKENS = {"ingest_token": "ing", "read_token": "rd", "admin_token": "adm"}
@@ -140,7 +141,7 @@ def test_sources_endpoint_reports_high_water_marks(client):
 def test_health_and_readiness(client):
     assert client.get("/healthz").json() == {"status": "ok"}
     r = client.get("/readyz")
-    assert r.status_code == 200 and r.json()["schema"] == "0001"
+    assert r.status_code == 200 and r.json()["schema"] == head_revision()
 
 
 def test_storage_failure_is_a_retryable_503_and_keeps_what_was_accepted(client, monkeypatch):

@@ -115,17 +115,47 @@ def test_every_aggregate_column_is_reachable_from_some_event():
     extra = [
         (GATEWAY, ev.ClientDisconnected(seq=0, ts=T0 + 9, request_id="r")),
         (GATEWAY, ev.StreamCut(seq=0, ts=T0 + 9, request_id="r", rule="loop")),
+        # A decode-phase preemption, a finish while waiting, a step run and a step sat out.
+        (ENGINE, ev.Resumed(seq=0, ts=T0 + 9, request_id="r", wait_s=0.2, output_tokens=5)),
+        (ENGINE, ev.Finished(seq=0, ts=T0 + 9, request_id="r", reason="abort", wait_s=0.1)),
+        (ENGINE, ev.Step(seq=0, ts=T0, step=0, duration_s=0.01, request_ids=["r"])),
+        (
+            ENGINE,
+            ev.Step(seq=0, ts=T0, step=1, duration_s=0.01, stalled_request_ids=["r"], stalled_kv_blocks=[4]),
+        ),
     ]
     row = fold([(GATEWAY, e) for e in gw] + [(ENGINE, e) for e in en] + extra)["r"]
     missing = set(AGGREGATES) - set(row)
     assert missing == set()
 
 
-def test_step_and_dropped_events_do_not_create_request_rows():
+def test_dropped_markers_do_not_create_request_rows():
+    rows = fold([(ENGINE, ev.Dropped(seq=2, ts=T0, count=3, reason="queue_full"))])
+    assert rows == {}
+
+
+def test_steps_fold_participation_into_runners_and_kv_idle_into_stalled_requests():
     rows = fold(
         [
-            (ENGINE, ev.Step(seq=1, ts=T0, step=0, duration_s=0.01, request_ids=["a"])),
-            (ENGINE, ev.Dropped(seq=2, ts=T0, count=3, reason="queue_full")),
+            (ENGINE, ev.Step(seq=1, ts=T0, step=0, duration_s=0.01, request_ids=["a", "b"])),
+            (
+                ENGINE,
+                ev.Step(
+                    seq=2,
+                    ts=T0 + 0.02,
+                    step=1,
+                    duration_s=0.03,
+                    request_ids=["a"],
+                    stalled_request_ids=["b"],
+                    stalled_kv_blocks=[12],
+                ),
+            ),
         ]
     )
-    assert rows == {}
+    a, b = rows["a"], rows["b"]
+    assert a["step_count"] == 2 and a["active_s"] == pytest.approx(0.04)
+    assert a["last_step_ts"] == pytest.approx(T0 + 0.05)
+    assert "kv_idle_s" not in a
+    assert b["step_count"] == 1 and b["last_step_ts"] == pytest.approx(T0 + 0.01)
+    assert b["stalled_steps"] == 1 and b["kv_idle_s"] == pytest.approx(0.03)
+    assert b["kv_idle_block_s"] == pytest.approx(0.36)

@@ -14,7 +14,9 @@ def _columns(engine: sa.Engine) -> dict[str, set[str]]:
     with engine.connect() as conn:
         rows = conn.exec_driver_sql(
             "SELECT table_name, column_name FROM information_schema.columns "
-            "WHERE table_schema IN ('main', 'public') AND table_name <> 'alembic_version'"
+            "WHERE table_schema IN ('main', 'public') AND table_name <> 'alembic_version' "
+            "AND table_name NOT IN (SELECT table_name FROM information_schema.views "
+            "WHERE table_schema IN ('main', 'public'))"
         ).all()
     out: dict[str, set[str]] = {}
     for table, col in rows:
@@ -42,5 +44,14 @@ def test_upgrade_is_idempotent_and_downgrade_round_trips(db_url):
     assert _columns(engine) == {}
     assert migrate.current_revision(engine) is None
     migrate.upgrade(engine)
-    assert "requests" in _columns(engine)
+    assert "request_rows" in _columns(engine)
+
+
+def test_requests_view_has_every_row_column_and_the_attribution(db_url):
+    engine = make_engine(db_url)
+    migrate.upgrade(engine)
+    with engine.connect() as conn:
+        cols = [c[0] for c in conn.exec_driver_sql("SELECT * FROM requests LIMIT 0").cursor.description]
+    assert cols == [c.name for c in schema.requests.columns]
+    engine.dispose()
     engine.dispose()
