@@ -103,6 +103,12 @@ ATTRIBUTION: dict[str, str] = {
     "ttft_s": "time to first token: arrival -> first token",
 }
 
+# The points the layers span (unix seconds; end_ts NULL while live).
+SPAN: dict[str, str] = {
+    "start_ts": "arrival: gateway arrived_ts, else the engine's arrival",
+    "end_ts": "end: gateway completed_ts, else disconnected_ts, else engine finished_ts",
+}
+
 # Not in ``metadata``: migrations create the view; this object lets queries name its columns.
 _views = sa.MetaData()
 requests = sa.Table(
@@ -111,6 +117,7 @@ requests = sa.Table(
     sa.Column("request_id", sa.Text, primary_key=True),
     *_aggregate_columns(),
     *(sa.Column(name, sa.Double, comment=doc) for name, doc in ATTRIBUTION.items()),
+    *(sa.Column(name, sa.Double, comment=doc) for name, doc in SPAN.items()),
 )
 
 # Indexes that only PostgreSQL gets: on DuckDB the unique (source_id, seq) is enforced by the single

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from ledger.fold import AGGREGATES
-from ledger.schema import ATTRIBUTION
+from ledger.schema import ATTRIBUTION, SPAN
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
@@ -30,5 +30,5 @@ def test_readme_event_contract_is_the_generated_one():
 
 def test_readme_lists_every_requests_column():
     section = _section("requests")
-    for col in ["request_id", *AGGREGATES, *ATTRIBUTION]:
+    for col in ["request_id", *AGGREGATES, *ATTRIBUTION, *SPAN]:
         assert f"| `{col}` |" in section, col

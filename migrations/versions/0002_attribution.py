@@ -3,7 +3,8 @@
 * ``requests`` is renamed ``request_rows`` (the fold target) and gains fold columns: waits split by
   what they delayed, step participation and KV idle time.
 * ``steps`` gains the prefill-depth work of the step and the requests it left stalled.
-* A view ``requests`` adds the four-layer attribution to every row (see ledger/schema.py, ATTRIBUTION).
+* A view ``requests`` adds the four-layer attribution, and the start and end points they span, to
+  every row (see ledger/schema.py, ATTRIBUTION and SPAN).
 
 The view's SQL is frozen here. A later migration that changes ``request_rows`` must drop and
 re-create the view (PostgreSQL binds ``r.*`` when the view is created).
@@ -65,6 +66,8 @@ def _view_sql() -> str:
     }
     cols = [f"CASE WHEN {done} THEN {expr} END AS {name}" for name, expr in layers.items()]
     cols.append(f"{tok} - {t0} AS ttft_s")
+    cols.append(f"{t0} AS start_ts")
+    cols.append(f"{t5} AS end_ts")
     return "CREATE VIEW requests AS SELECT r.*, " + ", ".join(cols) + " FROM request_rows r"
 
 
