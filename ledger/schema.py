@@ -128,3 +128,84 @@ PG_ONLY_INDEXES = (
     sa.Index("events_request_id_idx", events.c.request_id),
     sa.Index("steps_source_step_idx", steps.c.source_id, steps.c.step),
 )
+
+# -- Runaway rules, commands and webhooks (migration 0003) ------------------------------------------
+# * ``cutoffs``  one row per decision (a command): who decided what for which request, and where it is
+#   in delivery. ``source_id`` is the engine that runs the request, ``gateway_source_id`` the gateway
+#   streaming it (when one was); each confirms on its own. ``state``: pending until every target has
+#   confirmed (applied) or has finished the request without it (moot), or the ttl ran out (expired).
+# * ``policy_versions``  every accepted policy document, newest is live.
+# * ``webhook_subscriptions``, ``webhook_outbox`` (one row per delivery to one subscriber, retried until
+#   delivered or dead) and ``webhook_attempts`` (the delivery log, one row per HTTP attempt).
+cutoffs = sa.Table(
+    "cutoffs",
+    metadata,
+    sa.Column("command_id", sa.Text, primary_key=True),
+    sa.Column("request_id", sa.Text, nullable=False),
+    sa.Column("rule", sa.Text, nullable=False),
+    sa.Column("action", sa.Text, nullable=False),
+    sa.Column("detail", sa.Text, nullable=False),
+    sa.Column("model", sa.Text),
+    sa.Column("source_id", sa.Text),
+    sa.Column("gateway_source_id", sa.Text),
+    sa.Column("decided_ts", sa.Double, nullable=False),
+    sa.Column("delivered_ts", sa.Double),
+    sa.Column("applied_ts", sa.Double),
+    sa.Column("applied_source_id", sa.Text),
+    sa.Column("gateway_delivered_ts", sa.Double),
+    sa.Column("gateway_applied_ts", sa.Double),
+    sa.Column("deliveries", sa.BigInteger, nullable=False, server_default=sa.text("0")),
+    sa.Column("state", sa.Text, nullable=False),
+    sa.Column("closed_ts", sa.Double),
+    sa.UniqueConstraint("request_id", "rule", name="cutoffs_request_rule_key"),
+)
+
+policy_versions = sa.Table(
+    "policy_versions",
+    metadata,
+    sa.Column("version", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("created_ts", sa.Double, nullable=False),
+    sa.Column("origin", sa.Text, nullable=False),
+    sa.Column("body", sa.Text, nullable=False),
+)
+
+webhook_subscriptions = sa.Table(
+    "webhook_subscriptions",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("url", sa.Text, nullable=False),
+    sa.Column("secret", sa.Text, nullable=False),
+    sa.Column("event_types", sa.Text, nullable=False),
+    sa.Column("format", sa.Text, nullable=False),
+    sa.Column("created_ts", sa.Double, nullable=False),
+    sa.Column("deleted_ts", sa.Double),
+)
+
+webhook_outbox = sa.Table(
+    "webhook_outbox",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("subscription_id", sa.Text, nullable=False),
+    sa.Column("event_type", sa.Text, nullable=False),
+    sa.Column("event_id", sa.Text, nullable=False),
+    sa.Column("body", sa.Text, nullable=False),
+    sa.Column("created_ts", sa.Double, nullable=False),
+    sa.Column("next_attempt_ts", sa.Double, nullable=False),
+    sa.Column("attempts", sa.BigInteger, nullable=False),
+    sa.Column("state", sa.Text, nullable=False),
+    sa.Column("last_status", sa.BigInteger),
+    sa.Column("last_error", sa.Text),
+    sa.Column("delivered_ts", sa.Double),
+    sa.Column("lease_until", sa.Double),
+)
+
+webhook_attempts = sa.Table(
+    "webhook_attempts",
+    metadata,
+    sa.Column("delivery_id", sa.Text, nullable=False),
+    sa.Column("attempt", sa.BigInteger, nullable=False),
+    sa.Column("ts", sa.Double, nullable=False),
+    sa.Column("status_code", sa.BigInteger),
+    sa.Column("error", sa.Text),
+    sa.Column("duration_s", sa.Double, nullable=False),
+)

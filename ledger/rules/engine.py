@@ -1,0 +1,334 @@
+"""The live rule engine: per-request state fed by accepted events, rules evaluated on events and on a ticker.
+
+The ingest writer calls ``observe`` with each batch's newly accepted events right after they are
+committed (never duplicates), so the state sees every event once. Counter rules (token cap, loop,
+preemption and forced-wait limits) run at the end of each observed batch for the requests it touched,
+after all of that batch's events, so a request that finished in the same batch is never cut. Time rules
+(wall-clock and stall timeouts, slow-pool starvation) and the starvation alert run on ``tick``.
+
+Clocks: each source's timestamps are moved onto the ledger's clock with that source's offset, measured
+as the smallest ``receive time - newest event ts`` over its last 32 batches (clock difference plus the
+shortest delivery delay). Ages computed from it err on the young side by that delay, so a time rule can
+fire late by a flush interval but never early because of a skewed source clock.
+
+Memory is bounded: a request leaves the live set when it finishes (engine ``finished``, or the gateway
+is done and no engine has it), when it has had no event for ``idle_evict_s``, or, least recently touched
+first, when more than ``max_live`` requests are live. The loop detector keeps ``max_period + 3`` tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine_hooks import events as ev
+from ledger.rules import rules as R
+from ledger.rules.loop import LoopDetector
+from ledger.rules.policy import Policy, RuleSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Decision:
+    request_id: str
+    rule: str
+    action: str
+    detail: str
+    model: str | None
+    engine_source_id: str | None  # where the engine runs it (abort / slow pool there)
+    gateway_source_id: str | None  # the gateway streaming it, when one is (it cuts the stream)
+    decided_ts: float  # ledger clock
+
+
+class Hooks(Protocol):
+    """What the engine reports; the runaway service implements it (store, deliver, alert, count)."""
+
+    def decided(self, decisions: list[Decision]) -> None: ...
+    def confirmed(self, source_id: str, command_id: str, ts: float) -> None: ...
+    def request_done(self, request_id: str, source_id: str, kind: str) -> None: ...
+    def dropped(self, source: ev.Source, count: int, reason: str, ts: float) -> None: ...
+    def starving(self, r: R.LiveRequest, waited_s: float, now: float) -> None: ...
+
+
+class _Clock:
+    __slots__ = ("offsets",)
+
+    def __init__(self) -> None:
+        self.offsets: deque[float] = deque(maxlen=32)
+
+    def offset(self) -> float:
+        return min(self.offsets) if self.offsets else 0.0
+
+
+class RuleEngine:
+    def __init__(
+        self,
+        policy: Callable[[], Policy],
+        hooks: Hooks,
+        *,
+        max_live: int = 200_000,
+        idle_evict_s: float = 4 * 3600.0,
+        clock: Callable[[], float] = time.time,
+        mono: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._policy = policy
+        self._hooks = hooks
+        self.max_live = max_live
+        self.idle_evict_s = idle_evict_s
+        self._clock = clock
+        self._mono = mono
+        self._lock = threading.RLock()
+        self.live: OrderedDict[str, R.LiveRequest] = OrderedDict()  # least recently touched first
+        self._done: OrderedDict[str, None] = OrderedDict()  # recently finished ids (late events ignored)
+        self._clocks: dict[str, _Clock] = {}
+        self._rules_cache: tuple[Policy | None, dict[str | None, RuleSettings]] = (None, {})
+        self._stalled: dict[str, tuple[str, int]] = {}  # source -> (model, KV-stalled in its last step)
+
+    # -- policy ------------------------------------------------------------------------------------
+    def rules_for(self, model: str | None) -> RuleSettings:
+        policy = self._policy()
+        cached_for, cache = self._rules_cache
+        if cached_for is not policy:
+            cache = {}
+            self._rules_cache = (policy, cache)
+        s = cache.get(model)
+        if s is None:
+            s = cache[model] = policy.rules_for(model)
+        return s
+
+    # -- events ------------------------------------------------------------------------------------
+    def observe(
+        self, source: ev.Source, events: Sequence[Any], recv_ts: float | None = None
+    ) -> list[Decision]:
+        """Fold newly accepted events of one batch into the live state; decide counter rules."""
+        if not events:
+            return []
+        now = self._clock() if recv_ts is None else recv_ts
+        with self._lock:
+            clk = self._clocks.get(source.id)
+            if clk is None:
+                clk = self._clocks[source.id] = _Clock()
+            clk.offsets.append(now - max(e.ts for e in events))
+            off = clk.offset()
+            touched: dict[str, R.LiveRequest] = {}
+            signals: list[tuple[Any, ...]] = []
+            for e in events:
+                self._apply(source, e, e.ts + off, touched, signals)
+            decisions = self._decide(touched.values(), R.EVENT_RULES, now)
+            self._bound()
+        # Reported outside the lock, in event order, decisions last (a confirmation in this batch is
+        # for an older command).
+        hooks = self._hooks
+        for sig in signals:
+            if sig[0] == "confirmed":
+                hooks.confirmed(*sig[1:])
+            elif sig[0] == "done":
+                hooks.request_done(*sig[1:])
+            else:
+                hooks.dropped(*sig[1:])
+        if decisions:
+            hooks.decided(decisions)
+        return decisions
+
+    def _get(self, rid: str, touched: dict[str, R.LiveRequest], create: bool = True) -> R.LiveRequest | None:
+        r = self.live.get(rid)
+        if r is None:
+            if not create or rid in self._done:
+                return None
+            r = self.live[rid] = R.LiveRequest(request_id=rid)
+        else:
+            self.live.move_to_end(rid)
+        r.touched_mono = self._mono()
+        touched[rid] = r
+        return r
+
+    def _apply(
+        self,
+        source: ev.Source,
+        e: Any,
+        t: float,
+        touched: dict[str, R.LiveRequest],
+        signals: list[tuple[Any, ...]],
+    ) -> None:
+        kind = e.__struct_config__.tag
+        if kind == "step":
+            self._step(source, e, t, touched)
+            return
+        if kind == "dropped":
+            signals.append(("dropped", source, e.count, e.reason, t))
+            return
+        if kind == "cutoff_applied":
+            signals.append(("confirmed", source.id, e.command_id, t))
+            return
+        rid = e.request_id
+        if kind in ("finished", "completed", "client_disconnected", "stream_cut"):
+            if kind == "stream_cut" and e.command_id:
+                signals.append(("confirmed", source.id, e.command_id, t))
+            signals.append(("done", rid, source.id, kind))
+            r = self.live.get(rid)
+            if r is None:
+                return
+            if kind == "finished" or r.engine_source_id is None:
+                self._finish(rid, r)
+            else:
+                r.gateway_streaming = False
+            return
+        r = self._get(rid, touched)
+        if r is None:
+            return
+        if source.kind == "engine":
+            r.engine_source_id = source.id
+            if source.model:
+                r.model = source.model
+        else:
+            r.gateway_source_id = source.id
+        if kind == "tokens":
+            r.output_tokens = max(r.output_tokens, e.total)
+            r.last_progress_ts = t
+            r.running, r.waiting_since = True, None
+            if e.token_ids:
+                det = r.detector
+                if det is None:
+                    lp = self.rules_for(r.model).loop
+                    if not lp.enabled:
+                        return
+                    det = r.detector = LoopDetector(
+                        max_period=lp.max_period,
+                        min_repeats=lp.min_repeats,
+                        min_span_tokens=lp.min_span_tokens,
+                    )
+                det.extend(e.token_ids)
+        elif kind == "chunk":
+            r.last_progress_ts = t
+            r.running, r.waiting_since = True, None
+        elif kind == "queued":
+            r.admitted_ts = t if r.admitted_ts is None else min(r.admitted_ts, t)
+            if not r.running:
+                r.waiting_since = t
+        elif kind == "preempted":
+            r.preemptions += 1
+            r.running, r.waiting_since = False, t
+        elif kind == "resumed":
+            r.running, r.waiting_since = True, None
+            r.last_progress_ts = t
+        elif kind == "arrived":
+            r.gateway_streaming = bool(e.stream)
+        elif kind == "admitted":
+            r.admitted_ts = t if r.admitted_ts is None else min(r.admitted_ts, t)
+
+    def _step(self, source: ev.Source, e: ev.Step, t: float, touched: dict[str, R.LiveRequest]) -> None:
+        live = self.live
+        for rid in e.request_ids:
+            r = live.get(rid)
+            if r is not None:
+                r.last_progress_ts = t
+        stalled = 0
+        for rid in e.stalled_request_ids:
+            r = live.get(rid)
+            if r is not None:
+                r.forced_waits += 1
+                stalled += 1
+                touched[rid] = r  # the forced-wait limit is checked with the batch's counter rules
+        self._stalled[source.id] = (source.model or "", stalled)
+
+    def _finish(self, rid: str, r: R.LiveRequest) -> None:
+        r.finished = True
+        self.live.pop(rid, None)
+        self._done[rid] = None
+        while len(self._done) > 2 * self.max_live:
+            self._done.popitem(last=False)
+
+    def _decide(self, reqs: Any, rules: tuple[R.Rule, ...], now: float) -> list[Decision]:
+        out = []
+        for r in reqs:
+            if r.finished:
+                continue
+            for v in R.evaluate(r, self.rules_for(r.model), now, rules):
+                R.record(r, v, now)
+                out.append(
+                    Decision(
+                        request_id=r.request_id,
+                        rule=v.rule,
+                        action=v.action,
+                        detail=v.detail,
+                        model=r.model,
+                        engine_source_id=r.engine_source_id,
+                        gateway_source_id=r.gateway_source_id if r.gateway_streaming else None,
+                        decided_ts=now,
+                    )
+                )
+        return out
+
+    def _bound(self) -> None:
+        while len(self.live) > self.max_live:
+            rid, _r = self.live.popitem(last=False)
+            log.warning("live rule state full (%d requests): dropping the oldest, %s", self.max_live, rid)
+
+    # -- time --------------------------------------------------------------------------------------
+    def tick(self, now: float | None = None) -> list[Decision]:
+        """Time rules, the starvation alert and idle eviction over every live request."""
+        now = self._clock() if now is None else now
+        mono = self._mono()
+        policy = self._policy()
+        starve = policy.alerts.starvation_wait_s
+        with self._lock:
+            decisions = self._decide(list(self.live.values()), R.TIME_RULES, now)
+            starving = []
+            if starve is not None:
+                for r in self.live.values():
+                    if (
+                        r.waiting_since is not None
+                        and not r.starvation_alerted
+                        and now - r.waiting_since > starve
+                    ):
+                        r.starvation_alerted = True
+                        starving.append((r, now - r.waiting_since))
+            while self.live:
+                _rid, r = next(iter(self.live.items()))
+                if mono - r.touched_mono <= self.idle_evict_s:
+                    break
+                self.live.popitem(last=False)
+        if decisions:
+            self._hooks.decided(decisions)
+        for r, waited in starving:
+            self._hooks.starving(r, waited, now)
+        return decisions
+
+    # -- views -------------------------------------------------------------------------------------
+    def live_counts(self) -> dict[str, int]:
+        with self._lock:
+            out: dict[str, int] = {}
+            for r in self.live.values():
+                m = r.model or ""
+                out[m] = out.get(m, 0) + 1
+            return out
+
+    def kv_stalled_counts(self) -> dict[str, int]:
+        """Per model: requests holding KV that got no token in their engine's latest step."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for model, n in self._stalled.values():
+                out[model] = out.get(model, 0) + n
+            return out
+
+    def kv_stall_max_s(self, now: float | None = None) -> dict[str, float]:
+        """Per model: the longest time a live request has held its place without a new token."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            out: dict[str, float] = {}
+            for r in self.live.values():
+                if r.last_progress_ts is None:
+                    continue
+                m = r.model or ""
+                out[m] = max(out.get(m, 0.0), now - r.last_progress_ts)
+            return out
+
+    def get(self, request_id: str) -> R.LiveRequest | None:
+        with self._lock:
+            return self.live.get(request_id)

@@ -1,0 +1,212 @@
+"""The runaway policy: what the rules allow, per model, and what the alerts watch.
+
+A policy is a validated document (TOML or YAML file, or JSON through ``PUT /v1/policy``)::
+
+    [rules]                       # defaults for every model
+    max_output_tokens = 16384     # ledger-side output cap, also where the client set none
+    wall_clock_timeout_s = 1800   # admission -> drain
+    stall_timeout_s = 120         # no new token for this long while running
+    max_preemptions = 3           # then preemption_action
+    max_forced_waits = 2000       # steps sat out while holding KV; then preemption_action
+    preemption_action = "slow_pool"   # or "non_preemptible"
+    slow_pool_max_wait_s = 60     # starved this long in the slow pool -> promote
+    [rules.loop]
+    max_period = 64
+    min_repeats = 4
+    min_span_tokens = 128
+
+    [models."llama-3-8b".rules]   # any subset of [rules], merged over the defaults
+    max_output_tokens = 4096
+
+    [alerts]
+    starvation_wait_s = 60
+    [alerts.slo]                  # per-model targets can go in [models.X.slo]
+    ttft_p99_s = 2.0
+    itl_p99_s = 0.2
+
+Every limit accepts ``0`` / ``false`` to switch that rule off (``null`` in JSON). Unknown keys are
+errors, so a typo never silently disables a rule. Loop defaults were chosen by measurement on
+``ledger.rules.corpus`` (see ``bench/loopdetect.py``): the longest legitimate periodic tail there spans
+85 tokens, so loops must span 128 tokens and repeat 4 times.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+Action = Literal["slow_pool", "non_preemptible"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _off(v: Any) -> Any:
+    """0 and false switch a limit off (TOML has no null)."""
+    return None if v is False or (v == 0 and not isinstance(v, bool)) else v
+
+
+class LoopSettings(_Strict):
+    enabled: bool = True
+    max_period: int = Field(64, ge=1, le=512, description="longest repeated block looked for, in tokens")
+    min_repeats: int = Field(4, ge=2, le=10_000, description="repeats of the block at the tail")
+    min_span_tokens: int = Field(
+        128, ge=2, le=1_000_000, description="and the repeated tail at least this long"
+    )
+
+
+class RuleSettings(_Strict):
+    max_output_tokens: int | None = Field(16384, ge=1)
+    wall_clock_timeout_s: float | None = Field(1800.0, gt=0)
+    stall_timeout_s: float | None = Field(120.0, gt=0)
+    max_preemptions: int | None = Field(3, ge=1)
+    max_forced_waits: int | None = Field(2000, ge=1)
+    preemption_action: Action = "slow_pool"
+    slow_pool_max_wait_s: float | None = Field(60.0, gt=0)
+    loop: LoopSettings = LoopSettings()
+
+    @field_validator(
+        "max_output_tokens",
+        "wall_clock_timeout_s",
+        "stall_timeout_s",
+        "max_preemptions",
+        "max_forced_waits",
+        "slow_pool_max_wait_s",
+        mode="before",
+    )
+    @classmethod
+    def _switch_off(cls, v: Any) -> Any:
+        return _off(v)
+
+
+class SloSettings(_Strict):
+    ttft_p99_s: float | None = Field(None, gt=0, description="TTFT p99 target")
+    itl_p99_s: float | None = Field(None, gt=0, description="inter-token latency p99 target")
+
+    @field_validator("ttft_p99_s", "itl_p99_s", mode="before")
+    @classmethod
+    def _switch_off(cls, v: Any) -> Any:
+        return _off(v)
+
+
+class AlertSettings(_Strict):
+    starvation_wait_s: float | None = Field(60.0, gt=0, description="a request waiting longer: starvation")
+    slo: SloSettings = SloSettings()
+    slo_window_s: float = Field(300.0, gt=0, description="sliding window of finished requests")
+    slo_min_samples: int = Field(20, ge=1, description="no verdict on fewer requests in the window")
+    slo_clear_ratio: float = Field(0.8, gt=0, lt=1, description="clears when p99 < target * this")
+    slo_check_interval_s: float = Field(10.0, gt=0)
+
+    @field_validator("starvation_wait_s", mode="before")
+    @classmethod
+    def _switch_off(cls, v: Any) -> Any:
+        return _off(v)
+
+
+class CommandSettings(_Strict):
+    ttl_s: float = Field(600.0, gt=0, description="stop re-sending an unconfirmed command after this")
+
+
+class ModelOverride(_Strict):
+    rules: dict[str, Any] = {}
+    slo: dict[str, Any] = {}
+
+
+class Policy(_Strict):
+    rules: RuleSettings = RuleSettings()
+    models: dict[str, ModelOverride] = {}
+    alerts: AlertSettings = AlertSettings()
+    commands: CommandSettings = CommandSettings()
+
+    @field_validator("models")
+    @classmethod
+    def _overrides_validate(cls, v: dict[str, ModelOverride], info: Any) -> dict[str, ModelOverride]:
+        base = info.data.get("rules", RuleSettings())
+        for name, ov in v.items():
+            try:
+                _merge(RuleSettings, base, ov.rules)
+                _merge(SloSettings, SloSettings(), ov.slo)
+            except ValidationError as exc:
+                raise ValueError(f"models.{name}: {format_errors(exc)}") from None
+        return v
+
+    def rules_for(self, model: str | None) -> RuleSettings:
+        ov = self.models.get(model or "")
+        return self.rules if ov is None or not ov.rules else _merge(RuleSettings, self.rules, ov.rules)
+
+    def slo_for(self, model: str | None) -> SloSettings:
+        ov = self.models.get(model or "")
+        return self.alerts.slo if ov is None or not ov.slo else _merge(SloSettings, self.alerts.slo, ov.slo)
+
+
+def _merge(cls: type[BaseModel], base: BaseModel, override: dict[str, Any]) -> Any:
+    data = base.model_dump()
+    for k, v in override.items():
+        if isinstance(v, dict) and isinstance(data.get(k), dict):
+            data[k] = {**data[k], **v}
+        else:
+            data[k] = v
+    return cls.model_validate(data)
+
+
+class PolicyError(ValueError):
+    """A policy that does not validate; the message names each field and the reason."""
+
+
+def format_errors(exc: ValidationError) -> str:
+    parts = []
+    for e in exc.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "policy"
+        parts.append(f"{loc}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def parse_policy(data: Any) -> Policy:
+    """Validate a decoded document; raise PolicyError naming the field."""
+    if not isinstance(data, dict):
+        raise PolicyError("policy: must be a mapping (a TOML/YAML document or a JSON object)")
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as exc:
+        raise PolicyError(format_errors(exc)) from None
+
+
+def load_policy_text(text: str, fmt: str) -> Policy:
+    """Parse ``text`` as ``toml``, ``yaml`` or ``json`` and validate it."""
+    try:
+        if fmt == "toml":
+            data: Any = tomllib.loads(text)
+        elif fmt in ("yaml", "yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif fmt == "json":
+            data = json.loads(text)
+        else:
+            raise PolicyError(f"policy: unknown format {fmt!r}; use .toml, .yaml or .json")
+    except PolicyError:
+        raise
+    except Exception as exc:  # the parsers' own errors carry line and column
+        raise PolicyError(f"policy: not valid {fmt}: {exc}") from None
+    return parse_policy(data)
+
+
+def load_policy_file(path: str | Path) -> Policy:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise PolicyError(f"policy file {p}: {exc.strerror}") from None
+    try:
+        return load_policy_text(text, p.suffix.lstrip(".").lower() or "toml")
+    except PolicyError as exc:
+        raise PolicyError(f"policy file {p}: {exc}") from None
+
+
+def policy_json(policy: Policy) -> dict[str, Any]:
+    return policy.model_dump(mode="json")

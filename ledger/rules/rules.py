@@ -1,0 +1,170 @@
+"""Runaway rules: pure functions of one request's live state, the policy and the time.
+
+Each rule returns a ``Verdict`` (rule name, action, human-readable detail) or None. The rule engine
+(``ledger.rules.engine``) keeps the live state and calls them; tests call them directly with
+hand-built states (table-driven). Times are ledger wall-clock seconds: the engine converts every source
+timestamp with that source's measured clock offset before it lands in the state, so a rule never
+subtracts timestamps of two different clocks.
+
+Rules and their actions:
+
+=====================  ==================================================================  ==========
+rule                   fires when                                                          action
+=====================  ==================================================================  ==========
+``token_cap``          more output tokens than ``max_output_tokens``                       abort
+``loop``               the loop detector found a repeated tail (see ``ledger.rules.loop``) abort
+``wall_clock_timeout`` admitted longer ago than ``wall_clock_timeout_s`` and not drained    abort
+``stall_timeout``      running, and no new token (nor prefill progress) for ``stall_...``  abort
+``preemption_limit``   preempted ``max_preemptions`` times                                 policy's
+``forced_wait_limit``  sat out ``max_forced_waits`` steps while holding KV                 policy's
+``slow_pool_starved``  in the slow pool with no progress for ``slow_pool_max_wait_s``      promote
+=====================  ==================================================================  ==========
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ledger.rules.loop import LoopDetector
+from ledger.rules.policy import RuleSettings
+
+
+@dataclass(frozen=True)
+class Verdict:
+    rule: str
+    action: str  # abort | slow_pool | non_preemptible | promote
+    detail: str
+
+
+@dataclass(eq=False)
+class LiveRequest:
+    """What the rules need to know about one request that has not finished (ledger clock)."""
+
+    request_id: str
+    model: str | None = None
+    engine_source_id: str | None = None
+    gateway_source_id: str | None = None
+    gateway_streaming: bool = False  # a gateway is streaming it to a client (and can cut the stream)
+    admitted_ts: float | None = None  # gateway admitted it (else the engine queued it)
+    waiting_since: float | None = None  # queued or preempted and not (re)scheduled since; None: running
+    running: bool = False  # scheduled at least once and not preempted since
+    last_progress_ts: float | None = None  # newest token, chunk or resume
+    output_tokens: int = 0
+    preemptions: int = 0
+    forced_waits: int = 0  # steps it sat out while holding KV blocks
+    slow_pool_ts: float | None = None  # when the slow_pool command was decided
+    finished: bool = False  # the engine finished it (or the gateway completed it)
+    detector: LoopDetector | None = None
+    decided: set[str] = field(default_factory=set)  # rules and actions already decided (once each)
+    starvation_alerted: bool = False
+    touched_mono: float = 0.0  # ledger monotonic time of its newest event (eviction)
+
+
+def token_cap(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+    cap = p.max_output_tokens
+    if cap is not None and r.output_tokens > cap:
+        return Verdict("token_cap", "abort", f"{r.output_tokens} output tokens, ledger cap {cap}")
+    return None
+
+
+def loop(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+    hit = r.detector.hit if r.detector is not None else None
+    if hit is None or not p.loop.enabled:
+        return None
+    return Verdict(
+        "loop",
+        "abort",
+        f"period {hit.period} repeated {hit.repeats} times ({hit.span} tokens) at output token {hit.at}",
+    )
+
+
+def wall_clock_timeout(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+    limit = p.wall_clock_timeout_s
+    if limit is None or r.admitted_ts is None:
+        return None
+    age = now - r.admitted_ts
+    if age > limit:
+        return Verdict("wall_clock_timeout", "abort", f"{age:.1f} s since admission, limit {limit:g} s")
+    return None
+
+
+def stall_timeout(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+    limit = p.stall_timeout_s
+    if limit is None or not r.running or r.last_progress_ts is None:
+        return None
+    idle = now - r.last_progress_ts
+    if idle > limit:
+        return Verdict(
+            "stall_timeout", "abort", f"no new token for {idle:.1f} s while running, limit {limit:g} s"
+        )
+    return None
+
+
+def preemption_limit(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+    n = p.max_preemptions
+    if n is not None and r.preemptions >= n:
+        return Verdict("preemption_limit", p.preemption_action, f"preempted {r.preemptions} times, limit {n}")
+    return None
+
+
+def forced_wait_limit(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+    n = p.max_forced_waits
+    if n is not None and r.forced_waits >= n:
+        return Verdict(
+            "forced_wait_limit", p.preemption_action, f"sat out {r.forced_waits} steps holding KV, limit {n}"
+        )
+    return None
+
+
+def slow_pool_starved(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+    limit = p.slow_pool_max_wait_s
+    if limit is None or r.slow_pool_ts is None:
+        return None
+    since = max(r.slow_pool_ts, r.last_progress_ts or 0.0)
+    starved = now - since
+    if starved > limit:
+        return Verdict(
+            "slow_pool_starved",
+            "promote",
+            f"no progress for {starved:.1f} s in the slow pool, limit {limit:g} s",
+        )
+    return None
+
+
+Rule = Callable[[LiveRequest, RuleSettings, float], Verdict | None]
+
+# Checked when a request's events arrive (cheap, counters only) and on the ticker (time-based).
+EVENT_RULES: tuple[Rule, ...] = (token_cap, loop, preemption_limit, forced_wait_limit)
+TIME_RULES: tuple[Rule, ...] = (wall_clock_timeout, stall_timeout, slow_pool_starved)
+ALL_RULES = EVENT_RULES + TIME_RULES
+RULE_NAMES = tuple(f.__name__ for f in ALL_RULES)
+
+
+def evaluate(
+    r: LiveRequest, p: RuleSettings, now: float, rules: tuple[Rule, ...] = ALL_RULES
+) -> list[Verdict]:
+    """The new verdicts for ``r``; ``record`` them into ``r.decided`` once acted on.
+
+    A rule or an action already decided is not decided again; after an abort nothing else is."""
+    if r.finished or "abort" in r.decided:
+        return []
+    out: list[Verdict] = []
+    for rule in rules:
+        if rule.__name__ in r.decided:
+            continue
+        v = rule(r, p, now)
+        if v is None or v.action in r.decided or any(o.action == v.action for o in out):
+            continue
+        out.append(v)
+        if v.action == "abort":
+            return [v]  # the request is being cut: other actions are moot
+    return out
+
+
+def record(r: LiveRequest, v: Verdict, now: float) -> None:
+    """Mark ``v`` as decided for ``r`` (its rule and its action)."""
+    r.decided.add(v.rule)
+    r.decided.add(v.action)
+    if v.action == "slow_pool":
+        r.slow_pool_ts = now
