@@ -7,7 +7,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from ledger.api import events, health, requests
+from ledger.api import analytics, events, health, requests
+from ledger.api import advice as advice_api
 from ledger.config import Settings, get_settings
 from ledger.ingest import IngestWriter
 from ledger.store import Store, open_store
@@ -35,4 +36,6 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.include_router(health.router)
     app.include_router(events.router)
     app.include_router(requests.router)
+    app.include_router(analytics.router)
+    app.include_router(advice_api.router)
     return app

@@ -86,6 +86,24 @@ def _register_optional_commands() -> None:
 _register_optional_commands()
 
 
+def _register_advice() -> None:
+    from ledger.advice.commands import advise
+
+    app.command(name="advise")(advise)
+
+
+_register_advice()
+
+
+def _register_analytics() -> None:
+    from ledger.analytics.cli import register
+
+    register(app)
+
+
+_register_analytics()
+
+
 def main() -> None:
     app(prog_name="chunkledger")
 
