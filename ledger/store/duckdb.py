@@ -152,6 +152,10 @@ class DuckDBStore(Store):
         for st in states:
             self._marks[st.source.id] = max(st.last_seq, st.new_last_seq)
 
+    def reader_connection(self) -> Any:
+        """A new DuckDB connection to this store's instance, for reads beside the writer (ledger.sql)."""
+        return self._duck.cursor()
+
     def close(self) -> None:
         self._raw.close()
         super().close()
