@@ -25,6 +25,20 @@ class Settings(BaseSettings):
     group_commit_max_events: int = Field(50_000, ge=1, description="events per storage transaction")
     persist_token_ids: bool = False  # store output token ids in events.data (they are user content)
     log_level: str = "info"
+    sql_timeout_s: float = Field(10.0, gt=0, le=3600, description="POST /v1/sql: time limit per query")
+    sql_max_rows: int = Field(
+        10_000, ge=1, le=1_000_000, description="POST /v1/sql: most rows one query returns"
+    )
+    sql_reader_url: str = Field(
+        "", description="PostgreSQL: URL of the read-only role /v1/sql connects as (`chunkledger sql-reader`)"
+    )
+
+    @field_validator("sql_reader_url")
+    @classmethod
+    def _reader_is_postgres(cls, v: str) -> str:
+        if v and not v.startswith("postgresql"):
+            raise ValueError("sql_reader_url must be a postgresql URL (the read-only role for /v1/sql)")
+        return v
 
     @field_validator("db_url")
     @classmethod
