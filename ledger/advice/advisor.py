@@ -1,0 +1,293 @@
+"""Chunk-size advice for an ITL target, from a step-time fit.
+
+For a decoding request every step is one inter-token gap, so the ITL p99 is the p99 step time of the
+steps it decodes in. Given a target:
+
+1. decode time at current load: the predicted decode-only step at the observed p50 and p99 decode
+   batch (``num_decode_reqs`` over the window);
+2. prefill budget per step = target - decode time at the p99 batch;
+3. the largest prefill chunk T whose predicted step (fit at T tokens, depth D, p99 batch) plus the
+   residual p99 (the margin) stays within the target, where D is the deepest chunk start seen at p99
+   (``max_prefill_depth`` over prefill steps) unless the caller names a depth. Every prefill token of
+   a step is costed at depth D, so the bound holds for any mix of chunks no deeper than D;
+4. as vLLM settings: ``max_num_batched_tokens`` = T + p99 decode batch (decodes share the budget);
+   ``long_prefill_token_threshold`` = (1 - arrival_share)·T, so that a long prompt being chunked
+   leaves part of every step's prefill budget to new arrivals (vLLM schedules running requests
+   first; without the threshold a long prompt takes the whole budget and arrivals' TTFT waits for
+   it to end — ARCHITECTURE.md, "Why two knobs").
+
+The margin is the residual p99 of the steps whose prediction lies near the target (half to twice
+it) when there are enough of them — step noise is roughly proportional to step time, so the global
+residual p99 (dominated by long steps) would overstate it — else the global residual p99.
+
+Refusals (``AdviceError``): the fit's (too little data, degenerate design), a depth outside the data,
+a target at or below decode time plus margin, and a target that needs chunks smaller than any prefill
+step in the data at that depth. Chunks larger than the data covers are capped at the largest seen.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ledger.advice.fit import StepData, StepTimeFit, check_data, fit_step_time
+
+MARGIN_MIN_STEPS = 50  # steps near the target needed to use their residual p99 as the margin
+DEFAULT_ARRIVAL_SHARE = 0.25
+SETTING_MULTIPLE = 16  # engine settings are rounded down to a multiple of this (vLLM's KV block size)
+
+
+class AdviceError(ValueError):
+    """No advice: ``reason`` is a short code, ``status`` the HTTP status the API answers with."""
+
+    def __init__(self, reason: str, message: str, *, status: int = 409, **details: Any) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
+        self.details = details
+
+
+@dataclass(frozen=True)
+class Load:
+    """The observed load the advice is for (quantiles over the window's steps)."""
+
+    decode_batch_p50: int
+    decode_batch_p99: int
+    prefill_depth_p50: int  # max_prefill_depth over prefill steps
+    prefill_depth_p99: int
+    kv_usage_p50: float
+    kv_usage_p99: float
+    decode_only_step_p50_s: float | None  # observed decode-only steps, for comparison with the fit
+    decode_only_step_p99_s: float | None
+    step_p99_s: float  # observed p99 of every step: today's ITL p99 bound
+
+    @classmethod
+    def of(cls, data: StepData) -> Load:
+        pre = data.is_prefill
+        dec_only = ~pre & (data.num_decode_reqs > 0)
+        depth = data.max_prefill_depth[pre]
+        return cls(
+            decode_batch_p50=math.ceil(np.quantile(data.num_decode_reqs, 0.5)),
+            decode_batch_p99=math.ceil(np.quantile(data.num_decode_reqs, 0.99)),
+            prefill_depth_p50=int(np.quantile(depth, 0.5)) if len(depth) else 0,
+            prefill_depth_p99=int(np.quantile(depth, 0.99)) if len(depth) else 0,
+            kv_usage_p50=float(np.quantile(data.kv_usage, 0.5)),
+            kv_usage_p99=float(np.quantile(data.kv_usage, 0.99)),
+            decode_only_step_p50_s=float(np.quantile(data.duration_s[dec_only], 0.5))
+            if dec_only.any()
+            else None,
+            decode_only_step_p99_s=float(np.quantile(data.duration_s[dec_only], 0.99))
+            if dec_only.any()
+            else None,
+            step_p99_s=float(np.quantile(data.duration_s, 0.99)),
+        )
+
+
+def _floor_to(value: float, multiple: int) -> int:
+    return max(multiple, int(value // multiple) * multiple)
+
+
+@dataclass(frozen=True)
+class DepthAdvice:
+    depth: int
+    status: str  # ok | capped (the data allows more than it covers) | below_data | unreachable
+    chunk_tokens: int | None  # largest prefill tokens per step within the target (None: none)
+    needed_tokens: int | None  # below_data: what the fit says would fit (an extrapolation)
+    predicted_step_s: float | None  # fit + margin at chunk_tokens
+    prefill_tokens_per_s: float | None
+    unconstrained_tokens_per_s: float  # at the largest prefill step the data covers, same depth
+    throughput_ratio: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "depth": self.depth,
+            "status": self.status,
+            "chunk_tokens": self.chunk_tokens,
+            "needed_tokens": self.needed_tokens,
+            "predicted_step_p99_ms": None if self.predicted_step_s is None else self.predicted_step_s * 1e3,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "unconstrained_tokens_per_s": self.unconstrained_tokens_per_s,
+            "throughput_vs_unconstrained": self.throughput_ratio,
+        }
+
+
+class Advisor:
+    """Advice from one fit and the load it was fitted on."""
+
+    def __init__(self, data: StepData, fit: StepTimeFit | None = None) -> None:
+        self.data = check_data(data)
+        self.fit = fit or fit_step_time(self.data)
+        self.load = Load.of(self.data)
+
+    # -- pieces ----------------------------------------------------------------------------------
+    def _kv(self) -> float:
+        """KV usage to predict at: the end of the observed range that makes steps slower."""
+        if self.fit.coefficient("kv_usage") >= 0:
+            return self.load.kv_usage_p99
+        return float(np.quantile(self.data.kv_usage, 0.01))
+
+    def predict_s(self, tokens: Any, depth: float, decodes: float) -> np.ndarray:
+        return self.fit.predict_single(tokens, depth, decodes, self._kv())
+
+    def decode_s(self, batch: int) -> float:
+        return float(self.predict_s(0.0, 0.0, batch))
+
+    def margin(self, target_s: float) -> tuple[float, str]:
+        """Residual p99 near the target (see the module docstring), and where it came from."""
+        pred, resid = self.fit.predicted_s, self.fit.residuals_s
+        near = (pred >= target_s / 2) & (pred <= target_s * 2)
+        if int(near.sum()) >= MARGIN_MIN_STEPS:
+            lo, hi = target_s / 2 * 1e3, target_s * 2 * 1e3
+            return (
+                max(float(np.quantile(resid[near], 0.99)), 0.0),
+                f"residual p99 of the {int(near.sum())} steps predicted at {lo:.0f}-{hi:.0f} ms",
+            )
+        return max(self.fit.residual_p99_s, 0.0), f"residual p99 of all {len(resid)} steps"
+
+    def at_depth(self, depth: int, target_s: float, margin_s: float, batch: int) -> DepthAdvice:
+        """The largest prefill tokens per step at ``depth`` whose predicted step + margin fits."""
+        t_min, t_max = (int(v) for v in self.fit.ranges.prefill_tokens)
+        grid = np.arange(1, t_max + 1, dtype=np.float64)
+        step = self.predict_s(grid, depth, batch) + margin_s
+        unconstrained = t_max / float(step[-1] - margin_s)
+        ok = step <= target_s
+        # the longest run of fitting sizes starting at the smallest size the data covers
+        run = np.cumprod(ok[t_min - 1 :])
+        fits = int(run.sum())
+        if fits == 0:
+            below = np.flatnonzero(~ok[: t_min - 1])
+            needed = int(below[0]) if len(below) else t_min - 1  # sizes 1..needed fit (extrapolated)
+            status = "below_data" if needed >= 1 else "unreachable"
+            return DepthAdvice(depth, status, None, needed or None, None, None, unconstrained, None)
+        chunk = t_min - 1 + fits
+        status = "capped" if chunk == t_max else "ok"
+        pred = float(step[chunk - 1])
+        tput = chunk / (pred - margin_s)
+        return DepthAdvice(depth, status, chunk, None, pred, tput, unconstrained, tput / unconstrained)
+
+    # -- the advice ------------------------------------------------------------------------------
+    def advise(
+        self,
+        itl_target_ms: float,
+        *,
+        depth: int | None = None,
+        arrival_share: float = DEFAULT_ARRIVAL_SHARE,
+    ) -> dict[str, Any]:
+        if not itl_target_ms > 0:
+            raise AdviceError("bad_target", "itl_target_ms must be > 0", status=422)
+        if not 0 <= arrival_share < 1:
+            raise AdviceError("bad_arrival_share", "arrival_share must be in [0, 1)", status=422)
+        target_s = itl_target_ms / 1e3
+        load, ranges = self.load, self.fit.ranges
+        d_hi = int(ranges.max_prefill_depth[1])
+        if depth is None:
+            depth = load.prefill_depth_p99
+        elif not 0 <= depth <= d_hi:
+            raise AdviceError(
+                "depth_outside_data",
+                f"depth={depth} is outside the depths the data covers (0..{d_hi}); the fit would "
+                f"extrapolate. Profile deeper prompts (chunkledger profile) or ask within 0..{d_hi}",
+                status=422,
+                covered=[0, d_hi],
+            )
+        b50, b99 = load.decode_batch_p50, load.decode_batch_p99
+        decode50, decode99 = self.decode_s(b50), self.decode_s(b99)
+        margin_s, margin_from = self.margin(target_s)
+        budget_s = target_s - decode99
+        depths = sorted({0, load.prefill_depth_p50, load.prefill_depth_p99, d_hi, depth})
+        by_depth = {d: self.at_depth(d, target_s, margin_s, b99) for d in depths}
+        main = by_depth[depth]
+        base: dict[str, Any] = {
+            "itl_target_ms": itl_target_ms,
+            "load": {
+                "decode_batch_p50": b50,
+                "decode_batch_p99": b99,
+                "prefill_depth_p50": load.prefill_depth_p50,
+                "prefill_depth_p99": load.prefill_depth_p99,
+                "kv_usage_p99": load.kv_usage_p99,
+                "observed_step_p99_ms": load.step_p99_s * 1e3,
+                "observed_decode_only_step_ms": None
+                if load.decode_only_step_p50_s is None
+                else {"p50": load.decode_only_step_p50_s * 1e3, "p99": load.decode_only_step_p99_s * 1e3},  # type: ignore[operator]
+            },
+            "decode_ms": {"at_p50_batch": decode50 * 1e3, "at_p99_batch": decode99 * 1e3},
+            "prefill_budget_ms": budget_s * 1e3,
+            "margin_ms": margin_s * 1e3,
+            "margin_from": margin_from,
+            "depth": depth,
+            "by_depth": [by_depth[d].as_dict() for d in depths],
+            "fit": self.fit.as_dict(),
+        }
+        if budget_s - margin_s <= 0:
+            raise AdviceError(
+                "target_unreachable",
+                f"a {itl_target_ms:g} ms ITL target is at or below decode time at the p99 batch "
+                f"({decode99 * 1e3:.1f} ms for {b99} decodes) plus the margin ({margin_s * 1e3:.1f} ms): "
+                f"no prefill fits; lower max_num_seqs or raise the target",
+                advice=base,
+            )
+        if main.chunk_tokens is None:
+            smallest = int(ranges.prefill_tokens[0])
+            raise AdviceError(
+                "outside_data",
+                f"at depth {depth} the target needs prefill steps under {smallest} tokens, smaller than "
+                f"any in the data (the fit says about {main.needed_tokens or 0}); profile smaller chunks "
+                f"at that depth (chunkledger profile) or raise the target",
+                advice=base,
+            )
+        chunk = main.chunk_tokens
+        settings = {
+            "max_num_batched_tokens": _floor_to(chunk + b99, SETTING_MULTIPLE),
+            "long_prefill_token_threshold": _floor_to((1 - arrival_share) * chunk, SETTING_MULTIPLE),
+        }
+        prefill_share = settings["max_num_batched_tokens"] - b99
+        worst = float(self.predict_s(prefill_share, depth, b99)) + margin_s
+        shallow = float(self.predict_s(prefill_share, 0, b99)) + margin_s
+        notes = []
+        if main.status == "capped":
+            notes.append(
+                f"the target allows more than the largest prefill step in the data ({chunk} tokens); "
+                "the advice stops there: profile larger chunks to go further"
+            )
+        if settings["max_num_batched_tokens"] < 256:
+            notes.append("vLLM requires max_num_seqs <= max_num_batched_tokens: lower max_num_seqs too")
+        deep = by_depth[d_hi]
+        if deep.status in ("below_data", "unreachable"):
+            notes.append(
+                f"the deepest chunks seen (depth {d_hi}) cannot meet the target with any chunk the data "
+                "covers; they are rarer than p99, so the advice is for depth "
+                f"{depth}: expect steps above the target while such prompts prefill"
+            )
+        return {
+            **base,
+            "prefill_tokens_per_step": chunk,
+            "settings": settings,
+            "arrival_share": arrival_share,
+            "predicted": {
+                "itl_p99_ms": worst * 1e3,
+                "itl_p99_at_depth_0_ms": shallow * 1e3,
+            },
+            "throughput": {
+                "prefill_tokens_per_s": main.prefill_tokens_per_s,
+                "unconstrained_tokens_per_s": main.unconstrained_tokens_per_s,
+                "unconstrained_chunk_tokens": int(ranges.prefill_tokens[1]),
+                "cost": 1 - (main.throughput_ratio or 0.0),
+                "long_prompt_tokens_per_s": settings["long_prefill_token_threshold"]
+                / float(self.predict_s(settings["long_prefill_token_threshold"], depth, b99)),
+            },
+            "notes": notes,
+        }
+
+
+def advise(
+    data: StepData,
+    itl_target_ms: float,
+    *,
+    depth: int | None = None,
+    arrival_share: float = DEFAULT_ARRIVAL_SHARE,
+) -> dict[str, Any]:
+    """Fit ``data`` and advise for ``itl_target_ms`` (see the module docstring)."""
+    return Advisor(data).advise(itl_target_ms, depth=depth, arrival_share=arrival_share)

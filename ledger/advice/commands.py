@@ -1,0 +1,144 @@
+"""``chunkledger advise`` and ``chunkledger profile`` (registered by ``ledger.cli``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from ledger.advice.advisor import DEFAULT_ARRIVAL_SHARE
+from ledger.advice.query import DEFAULT_MAX_STEPS
+
+DEFAULT_LEDGER_URL = "http://127.0.0.1:8321"
+LEDGER_ENV = ["CHUNKLEDGER_LEDGER_URL", "CHUNKLEDGER_URL"]
+
+
+def _via_http(url: str, token: str | None, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        r = httpx.get(
+            f"{url.rstrip('/')}/v1/advice/chunk-size",
+            params={k: v for k, v in params.items() if v is not None},
+            headers=headers,
+            timeout=120.0,
+        )
+    except httpx.HTTPError as exc:
+        typer.echo(f"error: cannot reach the ledger at {url}: {exc} (start it, or pass --db)", err=True)
+        raise typer.Exit(2) from None
+    try:
+        body = r.json()
+    except ValueError:
+        body = {"detail": r.text[:500], "reason": f"http_{r.status_code}"}
+    if r.status_code == 422 and isinstance(body.get("detail"), list):  # FastAPI's parameter validation
+        body = {
+            "reason": "bad_parameter",
+            "detail": "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in body["detail"]),
+        }
+    elif r.status_code in (401, 403):
+        body = {"reason": "auth", "detail": f"{body.get('detail')} (pass --token or CHUNKLEDGER_READ_TOKEN)"}
+    return r.status_code, body
+
+
+def _via_db(url: str, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    import sqlalchemy as sa
+
+    from ledger.advice import AdviceError, chunk_size_advice
+
+    # Read-only: never migrate or write someone's ledger from a reporting tool.
+    connect_args = {"read_only": True} if url.startswith("duckdb") else {}
+    engine = sa.create_engine(url, connect_args=connect_args)
+    try:
+        return 200, chunk_size_advice(engine, **params)
+    except AdviceError as exc:
+        return exc.status, {"detail": str(exc), "reason": exc.reason, **exc.details}
+    except sa.exc.SQLAlchemyError as exc:
+        orig = getattr(exc, "orig", None)
+        msg = str(orig if orig is not None else exc).splitlines()[0]
+        hint = (
+            " (a running ledger holds the DuckDB file: use --ledger URL)"
+            if "lock" in msg.lower()
+            else " (is it a ledger database? chunkledger migrate creates one)"
+        )
+        typer.echo(
+            f"error: cannot read {engine.url.render_as_string(hide_password=True)}: {msg}{hint}", err=True
+        )
+        raise typer.Exit(2) from None
+    finally:
+        engine.dispose()
+
+
+def advise(
+    itl_target_ms: Annotated[
+        float, typer.Option("--itl-target-ms", min=0.001, help="inter-token latency p99 to stay within (ms)")
+    ],
+    ledger: Annotated[
+        str | None,
+        typer.Option(
+            help=f"ledger base URL (env CHUNKLEDGER_LEDGER_URL; default {DEFAULT_LEDGER_URL})",
+            envvar=LEDGER_ENV,
+        ),
+    ] = None,
+    db: Annotated[
+        str | None,
+        typer.Option(
+            "--db", help="read a database directly instead (PostgreSQL, or a DuckDB file no ledger serves)"
+        ),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="served model (when engines of several models report)")
+    ] = None,
+    source: Annotated[str | None, typer.Option(help="one engine source id")] = None,
+    since: Annotated[
+        str | None, typer.Option(help="window start: unix seconds, ISO 8601, or an age (2h)")
+    ] = None,
+    until: Annotated[str | None, typer.Option(help="window end (same forms)")] = None,
+    depth: Annotated[
+        int | None, typer.Option(min=0, help="advise at this prefill depth (default: the p99 seen)")
+    ] = None,
+    arrival_share: Annotated[
+        float,
+        typer.Option(min=0.0, max=0.99, help="share of each step's prefill a long prompt leaves to arrivals"),
+    ] = DEFAULT_ARRIVAL_SHARE,
+    max_steps: Annotated[
+        int, typer.Option(min=100, help="newest steps of the window to fit on")
+    ] = DEFAULT_MAX_STEPS,
+    token: Annotated[
+        str | None,
+        typer.Option(help="read token (env CHUNKLEDGER_READ_TOKEN)", envvar="CHUNKLEDGER_READ_TOKEN"),
+    ] = None,
+    format: Annotated[str, typer.Option("--format", help="table or json")] = "table",
+) -> None:
+    """Advise max_num_batched_tokens and long_prefill_token_threshold for an ITL target.
+
+    Fits step time from the ledger's steps (prefill tokens, prefill depth, decode batch) and prints the
+    decode time at current load, the prefill budget, the settings, the predicted ITL p99 and the
+    prefill throughput they cost, by depth. Exit status 1 when the data cannot support advice.
+    """
+    if format not in ("table", "json"):
+        typer.echo("error: --format must be table or json", err=True)
+        raise typer.Exit(2)
+    if db and ledger:
+        typer.echo("error: pass either --ledger or --db, not both", err=True)
+        raise typer.Exit(2)
+    params: dict[str, Any] = {
+        "itl_target_ms": itl_target_ms,
+        "model": model,
+        "source_id": source,
+        "since": since,
+        "until": until,
+        "depth": depth,
+        "arrival_share": arrival_share,
+        "max_steps": max_steps,
+    }
+    status, body = _via_db(db, params) if db else _via_http(ledger or DEFAULT_LEDGER_URL, token, params)
+    if format == "json":
+        typer.echo(json.dumps(body, indent=2))
+    else:
+        from ledger.advice.report import render_advice, render_refusal
+
+        typer.echo(render_advice(body) if status == 200 else render_refusal(body))
+    if status != 200:
+        raise typer.Exit(1)

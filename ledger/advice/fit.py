@@ -1,0 +1,469 @@
+"""Step-time model: least squares over ``steps`` rows.
+
+The base model (ARCHITECTURE.md, "Chunk-size advice") is
+
+    duration ≈ a + b·prefill_tokens + c·prefill_depth_tokens + d·num_decode_reqs
+
+where ``prefill_depth_tokens`` = Σ tokens·computed_before over the step's chunks: attention makes a
+chunk's cost grow with how deep into its prompt it starts. Candidate terms are added one at a time
+(forward selection) when they lower the cross-validated RMSE by at least ``MIN_CV_GAIN``; every
+candidate's figures are kept in ``StepTimeFit.selection`` so the choice can be checked:
+
+* ``num_prefill_reqs``  a fixed cost per prefill chunk (kernel launches, metadata, sampling setup);
+* ``max_prefill_depth`` a cost per token of depth that does not scale with the chunk (reading the
+  prefix's KV once per chunk); exact for one-chunk steps, the deepest chunk otherwise;
+* ``prefill_tokens_sq`` within-chunk attention (tokens² per chunk; per step estimated as
+  prefill_tokens² / num_prefill_reqs, exact for one-chunk steps);
+* ``kv_usage``          decode attention over the KV in use (grows with the context being decoded).
+
+Units: the fit runs in seconds; reports are in milliseconds. Columns are scaled before solving so
+that tokens·depth (~10^8) and kv_usage (~1) do not ruin the conditioning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+MIN_STEPS = 100  # fewer steps than this: refuse
+MIN_PREFILL_STEPS = 30  # steps that ran a prefill chunk
+MIN_PREFILL_SIZES = 3  # distinct prefill token counts (the fit extrapolates between them)
+MIN_DEPTHS = 3  # distinct chunk depths among prefill steps
+STEPS_PER_TERM = 10  # at least this many steps per fitted coefficient (candidates stop short of it)
+MIN_CV_GAIN = 0.02  # a candidate term must cut the cross-validated error by 2% (relative) to be kept
+CV_FOLDS = 5
+
+COLUMNS = (
+    "duration_s",
+    "prefill_tokens",
+    "prefill_depth_tokens",
+    "max_prefill_depth",
+    "num_prefill_reqs",
+    "num_decode_reqs",
+    "kv_usage",
+)
+
+
+class FitError(ValueError):
+    """The data cannot support a fit. ``reason`` is a short code for clients, the message explains."""
+
+    def __init__(self, reason: str, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.details = details
+
+
+@dataclass(frozen=True)
+class StepData:
+    """Columns of ``steps`` rows as float arrays (one entry per step)."""
+
+    duration_s: np.ndarray
+    prefill_tokens: np.ndarray
+    prefill_depth_tokens: np.ndarray
+    max_prefill_depth: np.ndarray
+    num_prefill_reqs: np.ndarray
+    num_decode_reqs: np.ndarray
+    kv_usage: np.ndarray
+
+    @classmethod
+    def from_columns(cls, cols: dict[str, Any]) -> StepData:
+        arrays = {c: np.asarray(cols[c], dtype=np.float64) for c in COLUMNS}
+        n = {len(a) for a in arrays.values()}
+        if len(n) > 1:
+            raise ValueError(f"columns of different lengths: {sorted(n)}")
+        return cls(**arrays)
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[Any, ...]] | list[Any]) -> StepData:
+        """Rows in ``COLUMNS`` order (e.g. a database cursor's tuples)."""
+        if not rows:
+            return cls.from_columns({c: [] for c in COLUMNS})
+        arr = np.asarray(rows, dtype=np.float64).reshape(len(rows), len(COLUMNS))
+        return cls(**{c: arr[:, i] for i, c in enumerate(COLUMNS)})
+
+    def __len__(self) -> int:
+        return len(self.duration_s)
+
+    def select(self, mask: np.ndarray) -> StepData:
+        return StepData(**{c: getattr(self, c)[mask] for c in COLUMNS})
+
+    @property
+    def is_prefill(self) -> np.ndarray:
+        return self.prefill_tokens > 0
+
+
+@dataclass(frozen=True)
+class Term:
+    """One column of the design matrix, and its value for a hypothetical one-chunk step."""
+
+    name: str
+    doc: str
+    unit: str  # what one unit of the term is, for the coefficient's label ("ms per <unit>")
+    column: Callable[[StepData], np.ndarray]
+    # value for a step with one prefill chunk of `tokens` at `depth`, `decode` decodes, KV usage `kv`
+    single: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def _sq_per_chunk(d: StepData) -> np.ndarray:
+    return d.prefill_tokens**2 / np.maximum(d.num_prefill_reqs, 1.0)
+
+
+INTERCEPT = Term(
+    "intercept",
+    "fixed cost of a step",
+    "step",
+    lambda d: np.ones(len(d)),
+    lambda t, dep, b, kv: np.ones_like(t, dtype=np.float64),
+)
+BASE_TERMS = (
+    INTERCEPT,
+    Term(
+        "prefill_tokens",
+        "per prefill token",
+        "token",
+        lambda d: d.prefill_tokens,
+        lambda t, dep, b, kv: t,
+    ),
+    Term(
+        "prefill_depth_tokens",
+        "per prefill token per token of depth (attention over the prefix)",
+        "token·depth",
+        lambda d: d.prefill_depth_tokens,
+        lambda t, dep, b, kv: t * dep,
+    ),
+    Term(
+        "num_decode_reqs",
+        "per decoding request",
+        "decode",
+        lambda d: d.num_decode_reqs,
+        lambda t, dep, b, kv: b,
+    ),
+)
+CANDIDATE_TERMS = (
+    Term(
+        "num_prefill_reqs",
+        "per prefill chunk",
+        "chunk",
+        lambda d: d.num_prefill_reqs,
+        lambda t, dep, b, kv: (t > 0).astype(np.float64),
+    ),
+    Term(
+        "max_prefill_depth",
+        "per token of depth, per chunk (reading the prefix's KV)",
+        "depth token",
+        lambda d: d.max_prefill_depth,
+        lambda t, dep, b, kv: np.where(t > 0, dep, 0.0),
+    ),
+    Term(
+        "prefill_tokens_sq",
+        "per token² within a chunk (attention inside the chunk)",
+        "token²",
+        _sq_per_chunk,
+        lambda t, dep, b, kv: t * t,
+    ),
+    Term(
+        "kv_usage",
+        "per unit of KV cache usage (decode attention over the context held)",
+        "kv_usage",
+        lambda d: d.kv_usage,
+        lambda t, dep, b, kv: kv,
+    ),
+)
+TERMS = {t.name: t for t in (*BASE_TERMS, *CANDIDATE_TERMS)}
+
+
+@dataclass(frozen=True)
+class Coefficient:
+    term: str
+    value_s: float  # seconds per unit of the term
+    stderr_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        t = TERMS[self.term]
+        return {
+            "term": self.term,
+            "meaning": t.doc,
+            "ms_per_unit": self.value_s * 1e3,
+            "unit": t.unit,
+            "stderr_ms": self.stderr_s * 1e3,
+        }
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """What the data covers; advice outside it is extrapolation and is refused or capped."""
+
+    steps: int
+    prefill_steps: int
+    decode_only_steps: int
+    prefill_tokens: tuple[float, float]  # min, max over prefill steps
+    max_prefill_depth: tuple[float, float]  # min, max over prefill steps
+    num_decode_reqs: tuple[float, float]  # min, max over all steps
+    duration_s: tuple[float, float]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "prefill_steps": self.prefill_steps,
+            "decode_only_steps": self.decode_only_steps,
+            "prefill_tokens": [int(v) for v in self.prefill_tokens],
+            "prefill_depth": [int(v) for v in self.max_prefill_depth],
+            "decode_batch": [int(v) for v in self.num_decode_reqs],
+            "duration_ms": [self.duration_s[0] * 1e3, self.duration_s[1] * 1e3],
+        }
+
+
+@dataclass(frozen=True)
+class StepTimeFit:
+    coefficients: tuple[Coefficient, ...]
+    r2: float
+    residual_p50_s: float  # signed: actual - predicted
+    residual_p99_s: float
+    residual_max_s: float
+    cv_rel_error: float  # cross-validated RMS of (actual - predicted) / predicted
+    ranges: Ranges
+    selection: tuple[dict[str, Any], ...] = field(default=())
+    residuals_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    predicted_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+
+    @property
+    def terms(self) -> tuple[str, ...]:
+        return tuple(c.term for c in self.coefficients)
+
+    def coefficient(self, term: str) -> float:
+        for c in self.coefficients:
+            if c.term == term:
+                return c.value_s
+        return 0.0
+
+    def predict_single(
+        self,
+        tokens: np.ndarray | float,
+        depth: np.ndarray | float,
+        decode: np.ndarray | float,
+        kv: np.ndarray | float = 0.0,
+    ) -> np.ndarray:
+        """Predicted duration (s) of steps with one prefill chunk of ``tokens`` starting at ``depth``
+        next to ``decode`` decoding requests (``tokens`` = 0: a decode-only step)."""
+        t, dep, b, k = np.broadcast_arrays(
+            *(np.asarray(v, dtype=np.float64) for v in (tokens, depth, decode, kv))
+        )
+        out = np.zeros(t.shape)
+        for c in self.coefficients:
+            out = out + c.value_s * TERMS[c.term].single(t, dep, b, k)
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": " + ".join("a" if c.term == "intercept" else f"{c.term}" for c in self.coefficients),
+            "coefficients": [c.as_dict() for c in self.coefficients],
+            "r2": self.r2,
+            "residual_ms": {
+                "p50": self.residual_p50_s * 1e3,
+                "p99": self.residual_p99_s * 1e3,
+                "max": self.residual_max_s * 1e3,
+            },
+            "cv_rel_error": self.cv_rel_error,
+            "steps_used": self.ranges.steps,
+            "covers": self.ranges.as_dict(),
+            "term_selection": list(self.selection),
+        }
+
+
+def check_data(data: StepData, *, min_steps: int = MIN_STEPS) -> StepData:
+    """The usable rows, or FitError naming what is missing (too little data, a degenerate design)."""
+    ok = np.isfinite(data.duration_s) & (data.duration_s > 0)
+    data = data.select(ok)
+    n = len(data)
+    if n < min_steps:
+        raise FitError(
+            "too_little_data",
+            f"{n} usable steps in the window; the fit needs at least {min_steps}",
+            steps=n,
+            needed=min_steps,
+        )
+    pre = data.is_prefill
+    n_pre = int(pre.sum())
+    if n_pre == 0:
+        raise FitError(
+            "no_prefill_steps", f"none of the {n} steps ran a prefill chunk: nothing to fit chunk cost on"
+        )
+    if n_pre < MIN_PREFILL_STEPS:
+        raise FitError(
+            "too_little_data",
+            f"{n_pre} steps ran a prefill chunk; the fit needs at least {MIN_PREFILL_STEPS}",
+            prefill_steps=n_pre,
+            needed=MIN_PREFILL_STEPS,
+        )
+    sizes = np.unique(data.prefill_tokens[pre])
+    if len(sizes) < MIN_PREFILL_SIZES:
+        raise FitError(
+            "degenerate",
+            f"prefill steps have {len(sizes)} distinct sizes ({', '.join(str(int(s)) for s in sizes)} "
+            f"tokens); the fit needs at least {MIN_PREFILL_SIZES}",
+        )
+    depths = np.unique(data.max_prefill_depth[pre])
+    if len(depths) < MIN_DEPTHS or not np.any(data.prefill_depth_tokens[pre] > 0):
+        raise FitError(
+            "no_depth_variation",
+            f"prefill steps cover {len(depths)} distinct chunk depths "
+            f"({', '.join(str(int(s)) for s in depths[:5])}); the fit needs chunks at "
+            f"{MIN_DEPTHS} or more depths (long prompts chunked, or prefix-cached prompts)",
+        )
+    if len(np.unique(data.num_decode_reqs)) < 2:
+        raise FitError(
+            "no_decode_variation",
+            f"every step ran {int(data.num_decode_reqs[0])} decodes; the fit needs steps with different "
+            f"decode batch sizes",
+        )
+    return data
+
+
+def _design(data: StepData, terms: list[Term]) -> np.ndarray:
+    return np.column_stack([t.column(data) for t in terms])
+
+
+def _solve(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, int]:
+    """Weighted least squares on column-scaled x; (coefficients in x's units, rank)."""
+    scale = _scale(x)
+    sw = np.sqrt(w)
+    beta, _, rank, _ = np.linalg.lstsq((x / scale) * sw[:, None], y * sw, rcond=None)
+    return beta / scale, int(rank)
+
+
+def _scale(x: np.ndarray) -> np.ndarray:
+    scale = np.max(np.abs(x), axis=0)
+    scale[scale == 0] = 1.0
+    return scale
+
+
+def _weights(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Weights 1/ŷ² from an unweighted first pass: step-time noise is multiplicative (a 3% jitter on
+    an 800 ms step outweighs a whole 10 ms step), and the advice lives among the short steps."""
+    beta, _ = _solve(x, y, np.ones_like(y))
+    floor = max(float(np.quantile(y, 0.01)), 1e-6)
+    return 1.0 / np.maximum(x @ beta, floor) ** 2
+
+
+def _first_collinear(x: np.ndarray, terms: list[Term]) -> str:
+    xs = x / _scale(x)
+    for k in range(1, xs.shape[1] + 1):
+        if np.linalg.matrix_rank(xs[:, :k]) < k:
+            return terms[k - 1].name
+    return terms[-1].name
+
+
+def _in_sample(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> dict[str, float]:
+    """R² and signed residual p99 (ms) of the full-data fit: the figures that justify a term."""
+    beta, _ = _solve(x, y, w)
+    resid = y - x @ beta
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    r2 = 1.0 - float(resid @ resid) / ss_tot if ss_tot > 0 else 0.0
+    return {"r2": r2, "residual_p99_ms": float(np.quantile(resid, 0.99)) * 1e3}
+
+
+def _cv_error(x: np.ndarray, y: np.ndarray, w: np.ndarray, folds: np.ndarray) -> float:
+    """Cross-validated weighted RMS error: with w = 1/ŷ², the typical relative error of a step."""
+    sq = 0.0
+    for k in range(CV_FOLDS):
+        test = folds == k
+        beta, _ = _solve(x[~test], y[~test], w[~test])
+        sq += float(np.sum(w[test] * (y[test] - x[test] @ beta) ** 2))
+    return float(np.sqrt(sq / len(y)))
+
+
+def fit_step_time(
+    data: StepData,
+    *,
+    min_steps: int = MIN_STEPS,
+    candidates: tuple[Term, ...] = CANDIDATE_TERMS,
+    seed: int = 0,
+) -> StepTimeFit:
+    """Fit the base model plus the candidate terms that measurably help; FitError when it cannot.
+
+    Least squares weighted by 1/ŷ² (relative error; see ``_weights``). A candidate is kept when it
+    cuts the 5-fold cross-validated relative error by ``MIN_CV_GAIN``; the best one first, repeatedly.
+    """
+    data = check_data(data, min_steps=min_steps)
+    y = data.duration_s
+    n = len(y)
+    terms = list(BASE_TERMS)
+    x = _design(data, terms)
+    _, rank = _solve(x, y, np.ones_like(y))
+    if rank < len(terms):
+        name = _first_collinear(x, terms)
+        raise FitError(
+            "degenerate", f"the steps cannot separate the cost of {name!r} from the other terms (collinear)"
+        )
+    w = _weights(x, y)
+    folds = np.random.default_rng(seed).permutation(n) % CV_FOLDS
+    best = _cv_error(x, y, w, folds)
+    selection: list[dict[str, Any]] = [
+        {"term": "base", "cv_rel_error": best, "kept": True, **_in_sample(x, y, w)}
+    ]
+    remaining = list(candidates)
+    while remaining and n >= STEPS_PER_TERM * (len(terms) + 1):
+        tried = []
+        for cand in remaining:
+            xc = np.column_stack([x, cand.column(data)])
+            _, r = _solve(xc, y, w)
+            score = _cv_error(xc, y, w, folds) if r == xc.shape[1] else float("inf")
+            tried.append((score, cand, xc))
+        score, cand, xc = min(tried, key=lambda s: s[0])
+        if not score <= best * (1 - MIN_CV_GAIN):
+            for s, c, xt in sorted(tried, key=lambda s: s[0]):
+                if np.isfinite(s):
+                    selection.append(
+                        {"term": c.name, "cv_rel_error": s, "kept": False, **_in_sample(xt, y, w)}
+                    )
+                else:
+                    selection.append(
+                        {"term": c.name, "kept": False, "why": "no variation apart from the terms kept"}
+                    )
+            break
+        selection.append({"term": cand.name, "cv_rel_error": score, "kept": True, **_in_sample(xc, y, w)})
+        best, x = score, xc
+        terms.append(cand)
+        remaining.remove(cand)
+    w = _weights(x, y)  # re-weighted with the chosen model
+    beta, _ = _solve(x, y, w)
+    pred = x @ beta
+    resid = y - pred
+    ss_res = float(resid @ resid)
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    wres = w * resid**2
+    sigma2 = float(wres.sum()) / max(n - len(terms), 1)
+    scale = _scale(x)
+    xs = (x / scale) * np.sqrt(w)[:, None]
+    cov = np.linalg.pinv(xs.T @ xs) * sigma2
+    stderr = np.sqrt(np.clip(np.diag(cov), 0, None)) / scale
+    pre = data.is_prefill
+    ranges = Ranges(
+        steps=n,
+        prefill_steps=int(pre.sum()),
+        decode_only_steps=int(np.sum(~pre & (data.num_decode_reqs > 0))),
+        prefill_tokens=(float(data.prefill_tokens[pre].min()), float(data.prefill_tokens[pre].max())),
+        max_prefill_depth=(
+            float(data.max_prefill_depth[pre].min()),
+            float(data.max_prefill_depth[pre].max()),
+        ),
+        num_decode_reqs=(float(data.num_decode_reqs.min()), float(data.num_decode_reqs.max())),
+        duration_s=(float(y.min()), float(y.max())),
+    )
+    return StepTimeFit(
+        coefficients=tuple(
+            Coefficient(t.name, float(b), float(se)) for t, b, se in zip(terms, beta, stderr, strict=True)
+        ),
+        r2=1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0,
+        residual_p50_s=float(np.quantile(resid, 0.5)),
+        residual_p99_s=float(np.quantile(resid, 0.99)),
+        residual_max_s=float(resid.max()),
+        cv_rel_error=best,
+        ranges=ranges,
+        selection=tuple(selection),
+        residuals_s=resid,
+        predicted_s=pred,
+    )

@@ -1,0 +1,64 @@
+"""GET /v1/advice/chunk-size: engine settings for an ITL target, from the fitted step time."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse
+
+from ledger.advice import DEFAULT_ARRIVAL_SHARE, AdviceError, chunk_size_advice
+from ledger.advice.query import DEFAULT_MAX_STEPS
+from ledger.api.deps import StoreDep, require
+
+router = APIRouter(dependencies=[require("read")])
+log = logging.getLogger(__name__)
+
+
+def _publish(model: str | None, tokens: int) -> None:
+    """The advised chunk as a Prometheus gauge, when the metrics module offers one."""
+    try:
+        from ledger import metrics  # type: ignore[attr-defined, unused-ignore]
+    except ImportError:
+        return
+    setter = getattr(metrics, "set_advised_chunk", None)
+    if setter is not None:
+        setter(model or "", tokens)
+
+
+@router.get("/v1/advice/chunk-size", response_model=None)
+def chunk_size(
+    store: StoreDep,
+    itl_target_ms: float = Query(gt=0, le=600_000, description="the inter-token latency p99 to stay within"),
+    model: str | None = Query(None, min_length=1, max_length=256, description="served model (sources.model)"),
+    source_id: str | None = Query(None, min_length=1, max_length=128, description="one engine source"),
+    since: str | None = Query(None, max_length=64, description="unix seconds, ISO 8601, or an age: 15m, 2h"),
+    until: str | None = Query(None, max_length=64),
+    depth: int | None = Query(None, ge=0, description="advise at this prefill depth (default: p99 seen)"),
+    arrival_share: float = Query(
+        DEFAULT_ARRIVAL_SHARE, ge=0, lt=1, description="share of each step's prefill kept for arrivals"
+    ),
+    max_steps: int = Query(DEFAULT_MAX_STEPS, ge=100, le=1_000_000, description="newest steps to fit on"),
+) -> dict[str, Any] | JSONResponse:
+    if store.dialect == "null":
+        return JSONResponse(
+            {"detail": "this ledger stores nothing (null://): no steps to fit", "reason": "too_little_data"},
+            status_code=409,
+        )
+    try:
+        advice = chunk_size_advice(
+            store.engine,
+            itl_target_ms=itl_target_ms,
+            model=model,
+            source_id=source_id,
+            since=since,
+            until=until,
+            depth=depth,
+            arrival_share=arrival_share,
+            max_steps=max_steps,
+        )
+    except AdviceError as exc:
+        return JSONResponse({"detail": str(exc), "reason": exc.reason, **exc.details}, status_code=exc.status)
+    _publish(advice["window"]["model"], advice["settings"]["max_num_batched_tokens"])
+    return advice
