@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+import importlib
 from typing import Any
 
 from fastapi import APIRouter, Query
@@ -13,13 +13,12 @@ from ledger.advice.query import DEFAULT_MAX_STEPS
 from ledger.api.deps import StoreDep, require
 
 router = APIRouter(dependencies=[require("read")])
-log = logging.getLogger(__name__)
 
 
 def _publish(model: str | None, tokens: int) -> None:
-    """The advised chunk as a Prometheus gauge, when the metrics module offers one."""
+    """The advised prefill tokens per step as a Prometheus gauge, when the metrics module offers one."""
     try:
-        from ledger import metrics  # type: ignore[attr-defined, unused-ignore]
+        metrics = importlib.import_module("ledger.metrics")
     except ImportError:
         return
     setter = getattr(metrics, "set_advised_chunk", None)
@@ -60,5 +59,5 @@ def chunk_size(
         )
     except AdviceError as exc:
         return JSONResponse({"detail": str(exc), "reason": exc.reason, **exc.details}, status_code=exc.status)
-    _publish(advice["window"]["model"], advice["settings"]["max_num_batched_tokens"])
+    _publish(advice["window"]["model"], advice["prefill_tokens_per_step"])
     return advice
