@@ -1,0 +1,141 @@
+"""Read-only SQL (``POST /v1/sql``) and Parquet export (``GET /v1/export/{table}.parquet``)."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query, Request, status
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ledger import export
+from ledger.api.deps import SettingsDep, StoreDep, require
+from ledger.sql import SqlError, SqlResult, SqlRunner, dumps
+
+router = APIRouter(dependencies=[require("read")])
+
+
+class SqlRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sql: str = Field(min_length=1, max_length=100_000, description="one SELECT (or EXPLAIN) statement")
+    params: dict[str, Any] | None = Field(None, description="values for $name placeholders")
+    max_rows: int | None = Field(None, ge=1, description="row cap (at most the ledger's sql_max_rows)")
+
+
+def _runner(request: Request) -> SqlRunner:
+    return request.app.state.sql  # type: ignore[no-any-return]
+
+
+def _error(exc: SqlError) -> JSONResponse:
+    return JSONResponse(exc.as_dict(), status_code=exc.status)
+
+
+@router.post("/v1/sql")
+def run_sql(
+    body: SqlRequest,
+    request: Request,
+    settings: SettingsDep,
+    format: Literal["json", "csv"] | None = Query(None, description="csv, or send Accept: text/csv"),
+) -> Response:
+    """Run one read-only statement; columns, portable types, rows, whether the cap cut them, time."""
+    limit = settings.sql_max_rows
+    max_rows = body.max_rows or limit
+    if max_rows > limit:
+        return _error(
+            SqlError("max_rows", f"max_rows: {max_rows} is above this ledger's limit {limit} (sql_max_rows)")
+        )
+    try:
+        result = _runner(request).run(
+            body.sql, body.params, max_rows=max_rows, timeout_s=settings.sql_timeout_s
+        )
+    except SqlError as exc:
+        return _error(exc)
+    wants_csv = format == "csv" or (format is None and "text/csv" in request.headers.get("accept", ""))
+    if wants_csv:
+        return Response(
+            to_csv(result),
+            media_type="text/csv; charset=utf-8",
+            headers={
+                "X-Chunkledger-Types": ",".join(result.types),
+                "X-Chunkledger-Truncated": "true" if result.truncated else "false",
+                "X-Chunkledger-Elapsed-S": f"{result.elapsed_s:.6f}",
+            },
+        )
+    return Response(dumps(result.as_dict()), media_type="application/json")
+
+
+def csv_cell(v: Any) -> Any:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+    return v
+
+
+def to_csv(result: SqlResult) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(result.columns)
+    for row in result.rows:
+        w.writerow([csv_cell(v) for v in row])
+    return buf.getvalue()
+
+
+@router.get("/v1/export/{table}.parquet")
+def export_table(
+    table: str,
+    request: Request,
+    store: StoreDep,
+    since: str | None = Query(None, description="ISO 8601, unix seconds, or an age such as 1h"),
+    until: str | None = Query(None, description="ISO 8601, unix seconds, or an age; open when absent"),
+) -> Response:
+    """One table's rows for a window as a Parquet file, streamed one row group per batch."""
+    if table not in export.TABLES:
+        return JSONResponse(
+            {"detail": f"table: no export for {table!r}; one of {', '.join(export.TABLES)}"},
+            status_code=status.HTTP_404_NOT_FOUND,
+        )
+    try:
+        window = export.Window(
+            since=None if since is None else export.parse_time(since, field="since"),
+            until=None if until is None else export.parse_time(until, field="until"),
+        )
+    except ValueError as exc:
+        return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_400_BAD_REQUEST)
+    dialect = getattr(store, "dialect", "")
+    stack = contextlib.ExitStack()
+    try:
+        if dialect == "duckdb":
+            conn = stack.enter_context(_runner(request).read_transaction())  # type: ignore[attr-defined]
+        elif dialect == "postgresql":
+            conn = stack.enter_context(export.pg_read_transaction(store.engine))
+        else:
+            return JSONResponse(
+                {"detail": "this ledger's store keeps no tables to export"},
+                status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+            )
+        schema, batches = export.table_batches(conn, dialect, table, window)
+    except Exception as exc:  # the database refused the fixed export query: say so, not a bare 500
+        stack.close()
+        return JSONResponse(
+            {"detail": f"export of {table} failed: {str(exc).splitlines()[0] if str(exc) else exc!r}"},
+            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        )
+
+    def body() -> Iterator[bytes]:
+        with stack:
+            yield from export.parquet_stream(schema, batches)
+
+    return StreamingResponse(
+        body(),
+        media_type="application/vnd.apache.parquet",
+        headers={"Content-Disposition": f'attachment; filename="{table}.parquet"'},
+    )

@@ -1,0 +1,557 @@
+"""Read-only SQL over the ledger: ``POST /v1/sql`` and ``chunkledger query``.
+
+The database enforces "read-only", not string matching. Each backend stacks its own guards:
+
+DuckDB (the service process owns the file; a second in-process instance cannot open it, read-only or
+not: DuckDB refuses a second handle on an attached file, so queries run on a new connection to the
+service's own instance):
+
+1. DuckDB's parser (``extract_statements``) must find exactly one statement of type SELECT or EXPLAIN;
+   DDL, DML, COPY, ATTACH, SET/RESET/PRAGMA, CALL, LOAD/INSTALL, EXPORT and transaction control are
+   refused by their statement type, before anything runs.
+2. The statement runs in ``BEGIN TRANSACTION READ ONLY``: any write to the ledger (for example
+   ``EXPLAIN ANALYZE DELETE``) fails in DuckDB's transaction manager.
+3. ``enable_external_access = false`` on the instance (one-way: DuckDB cannot turn it back on while
+   running): no file, network or extension access from any SQL (read_csv, read_parquet, glob, URLs).
+4. ``python_enable_replacements = false`` on the connection: SQL cannot scan Python objects.
+5. A timer calls ``interrupt()`` after ``sql_timeout_s``; rows come from ``fetchmany`` (streamed).
+
+PostgreSQL:
+
+1. The query runs as a dedicated role (``sql_reader_url``; ``grant_reader_role`` creates it with
+   SELECT on the ledger tables and nothing else). A role that is a superuser or may read, write or
+   execute server files is refused: a read-only transaction alone does not stop ``pg_read_file``,
+   ``lo_import`` or ``COPY TO`` for such a role.
+2. ``SET TRANSACTION READ ONLY`` plus ``SET LOCAL statement_timeout``; the transaction is always
+   rolled back, so ``set_config`` and friends cannot outlive the query.
+3. The query is declared as a server-side cursor (``DECLARE ... CURSOR FOR``), which PostgreSQL only
+   accepts for one SELECT/VALUES/TABLE statement without data-modifying WITH; rows are fetched up to
+   the cap, never the whole result. EXPLAIN runs on the extended protocol (one statement only).
+4. A fresh connection per query (no pool): session state such as advisory locks dies with it.
+
+DuckDB's parser also classifies PostgreSQL SQL first, so that refusals name the statement type; SQL it
+cannot parse goes on to PostgreSQL, whose own rules decide.
+
+Values come back JSON-safe: see ``json_value``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import decimal
+import json
+import logging
+import math
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import duckdb
+import sqlalchemy as sa
+
+log = logging.getLogger(__name__)
+
+Params = Mapping[str, Any] | None
+
+
+class SqlError(Exception):
+    """A refused or failed query: HTTP ``status``, a short machine ``reason`` and a message for people."""
+
+    def __init__(self, reason: str, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.status = status
+
+    def as_dict(self) -> dict[str, str]:
+        return {"reason": self.reason, "detail": self.message}
+
+
+@dataclass
+class SqlResult:
+    columns: list[str]
+    types: list[str]
+    rows: list[list[Any]]
+    truncated: bool
+    elapsed_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "columns": self.columns,
+            "types": self.types,
+            "rows": self.rows,
+            "truncated": self.truncated,
+            "elapsed_s": round(self.elapsed_s, 6),
+        }
+
+
+# -- statement classification (DuckDB's parser) --------------------------------------------------
+
+_ALLOWED = {"SELECT", "EXPLAIN"}
+_REFUSALS = {
+    "INSERT": "DML",
+    "UPDATE": "DML",
+    "DELETE": "DML",
+    "MERGE_INTO": "DML",
+    "CREATE": "DDL",
+    "CREATE_FUNC": "DDL",
+    "DROP": "DDL",
+    "ALTER": "DDL",
+    "COMMENT": "DDL",
+    "COPY": "COPY (file access)",
+    "COPY_DATABASE": "COPY (file access)",
+    "EXPORT": "EXPORT (file access)",
+    "ATTACH": "ATTACH (opening another database)",
+    "DETACH": "DETACH",
+    "SET": "changing settings",
+    "VARIABLE_SET": "changing settings",
+    "PRAGMA": "PRAGMA (changing settings)",
+    "LOAD": "loading extensions",
+    "EXTENSION": "loading extensions",
+    "TRANSACTION": "transaction control (each query runs in its own read-only transaction)",
+    "CALL": "CALL",
+    "VACUUM": "maintenance",
+    "ANALYZE": "maintenance",
+    "PREPARE": "PREPARE",
+    "EXECUTE": "EXECUTE",
+    "MULTI": "a statement that runs as several statements (e.g. PIVOT without an IN list)",
+}
+
+_parser_lock = threading.Lock()
+_parser: Any = None
+
+
+def _statements(sql: str, conn: Any | None) -> list[Any]:
+    """DuckDB's parse of ``sql`` (on ``conn``, or a private in-memory instance for PostgreSQL)."""
+    global _parser
+    if conn is not None:
+        return list(conn.extract_statements(sql))
+    with _parser_lock:
+        if _parser is None:
+            _parser = duckdb.connect(":memory:")
+        return list(_parser.extract_statements(sql))
+
+
+def classify(sql: str, conn: Any | None = None, *, strict: bool = True) -> str:
+    """``"SELECT"`` or ``"EXPLAIN"``; raises SqlError naming why anything else is refused.
+
+    With ``strict`` False (PostgreSQL), SQL that DuckDB cannot parse is passed as ``"SELECT"``:
+    PostgreSQL's own grammar and permissions decide.
+    """
+    if not sql.strip():
+        raise SqlError("empty", "sql is empty: send one SELECT statement")
+    try:
+        stmts = _statements(sql, conn)
+    except duckdb.Error as exc:
+        if not strict:
+            return "SELECT"
+        raise SqlError("syntax", f"syntax error: {_first_line(exc)}") from None
+    if not stmts:
+        raise SqlError("empty", "sql holds no statement (only comments?): send one SELECT statement")
+    if len(stmts) > 1:
+        raise SqlError(
+            "multiple_statements",
+            f"{len(stmts)} statements sent; /v1/sql runs one SELECT per request",
+        )
+    kind = stmts[0].type.name
+    if kind in _ALLOWED:
+        return kind
+    what = _REFUSALS.get(kind, kind)
+    raise SqlError(
+        "not_read_only",
+        f"{kind} refused: {what} is not allowed; /v1/sql is read-only and runs one SELECT (or EXPLAIN)",
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# -- JSON-safe values --------------------------------------------------------------------------
+
+
+def json_value(v: Any) -> Any:
+    """A JSON-safe form of one database value.
+
+    int/str/bool/None as is; finite floats as is, NaN and ±Infinity as null; Decimal as an int when
+    integral (PostgreSQL sums) else a float; datetime/date/time as ISO 8601 strings (timezone-aware
+    ones with their offset); timedelta as seconds (float); UUID as its string; bytes as base64;
+    lists and structs recursively (map keys as strings).
+    """
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, decimal.Decimal):
+        if not v.is_finite():
+            return None
+        return int(v) if v == v.to_integral_value() else float(v)
+    if isinstance(v, (dt.datetime, dt.date, dt.time)):
+        return v.isoformat()
+    if isinstance(v, dt.timedelta):
+        return v.total_seconds()
+    if isinstance(v, uuid.UUID):
+        return str(v)
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(v)).decode()
+    if isinstance(v, (list, tuple)):
+        return [json_value(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): json_value(x) for k, x in v.items()}
+    return str(v)
+
+
+_PLAIN = {"integer", "boolean"}
+
+
+def _converter(type_name: str) -> Callable[[Any], Any] | None:
+    """None where values are already JSON-safe (ints and booleans)."""
+    return None if type_name in _PLAIN else json_value
+
+
+def _convert_rows(raw: list[Any], types: list[str]) -> list[list[Any]]:
+    convs = [_converter(t) for t in types]
+    if all(c is None for c in convs):
+        return [list(r) for r in raw]
+    return [[v if c is None else c(v) for v, c in zip(r, convs, strict=True)] for r in raw]
+
+
+# -- type names ----------------------------------------------------------------------------------
+
+_TYPE_WORDS = [
+    (("HUGEINT", "UHUGEINT", "BIGINT", "UBIGINT", "INTEGER", "UINTEGER", "SMALLINT", "USMALLINT"), "integer"),
+    (("TINYINT", "UTINYINT", "INT2", "INT4", "INT8", "OID", "INT", "INT64"), "integer"),
+    (("DOUBLE", "FLOAT", "REAL", "FLOAT4", "FLOAT8", "DOUBLE PRECISION"), "float"),
+    (("DECIMAL", "NUMERIC"), "decimal"),
+    (("VARCHAR", "TEXT", "CHAR", "BPCHAR", "NAME", "CHARACTER VARYING", "CHARACTER", "UUID"), "string"),
+    (("BOOLEAN", "BOOL"), "boolean"),
+    (("TIMESTAMP", "TIMESTAMPTZ", "TIMESTAMP WITH TIME ZONE", "TIMESTAMP_NS", "TIMESTAMP_MS"), "timestamp"),
+    (("TIMESTAMP_S", "TIMESTAMP WITHOUT TIME ZONE"), "timestamp"),
+    (("DATE",), "date"),
+    (("TIME", "TIMETZ", "TIME WITH TIME ZONE", "TIME WITHOUT TIME ZONE"), "time"),
+    (("INTERVAL",), "interval"),
+    (("JSON", "JSONB"), "json"),
+    (("BLOB", "BYTEA"), "blob"),
+    (('"NULL"', "NULL", "UNKNOWN"), "null"),
+]
+_TYPE_MAP = {w: name for words, name in _TYPE_WORDS for w in words}
+
+
+def type_name(native: str) -> str:
+    """The portable name of a DuckDB or PostgreSQL column type.
+
+    integer, float, decimal, string, boolean, timestamp, date, time, interval, json, blob, null,
+    list<T>, struct, map; anything else as the database's own name in lower case.
+    """
+    t = native.strip()
+    if t.endswith("[]"):
+        return f"list<{type_name(t[:-2])}>"
+    upper = re.sub(r"\(.*\)$", "", t).strip().upper()
+    if upper in _TYPE_MAP:
+        return _TYPE_MAP[upper]
+    for prefix, name in (("STRUCT", "struct"), ("MAP", "map"), ("UNION", "struct"), ("ENUM", "string")):
+        if upper.startswith(prefix):
+            return name
+    if upper.startswith("_"):  # PostgreSQL's internal array names
+        return f"list<{type_name(upper[1:])}>"
+    return t.lower()
+
+
+# -- runners -------------------------------------------------------------------------------------
+
+
+class SqlRunner:
+    """Runs one read-only statement with a time limit and a row cap."""
+
+    dialect = ""
+
+    def run(
+        self, sql: str, params: Params = None, *, max_rows: int, timeout_s: float
+    ) -> SqlResult:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class UnavailableRunner(SqlRunner):
+    """A store without SQL (the null:// store): every query is a 503 saying why."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def run(self, sql: str, params: Params = None, *, max_rows: int, timeout_s: float) -> SqlResult:
+        raise SqlError("unavailable", self.why, status=503)
+
+
+def _check_params(params: Params) -> dict[str, Any] | None:
+    if params is None:
+        return None
+    for name, value in params.items():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise SqlError("params", f"params: {name!r} is not a parameter name (letters, digits, _)")
+        ok = value is None or isinstance(value, (bool, int, float, str))
+        if isinstance(value, list):
+            ok = all(x is None or isinstance(x, (bool, int, float, str)) for x in value)
+        if not ok:
+            raise SqlError("params", f"params.{name}: numbers, strings, booleans, null or lists of them")
+    return dict(params)
+
+
+class DuckDBRunner(SqlRunner):
+    """Queries on new connections to the service's DuckDB instance (see the module docstring)."""
+
+    dialect = "duckdb"
+
+    def __init__(self, parent: Any) -> None:
+        # ``parent`` is a connection of the store's instance, used only to make per-query connections.
+        self._parent = parent
+        self._lock = threading.Lock()
+        disable_external_access(parent)
+
+    def _cursor(self) -> Any:
+        with self._lock:
+            cur = self._parent.cursor()
+        cur.execute("SET python_enable_replacements = false")
+        cur.execute("SET enable_progress_bar = false")
+        return cur
+
+    @contextlib.contextmanager
+    def read_transaction(self) -> Iterator[Any]:
+        """A connection inside a read-only transaction, rolled back and closed afterwards."""
+        cur = self._cursor()
+        try:
+            cur.execute("BEGIN TRANSACTION READ ONLY")
+            yield cur
+        finally:
+            with contextlib.suppress(duckdb.Error):
+                cur.execute("ROLLBACK")
+            cur.close()
+
+    def run(self, sql: str, params: Params = None, *, max_rows: int, timeout_s: float) -> SqlResult:
+        bound = _check_params(params)
+        with self.read_transaction() as cur:
+            classify(sql, cur)
+            timer = threading.Timer(timeout_s, cur.interrupt)
+            t0 = time.perf_counter()
+            timer.start()
+            try:
+                cur.execute(sql, bound)
+                desc = cur.description or []
+                raw = cur.fetchmany(max_rows + 1) if desc else []
+            except duckdb.Error as exc:
+                raise _duckdb_error(exc, timeout_s) from None
+            finally:
+                timer.cancel()
+            elapsed = time.perf_counter() - t0
+        types = [type_name(str(d[1])) for d in desc]
+        truncated = len(raw) > max_rows
+        rows = _convert_rows(raw[:max_rows], types)
+        return SqlResult([d[0] for d in desc], types, rows, truncated, elapsed)
+
+    def close(self) -> None:
+        with contextlib.suppress(duckdb.Error):
+            self._parent.close()
+
+
+def disable_external_access(conn: Any) -> None:
+    """Turn off file, network and extension access for the whole DuckDB instance (cannot be undone).
+
+    The ledger's write path needs none of it: it appends registered Arrow tables.
+    """
+    conn.execute("SET autoinstall_known_extensions = false")
+    conn.execute("SET autoload_known_extensions = false")
+    conn.execute("SET enable_external_access = false")
+
+
+def _duckdb_error(exc: duckdb.Error, timeout_s: float) -> SqlError:
+    msg = _first_line(exc)
+    if isinstance(exc, duckdb.InterruptException):
+        return SqlError("timeout", f"query stopped at the {timeout_s:g} s time limit (sql_timeout_s)", 408)
+    if isinstance(exc, duckdb.PermissionException):
+        return SqlError("external_access", f"file and network access is disabled for SQL: {msg}")
+    if isinstance(exc, duckdb.TransactionException) and "read-only" in msg:
+        return SqlError("not_read_only", f"writes are refused (read-only transaction): {msg}")
+    if isinstance(exc, duckdb.ParserException):
+        return SqlError("syntax", f"syntax error: {msg}")
+    if isinstance(exc, duckdb.OutOfMemoryException):
+        return SqlError("resources", f"query ran out of memory: {msg}")
+    return SqlError("query_error", msg)
+
+
+class PostgresRunner(SqlRunner):
+    """Queries as the reader role on fresh connections (see the module docstring)."""
+
+    dialect = "postgresql"
+
+    def __init__(self, url: str, *, configured: bool) -> None:
+        self.engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        self.configured = configured  # False: falling back to the ledger's own role
+
+    @contextlib.contextmanager
+    def read_transaction(self) -> Iterator[Any]:
+        """A psycopg connection of the reader role in a read-only transaction, rolled back after."""
+        try:
+            raw = self.engine.raw_connection()
+        except sa.exc.SQLAlchemyError as exc:
+            raise SqlError(
+                "unavailable", f"cannot connect for SQL: {_first_line(exc.orig or exc)}", 503
+            ) from None
+        pg: Any = raw.driver_connection
+        try:
+            pg.execute("SET TRANSACTION READ ONLY")
+            self._check_role(pg)
+            yield pg
+        finally:
+            with contextlib.suppress(Exception):
+                pg.rollback()
+            raw.close()
+
+    def _check_role(self, pg: Any) -> None:
+        role, su, read, write, program = pg.execute(
+            "SELECT current_user, rolsuper, "
+            "pg_has_role(current_user, 'pg_read_server_files', 'USAGE'), "
+            "pg_has_role(current_user, 'pg_write_server_files', 'USAGE'), "
+            "pg_has_role(current_user, 'pg_execute_server_program', 'USAGE') "
+            "FROM pg_roles WHERE rolname = current_user"
+        ).fetchone()
+        if su or read or write or program:
+            what = "a superuser" if su else "allowed to read, write or run server files"
+            where = (
+                "CHUNKLEDGER_SQL_READER_URL names"
+                if self.configured
+                else "no CHUNKLEDGER_SQL_READER_URL; the ledger's"
+            )
+            raise SqlError(
+                "unavailable",
+                f"/v1/sql refused: {where} role {role!r} is {what}; configure CHUNKLEDGER_SQL_READER_URL "
+                "with a read-only role (create one with `chunkledger sql-reader`)",
+                503,
+            )
+
+    def run(self, sql: str, params: Params = None, *, max_rows: int, timeout_s: float) -> SqlResult:
+        import psycopg
+
+        bound = _check_params(params)
+        kind = classify(sql, strict=False)
+        query = _pg_placeholders(sql) if bound is not None else sql
+        with self.read_transaction() as pg:
+            pg.execute(f"SET LOCAL statement_timeout = {max(1, int(timeout_s * 1000))}")
+            t0 = time.perf_counter()
+            try:
+                if kind == "EXPLAIN":
+                    cur = pg.cursor()
+                    cur.execute(query, bound, binary=True)  # extended protocol: one statement only
+                else:
+                    cur = pg.cursor(name="chunkledger_sql")
+                    cur.execute(query, bound)
+                desc = cur.description or []
+                raw = cur.fetchmany(max_rows + 1) if desc else []
+            except psycopg.Error as exc:
+                raise _pg_error(exc, timeout_s) from None
+            elapsed = time.perf_counter() - t0
+        types = [type_name(d.type_display) for d in desc]
+        truncated = len(raw) > max_rows
+        rows = _convert_rows(raw[:max_rows], types)
+        return SqlResult([d.name for d in desc], types, rows, truncated, elapsed)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def _pg_placeholders(sql: str) -> str:
+    """``$name`` parameters (DuckDB's syntax) as psycopg's ``%(name)s``; other ``%`` doubled.
+
+    DuckDB's tokenizer finds the ``$`` operators followed by an identifier, so ``$`` inside string
+    literals and comments is left alone.
+    """
+    tokens = duckdb.tokenize(sql)
+    spots: list[tuple[int, int, str]] = []
+    for (pos, kind), nxt in zip(tokens, [*tokens[1:], None], strict=True):
+        if kind.name == "operator" and sql[pos] == "$" and nxt is not None and nxt[0] == pos + 1:
+            m = re.match(r"[A-Za-z_][A-Za-z0-9_]*", sql[pos + 1 :])
+            if m:
+                spots.append((pos, pos + 1 + m.end(), m.group()))
+    out, last = [], 0
+    for start, end, name in spots:
+        out.append(sql[last:start].replace("%", "%%"))
+        out.append(f"%({name})s")
+        last = end
+    out.append(sql[last:].replace("%", "%%"))
+    return "".join(out)
+
+
+def _pg_error(exc: Any, timeout_s: float) -> SqlError:
+    state = getattr(exc, "sqlstate", None) or ""
+    msg = _first_line(exc)
+    if state == "57014":
+        return SqlError("timeout", f"query stopped at the {timeout_s:g} s time limit (sql_timeout_s)", 408)
+    if state in ("25006", "25001") or (state == "0A000" and "data-modifying" in msg):
+        return SqlError("not_read_only", f"writes are refused (read-only transaction): {msg}")
+    if state == "42501":
+        return SqlError("permission_denied", f"permission denied (SQL may only read ledger tables): {msg}")
+    if state == "42601" and "multiple commands" in msg:
+        return SqlError("multiple_statements", "more than one statement; /v1/sql runs exactly one SELECT")
+    if state == "42601":
+        return SqlError("syntax", f"syntax error (one SELECT, VALUES or TABLE statement, or EXPLAIN): {msg}")
+    if state.startswith("53"):
+        return SqlError("resources", f"query ran out of resources: {msg}")
+    if state.startswith("08") or state == "":
+        return SqlError("unavailable", f"database connection failed: {msg}", 503)
+    return SqlError("query_error", msg)
+
+
+def open_runner(store: Any, *, reader_url: str = "") -> SqlRunner:
+    """The SQL runner for a store (its DuckDB instance, or PostgreSQL as the reader role)."""
+    dialect = getattr(store, "dialect", "")
+    if dialect == "duckdb":
+        return DuckDBRunner(store.reader_connection())
+    if dialect == "postgresql":
+        url = reader_url or store.engine.url.render_as_string(hide_password=False)
+        return PostgresRunner(url, configured=bool(reader_url))
+    return UnavailableRunner(f"this ledger's store ({type(store).__name__}) keeps no tables to query")
+
+
+# -- the PostgreSQL reader role ------------------------------------------------------------------
+
+
+def grant_reader_role(
+    engine: sa.Engine, role: str = "chunkledger_reader", password: str | None = None
+) -> None:
+    """Create (or update) a login role that may only SELECT the ledger's tables and views.
+
+    Run it as the role that owns the ledger tables (the one the service connects with), so that
+    tables and views later migrations create are readable too (ALTER DEFAULT PRIVILEGES).
+    """
+    if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", role):
+        raise ValueError(f"role: {role!r} is not a plain lower-case PostgreSQL name")
+    with engine.begin() as conn:
+        exists = conn.execute(sa.text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first()
+        verb = "ALTER" if exists else "CREATE"
+        attrs = "LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS"
+        stmt = f"{verb} ROLE {role} {attrs}"
+        if password is not None:
+            stmt += " PASSWORD " + conn.exec_driver_sql("SELECT quote_literal(%s)", (password,)).scalar_one()
+        conn.exec_driver_sql(stmt)
+        db = conn.exec_driver_sql("SELECT current_database()").scalar_one()
+        conn.exec_driver_sql(f'GRANT CONNECT ON DATABASE "{db}" TO {role}')
+        conn.exec_driver_sql(f"GRANT USAGE ON SCHEMA public TO {role}")
+        conn.exec_driver_sql(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+        conn.exec_driver_sql(f"ALTER DEFAULT PRIVILEGES IN SCHEMA public GRANT SELECT ON TABLES TO {role}")
+
+
+def reader_url(url: str, role: str, password: str | None = None) -> str:
+    """``url`` with the reader role's name (and password) in place of the owner's."""
+    parsed = sa.engine.make_url(url).set(username=role, password=password)
+    return parsed.render_as_string(hide_password=False)
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
