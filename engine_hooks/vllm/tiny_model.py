@@ -138,7 +138,6 @@ def build_tiny_model(
         eos_token_id=2,
         pad_token_id=3,
         tie_word_embeddings=False,
-        torch_dtype="float32",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

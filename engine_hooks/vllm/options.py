@@ -1,0 +1,107 @@
+"""Settings of the vLLM plugin's optional scheduling policies (all off by default).
+
+Every setting has an environment variable ``CHUNKLEDGER_VLLM_<NAME>`` (upper case) and a key in
+vLLM's ``additional_config`` under ``"chunkledger"`` (which wins), e.g.
+``--additional-config '{"chunkledger": {"admission_reserve": 0.25}}'``. Invalid values raise
+:class:`engine_hooks.config.ConfigError` naming the variable or key.
+
+Depends on msgspec only (no vLLM import), so it can be tested and documented without an engine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+import msgspec
+
+from engine_hooks.config import ConfigError
+
+ENV_PREFIX = "CHUNKLEDGER_VLLM_"
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+Share = Annotated[float, msgspec.Meta(ge=0, lt=1)]
+
+
+class LedgerOptions(msgspec.Struct, kw_only=True, frozen=True):
+    """Scheduling options of :class:`engine_hooks.vllm.LedgerScheduler`."""
+
+    # -- preemption -------------------------------------------------------------------------------
+    kv_idle_victim: bool = False  # preempt the request whose KV has sat idle longest (among those
+    # not yet scheduled this step) instead of vLLM's last-in-running; FCFS policy only
+    preempt_escape_after: NonNegInt = 0  # after this many preemptions a request is not chosen as a
+    # victim again until it finishes (0: off)
+
+    # -- admission reserve ------------------------------------------------------------------------
+    admission_reserve: Share = 0.0  # share of the token budget kept for waiting requests in every
+    # step that has some: running prefill chunks are capped at (1 - share) * budget (0: off)
+    admission_aging_s: NonNegFloat = 2.0  # waiting requests queued longer than this go first, in
+    # arrival order; the rest are admitted shortest prompt first
+    admission_depth_tokens: NonNegInt = 0  # with the reserve on and other requests in the engine,
+    # a running prefill chunk at depth d is also capped at (1 - share) * budget / (1 + d / this), so a
+    # deep chunk (whose attention cost grows with d) does not make the step long (0: no depth cap)
+    admission_min_chunk: Annotated[int, msgspec.Meta(ge=1)] = 64  # the caps never go below this
+
+    # -- commands ---------------------------------------------------------------------------------
+    slow_pool_every: Annotated[int, msgspec.Meta(ge=1)] = 4  # a slow_pool request that got no token
+    # for this many steps is scheduled first once (its guaranteed progress)
+
+    # -- events -----------------------------------------------------------------------------------
+    tokens_flush: Annotated[int, msgspec.Meta(ge=1)] = 16  # output tokens coalesced per tokens event
+    tokens_flush_s: NonNegFloat = 0.05  # ... or at most this old (and always at finish/preemption)
+    token_ids: bool = True  # send output token ids (for the loop detector)
+
+    @property
+    def reorders(self) -> bool:
+        """Whether any option changes what vLLM would schedule."""
+        return bool(self.kv_idle_victim or self.preempt_escape_after or self.admission_reserve)
+
+    @classmethod
+    def from_sources(
+        cls, environ: Mapping[str, str] | None = None, extra: Mapping[str, Any] | None = None
+    ) -> LedgerOptions:
+        """Options from ``CHUNKLEDGER_VLLM_*`` variables, then ``extra`` (additional_config) on top."""
+        env = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        names: dict[str, str] = {}
+        fields = {f.name for f in msgspec.structs.fields(cls)}
+        for name in fields:
+            var = ENV_PREFIX + name.upper()
+            if var in env:
+                raw[name] = _parse_bool(var, env[var]) if name in _BOOLS else env[var]
+                names[name] = var
+        for key, value in (extra or {}).items():
+            if key not in fields:
+                known = ", ".join(sorted(fields))
+                raise ConfigError(f"additional_config.chunkledger.{key}: unknown option (known: {known})")
+            raw[key] = value
+            names[key] = f"additional_config.chunkledger.{key}"
+        try:
+            return msgspec.convert(raw, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            message = str(exc)
+            for field, shown in names.items():
+                if f"`$.{field}`" in message:
+                    raise ConfigError(
+                        f"{shown}: {message.split(' - at ')[0]} (got {raw.get(field)!r})"
+                    ) from None
+            raise ConfigError(f"invalid chunkledger vLLM options: {message}") from None
+
+
+_BOOLS = {"kv_idle_victim", "token_ids"}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse_bool(var: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ConfigError(f"{var} must be a boolean (1/0, true/false, yes/no, on/off), got {value!r}")
+
+
+__all__ = ["LedgerOptions"]

@@ -1,0 +1,832 @@
+"""vLLM v1 scheduler subclasses that report every engine step to the chunkledger ledger.
+
+    vllm serve MODEL --scheduler-cls engine_hooks.vllm.LedgerScheduler        # CHUNKLEDGER_URL=...
+    LLM(model, scheduler_cls="engine_hooks.vllm.LedgerScheduler", ...)
+    # the async scheduler (vLLM's default on GPU): engine_hooks.vllm.AsyncLedgerScheduler
+
+What is reported, per engine step (all through one :class:`engine_hooks.exporter.Exporter`):
+
+* ``queued`` when the scheduler receives a request (``arrival_ts`` is the front end's arrival time);
+* ``chunk`` for every prefill slice scheduled (first pass, and recompute passes after a preemption,
+  whose ``recomputed_tokens`` are the positions the request had computed before), with its depth
+  (``computed_before``), prefix-cache hits on the first chunk and the request's KV blocks;
+* ``preempted`` / ``resumed`` (with the output tokens it had, so the ledger can tell a prefill wait
+  from a decode wait);
+* ``tokens``: output tokens coalesced per request (every ``tokens_flush`` tokens or ``tokens_flush_s``
+  seconds, and at finish or preemption), with their ids unless ``token_ids`` is off;
+* ``finished`` with vLLM's finish reason (``cutoff`` for the ledger's aborts);
+* ``step``: monotonic duration from ``schedule()`` to the end of ``update_from_output()``, prefill and
+  decode counts, queue sizes, KV usage, the requests that ran, prefill depth work, and the requests
+  that held KV blocks but sat the step out (``stalled_*``).
+
+Request ids: ``sampling_params.extra_args["chunkledger_request_id"]`` when the gateway set it
+(OpenAI API: ``vllm_xargs``), else vLLM's request id with its internal ``-<8 hex>`` suffix stripped.
+
+Commands from the ledger (``abort``, ``non_preemptible``, ``slow_pool``, ``promote``) arrive on the
+exporter's worker thread, are queued, and are applied on the engine thread at the start of the next
+``schedule()``; each applied command is confirmed with a ``cutoff_applied`` event, once per command id.
+An abort frees the request's KV (``finish_requests``) and sends the client an output with
+``finish_reason=abort`` and ``stop_reason="chunkledger:<rule>"``.
+
+The hooks never raise into the engine: an error in them is counted (``hook_errors``), logged once per
+place, and the engine goes on as plain vLLM. Optional scheduling policies (all off by default) are in
+:mod:`engine_hooks.vllm.options`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+import socket
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, SupportsIndex, cast
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.request import Request, RequestStatus
+
+from engine_hooks.config import ENV_PREFIX, ConfigError
+from engine_hooks.events import (
+    Chunk,
+    Command,
+    CutoffApplied,
+    Finished,
+    Preempted,
+    Queued,
+    Resumed,
+    Step,
+    Tokens,
+)
+from engine_hooks.exporter import Emitter, Exporter
+from engine_hooks.vllm.options import LedgerOptions
+
+log = logging.getLogger(__name__)
+
+XARGS_KEY = "chunkledger_request_id"  # sampling_params.extra_args key carrying the gateway's id
+_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+_APPLIED_MEMORY = 4096  # command ids remembered for idempotency
+_UNMATCHED_TTL_S = 60.0  # how long a command for a request not (yet) in this engine is kept
+_FINISH = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+}
+_STATUS_FINISH = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+_WAITING, _RUNNING, _PREEMPTED = 0, 1, 2
+
+
+def external_request_id(request: Request) -> str:
+    """The id the ledger knows the request by: the gateway's (``extra_args``) or vLLM's, unsuffixed."""
+    params = request.sampling_params
+    extra = params.extra_args if params is not None else None
+    if extra:
+        rid = extra.get(XARGS_KEY)
+        if isinstance(rid, str) and 0 < len(rid) <= 256:
+            return rid
+    return _SUFFIX.sub("", request.request_id) or request.request_id
+
+
+class _ReqState:
+    """What the hooks remember about one request between steps."""
+
+    __slots__ = (
+        "blocks",
+        "chunks",
+        "client",
+        "computed",
+        "cutoff",
+        "ext",
+        "hw",
+        "last_active",
+        "non_preemptible",
+        "out_at_preempt",
+        "output",
+        "pending",
+        "pending_first_ts",
+        "promoted",
+        "queued_t",
+        "sat_out",
+        "slow",
+        "state",
+        "waiting_since",
+    )
+
+    def __init__(self, ext: str, client: int, now: float):
+        self.ext = ext
+        self.client = client
+        self.queued_t = self.waiting_since = self.last_active = now
+        self.state = _WAITING
+        self.chunks = 0  # prefill chunks reported so far
+        self.hw = 0  # high-water mark of computed tokens (positions recomputed after a preemption)
+        self.computed = 0  # computed tokens after its last scheduled step
+        self.blocks = 0  # KV blocks held after its last scheduled step
+        self.output = 0  # output tokens so far
+        self.out_at_preempt = 0
+        self.pending: list[int] = []  # output token ids not yet sent
+        self.pending_first_ts = 0.0
+        self.sat_out = 0  # consecutive steps it held KV (or waited, for slow_pool) without running
+        self.cutoff: str | None = None  # stop reason of an abort command being applied
+        self.non_preemptible = self.slow = self.promoted = False
+
+
+class _NullEmitter:
+    """Stands in for an exporter emitter when no ledger is configured."""
+
+    def __call__(self, *values: Any) -> None:
+        pass
+
+    def many(self, rows: Any) -> None:
+        pass
+
+
+class _RunningList(list):  # type: ignore[type-arg]
+    """vLLM's running list, whose argument-less ``pop()`` (FCFS victim choice) asks ``chooser``."""
+
+    chooser: Callable[[list[Any]], Any] | None = None
+
+    def pop(self, index: SupportsIndex = -1) -> Any:
+        if index == -1 and self.chooser is not None and len(self) > 1:
+            victim = self.chooser(self)
+            if victim is not None:
+                for i in range(len(self) - 1, -1, -1):
+                    if self[i] is victim:
+                        return super().pop(i)
+        return super().pop(index)
+
+
+if TYPE_CHECKING:
+    _Base = Scheduler
+else:
+    _Base = object
+
+
+class _LedgerHooks(_Base):
+    """The hooks, shared by the sync and async scheduler classes (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hook_errors = 0
+        self._cl_logged: set[str] = set()
+        self._cl_active = False
+        self._cl_exporter: Exporter | None = None
+        config = self.vllm_config
+        extra = config.additional_config if isinstance(config.additional_config, dict) else {}
+        self.options = LedgerOptions.from_sources(extra=extra.get("chunkledger") or {})
+        self._cl_states: dict[str, _ReqState] = {}
+        self._cl_by_ext: dict[str, set[str]] = {}
+        self._cl_inbox: deque[Command] = deque()
+        self._cl_unmatched: dict[str, list[tuple[float, Command]]] = {}
+        self._cl_applied: OrderedDict[str, None] = OrderedDict()
+        self._cl_abort_outputs: list[tuple[int, EngineCoreOutput]] = []
+        self._cl_pending: dict[str, _ReqState] = {}
+        self._cl_steps: dict[int, tuple[Any, ...]] = {}
+        self._cl_step = 0
+        self._cl_marked = 0  # requests marked slow_pool or promote (reordering needed)
+        self._cl_protected = 0  # requests marked non_preemptible
+        self._cl_current: Any = None  # the request being allocated (victim choice)
+        self._cl_blocks = self._block_counter()
+        if self.options.admission_reserve:
+            # The reserve sets long_prefill_token_threshold per step: on a private copy of the config.
+            self.scheduler_config = copy.copy(self.scheduler_config)
+        self._cl_user_threshold = self.scheduler_config.long_prefill_token_threshold
+        manager = self.kv_cache_manager
+        allocate = manager.allocate_slots
+
+        def allocate_slots(request: Any, *a: Any, **kw: Any) -> Any:
+            self._cl_current = request
+            return allocate(request, *a, **kw)
+
+        manager.allocate_slots = allocate_slots  # type: ignore[method-assign]
+        self.use_exporter(self._make_exporter())
+
+    # -- setup ------------------------------------------------------------------------------------
+
+    def _make_exporter(self) -> Exporter | None:
+        env = os.environ
+        if not env.get(ENV_PREFIX + "URL"):
+            log.warning(
+                "chunkledger: CHUNKLEDGER_URL is not set; %s runs without reporting to a ledger",
+                type(self).__name__,
+            )
+            return None
+        overrides: dict[str, Any] = {}
+        if not env.get(ENV_PREFIX + "SOURCE_ID"):
+            dp = self.vllm_config.parallel_config.data_parallel_index
+            overrides["source_id"] = f"vllm-{socket.gethostname()}"[:100] + (f"-dp{dp}" if dp else "")
+        if not env.get(ENV_PREFIX + "MODEL"):
+            name = self.vllm_config.model_config.served_model_name
+            overrides["model"] = (name[0] if isinstance(name, list) and name else name) or None
+        try:
+            return Exporter.from_env(on_command=self.submit_command, **overrides)
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(f"chunkledger exporter settings: {exc}") from None
+
+    def use_exporter(self, exporter: Exporter | None) -> None:
+        """Send events through ``exporter`` from now on (None: stop reporting; commands still apply).
+
+        The exporter's ``on_command`` should be :meth:`submit_command`. The previous exporter is not
+        shut down here.
+        """
+        self._cl_exporter = exporter
+        if exporter is None:
+            null = cast(Emitter, _NullEmitter())
+            self._e_queued = self._e_chunk = self._e_tokens = self._e_preempted = null
+            self._e_resumed = self._e_finished = self._e_cutoff = self._e_step = null
+        else:
+            e = exporter.emitter
+            self._e_queued = e(
+                Queued, "ts", "request_id", "prompt_tokens", "max_tokens", "arrival_ts", "priority"
+            )
+            self._e_chunk = e(
+                Chunk,
+                "ts",
+                "request_id",
+                "step",
+                "tokens",
+                "computed_before",
+                "recomputed_tokens",
+                "cached_tokens",
+                "kv_blocks",
+                "preemptions",
+                "wait_s",
+            )
+            self._e_tokens = e(
+                Tokens, "ts", "request_id", "count", "total", "first_ts", "kv_blocks", "token_ids"
+            )
+            self._e_preempted = e(Preempted, "ts", "request_id", "kv_blocks_freed", "computed_tokens")
+            self._e_resumed = e(Resumed, "ts", "request_id", "wait_s", "cached_tokens", "output_tokens")
+            self._e_finished = e(
+                Finished, "ts", "request_id", "reason", "output_tokens", "stop_reason", "wait_s"
+            )
+            self._e_cutoff = e(CutoffApplied, "ts", "request_id", "command_id", "action", "rule")
+            self._e_step = e(
+                Step,
+                "ts",
+                "step",
+                "duration_s",
+                "prefill_tokens",
+                "decode_tokens",
+                "num_prefill_reqs",
+                "num_decode_reqs",
+                "running",
+                "waiting",
+                "kv_usage",
+                "request_ids",
+                "prefill_depth_tokens",
+                "max_prefill_depth",
+                "stalled_request_ids",
+                "stalled_kv_blocks",
+            )
+        self._cl_active = True
+
+    @property
+    def exporter(self) -> Exporter | None:
+        return self._cl_exporter
+
+    def submit_command(self, command: Command) -> None:
+        """Queue a ledger command; applied at the next ``schedule()``. Safe from any thread."""
+        self._cl_inbox.append(command)
+
+    def _block_counter(self) -> Callable[[str, int], int]:
+        """req id -> KV blocks it holds: the first KV group's block list, else computed tokens / block."""
+        try:
+            table = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+        except (AttributeError, IndexError):
+            size = max(int(self.block_size), 1)
+            return lambda rid, computed: -(-computed // size)
+
+        def count(rid: str, computed: int) -> int:
+            blocks = table.get(rid)
+            return len(blocks) if blocks else 0
+
+        return count
+
+    def _cl_fail(self, where: str) -> None:
+        self.hook_errors += 1
+        if where not in self._cl_logged:
+            self._cl_logged.add(where)
+            log.error("chunkledger: hook %s failed; the engine goes on (logged once)", where, exc_info=True)
+
+    # -- vLLM entry points ------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        if not self._cl_active:
+            return
+        try:
+            rid = request.request_id
+            if rid in self._cl_states:  # a streaming-input continuation of a known request
+                return
+            now, ts = time.monotonic(), time.time()
+            ext = external_request_id(request)
+            self._cl_states[rid] = _ReqState(ext, request.client_index, now)
+            ids = self._cl_by_ext.get(ext)
+            if ids is None:
+                self._cl_by_ext[ext] = {rid}
+            else:
+                ids.add(rid)
+            arrival = request.arrival_time
+            self._e_queued(
+                ts,
+                ext,
+                request.num_prompt_tokens,
+                request.max_tokens,
+                arrival if arrival and arrival > 0 else None,
+                request.priority,
+            )
+            if self._cl_unmatched:
+                parked = self._cl_unmatched.pop(ext, None)
+                if parked:
+                    self._cl_inbox.extendleft(cmd for _, cmd in reversed(parked))
+        except Exception:
+            self._cl_fail("add_request")
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        now = time.monotonic()
+        ts = time.time()
+        restore: int | None = None
+        if self._cl_active:
+            try:
+                restore = self._cl_before_schedule(now, ts)
+            except Exception:
+                self._cl_fail("before_schedule")
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            self._cl_current = None
+            if restore is not None:
+                self.scheduler_config.long_prefill_token_threshold = restore
+        if self._cl_active:
+            try:
+                self._cl_after_schedule(output, now, ts)
+            except Exception:
+                self._cl_fail("after_schedule")
+        return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._cl_active:
+            try:
+                self._cl_after_update(scheduler_output, outputs)
+            except Exception:
+                self._cl_fail("update_from_output")
+        return outputs
+
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
+        finished = super().finish_requests(request_ids, finished_status)
+        if self._cl_active and finished:
+            try:
+                ts, now = time.time(), time.monotonic()
+                for request in finished:
+                    st = self._cl_states.get(request.request_id)
+                    if st is None:
+                        continue
+                    if st.cutoff is not None:
+                        self._cl_finish(request.request_id, st, "cutoff", st.cutoff, ts, now)
+                    else:
+                        reason = _STATUS_FINISH.get(finished_status, "abort")
+                        self._cl_finish(request.request_id, st, reason, None, ts, now)
+            except Exception:
+                self._cl_fail("finish_requests")
+        return finished
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            exporter = self._cl_exporter
+            if exporter is not None:
+                try:
+                    exporter.shutdown(exporter.config.shutdown_timeout_s)
+                except Exception:
+                    self._cl_fail("shutdown")
+
+    # -- before schedule: commands and policies ---------------------------------------------------
+
+    def _cl_before_schedule(self, now: float, ts: float) -> int | None:
+        if self._cl_inbox:
+            self._cl_apply_commands(now, ts)
+        if self._cl_unmatched and self._cl_step % 256 == 0:
+            self._cl_expire_unmatched(now)
+        opts = self.options
+        if self._cl_marked:
+            self._cl_reorder()
+        if self._cl_protected or opts.kv_idle_victim or opts.preempt_escape_after:
+            running = self.running
+            if type(running) is not _RunningList:
+                running = self.running = _RunningList(running)
+            running.chooser = self._cl_choose_victim
+        elif type(self.running) is _RunningList:
+            self.running.chooser = None
+        if opts.admission_reserve:
+            return self._cl_admission_reserve(now)
+        return None
+
+    def _cl_apply_commands(self, now: float, ts: float) -> None:
+        inbox = self._cl_inbox
+        while inbox:
+            command = inbox.popleft()
+            if command.id in self._cl_applied:
+                continue
+            targets = [
+                rid
+                for rid in self._cl_by_ext.get(command.request_id, ())
+                if (req := self.requests.get(rid)) is not None and not req.is_finished()
+            ]
+            if not targets:
+                parked = self._cl_unmatched.setdefault(command.request_id, [])
+                if len(parked) < 16 and len(self._cl_unmatched) < 1024:
+                    parked.append((now, command))
+                continue
+            self._cl_applied[command.id] = None
+            if len(self._cl_applied) > _APPLIED_MEMORY:
+                self._cl_applied.popitem(last=False)
+            self._e_cutoff(ts, command.request_id, command.id, command.action, command.rule)
+            for rid in targets:
+                self._cl_apply(rid, command)
+
+    def _cl_apply(self, rid: str, command: Command) -> None:
+        st = self._cl_states.get(rid)
+        if st is None:
+            return
+        action = command.action
+        if action == "abort":
+            request = self.requests[rid]
+            reason = f"chunkledger:{command.rule}"
+            st.cutoff = reason
+            client = request.client_index
+            self.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            self._cl_abort_outputs.append(
+                (
+                    client,
+                    EngineCoreOutput(
+                        request_id=rid, new_token_ids=[], finish_reason=FinishReason.ABORT, stop_reason=reason
+                    ),
+                )
+            )
+        elif action == "non_preemptible":
+            if not st.non_preemptible:
+                st.non_preemptible = True
+                self._cl_protected += 1
+        elif action in ("slow_pool", "promote"):
+            was = st.slow or st.promoted
+            st.slow, st.promoted = action == "slow_pool", action == "promote"
+            if not was:
+                self._cl_marked += 1
+
+    def _cl_expire_unmatched(self, now: float) -> None:
+        for ext in list(self._cl_unmatched):
+            kept = [(t, c) for t, c in self._cl_unmatched[ext] if now - t < _UNMATCHED_TTL_S]
+            if kept:
+                self._cl_unmatched[ext] = kept
+            else:
+                del self._cl_unmatched[ext]
+
+    def _cl_reorder(self) -> None:
+        """promote: first in running and waiting; slow_pool: last, but first once it starved ``every``."""
+        states = self._cl_states
+        every = self.options.slow_pool_every
+        running = self.running
+        first: list[Any] = []
+        normal: list[Any] = []
+        last: list[Any] = []
+        for req in running:
+            st = states.get(req.request_id)
+            if st is None or not (st.slow or st.promoted):
+                normal.append(req)
+            elif st.promoted or st.sat_out >= every:
+                first.append(req)
+            else:
+                last.append(req)
+        if first or last:
+            running[:] = first + normal + last
+        waiting = self.waiting
+        if isinstance(waiting, deque) and len(waiting) > 1:
+            first, normal, last = [], [], []
+            for req in waiting:
+                st = states.get(req.request_id)
+                if st is None or not (st.slow or st.promoted):
+                    normal.append(req)
+                elif st.promoted or st.sat_out >= every:
+                    first.append(req)
+                else:
+                    st.sat_out += 1  # a step it yielded its place in the queue
+                    last.append(req)
+            if first or last:
+                waiting.clear()
+                waiting.extend(first + normal + last)
+
+    def _cl_protected_req(self, req: Any) -> bool:
+        st = self._cl_states.get(req.request_id)
+        if st is not None and st.non_preemptible:
+            return True
+        n = self.options.preempt_escape_after
+        return bool(n) and req.num_preemptions >= n
+
+    def _cl_choose_victim(self, running: list[Any]) -> Any:
+        """The request vLLM's FCFS loop should preempt, or None for vLLM's own choice (the last).
+
+        Candidates are the request being allocated and those after it in ``running`` (not yet
+        scheduled this step). Protected requests (non_preemptible, or past the escape valve) are
+        skipped; when every other candidate is protected the request being allocated yields itself.
+        With ``kv_idle_victim`` the candidate idle longest is chosen, else the last one.
+        """
+        try:
+            current = self._cl_current
+            start = next((i for i in range(len(running)) if running[i] is current), None)
+            if start is None:
+                return None
+            others = running[start + 1 :]
+            if not others:
+                return None
+            eligible = [r for r in others if not self._cl_protected_req(r)]
+            if not eligible:
+                return None if self._cl_protected_req(current) else current
+            if not self.options.kv_idle_victim:
+                return eligible[-1]
+            states = self._cl_states
+            best, best_t = eligible[-1], float("inf")
+            for req in reversed(eligible):  # ties go to the later request, as in vLLM
+                st = states.get(req.request_id)
+                t = st.last_active if st is not None else float("inf")
+                if t < best_t:
+                    best, best_t = req, t
+            return best
+        except Exception:
+            self._cl_fail("choose_victim")
+            return None
+
+    def _cl_admission_reserve(self, now: float) -> int | None:
+        """Cap running prefill chunks for this step (via long_prefill_token_threshold); SJF waiting.
+
+        Returns the threshold to restore after ``schedule()``, or None when nothing was changed.
+        """
+        opts = self.options
+        waiting = self.waiting
+        n_wait = len(waiting) + len(self.kv_holding_waiting)
+        running = self.running
+        if n_wait + len(running) <= 1:
+            return None
+        budget = self.max_num_scheduled_tokens
+        share = budget * (1.0 - opts.admission_reserve)
+        cap = float("inf")
+        if n_wait:
+            cap = share
+            if isinstance(waiting, deque) and len(waiting) > 1:
+                aging = opts.admission_aging_s
+                states = self._cl_states
+
+                def key(req: Any) -> tuple[int, float]:
+                    st = states.get(req.request_id)
+                    aged = st is None or req.status != RequestStatus.WAITING or now - st.queued_t >= aging
+                    return (0, st.queued_t if st is not None else 0.0) if aged else (1, req.num_tokens)
+
+                ordered = sorted(waiting, key=key)
+                waiting.clear()
+                waiting.extend(ordered)
+        if opts.admission_depth_tokens:
+            deepest = -1
+            for req in running:
+                if req.is_prefill_chunk and req.num_computed_tokens > deepest:
+                    deepest = req.num_computed_tokens
+            if deepest >= 0:
+                cap = min(cap, share / (1.0 + deepest / opts.admission_depth_tokens))
+        if cap == float("inf"):
+            return None
+        limit = max(opts.admission_min_chunk, int(cap))
+        old = self.scheduler_config.long_prefill_token_threshold
+        self.scheduler_config.long_prefill_token_threshold = min(limit, old) if old else limit
+        return int(old)
+
+    # -- after schedule: what the step runs --------------------------------------------------------
+
+    def _cl_after_schedule(self, output: Any, now: float, ts: float) -> None:
+        states = self._cl_states
+        step = self._cl_step
+        self._cl_step = step + 1
+        for rid in output.preempted_req_ids:
+            st = states.get(rid)
+            if st is None or st.state == _PREEMPTED:
+                continue
+            if st.pending:
+                self._cl_flush(rid, st, ts)
+            req = self.requests.get(rid)
+            self._e_preempted(ts, st.ext, st.blocks, st.computed)
+            st.state = _PREEMPTED
+            st.waiting_since = now
+            st.out_at_preempt = req.num_output_tokens if req is not None else st.output
+            st.blocks = 0
+        scheduled = output.num_scheduled_tokens
+        if not scheduled:
+            self._cl_steps[id(output)] = ()
+            return
+        spec = output.scheduled_spec_decode_tokens
+        requests = self.requests
+        blocks_of = self._cl_blocks
+        chunk_rows = []
+        ids = []
+        prefill_tokens = decode_tokens = n_prefill = n_decode = depth = max_depth = 0
+        for rid, n in scheduled.items():
+            st = states.get(rid)
+            req = requests.get(rid)
+            if st is None or req is None:
+                continue
+            ext = st.ext
+            ids.append(ext)
+            computed = req.num_computed_tokens
+            before = computed - n
+            st.last_active = now
+            st.sat_out = 0
+            if st.state != _RUNNING:
+                if st.state == _PREEMPTED:
+                    self._e_resumed(ts, ext, now - st.waiting_since, before, st.out_at_preempt)
+                st.state = _RUNNING
+            blocks = st.blocks = blocks_of(rid, computed)
+            st.computed = computed
+            if before < req.num_prompt_tokens or (n > 1 and rid not in spec):
+                hw = st.hw
+                first = st.chunks == 0
+                chunk_rows.append(
+                    (
+                        ts,
+                        ext,
+                        step,
+                        n,
+                        before,
+                        (min(computed, hw) - before) if hw > before else 0,
+                        before if first else 0,
+                        blocks,
+                        req.num_preemptions,
+                        now - st.queued_t if first else None,
+                    )
+                )
+                st.chunks += 1
+                prefill_tokens += n
+                n_prefill += 1
+                depth += n * before
+                if before > max_depth:
+                    max_depth = before
+            else:
+                decode_tokens += n
+                n_decode += 1
+            if computed > st.hw:
+                st.hw = computed
+        if chunk_rows:
+            self._e_chunk.many(chunk_rows)
+        stalled_ids = []
+        stalled_blocks = []
+        for req in self.running:
+            rid = req.request_id
+            if rid in scheduled:
+                continue
+            st = states.get(rid)
+            if st is not None and st.blocks:
+                st.sat_out += 1
+                stalled_ids.append(st.ext)
+                stalled_blocks.append(st.blocks)
+        n_running, n_waiting = self.get_request_counts()
+        usage = self.kv_cache_manager.usage
+        self._cl_steps[id(output)] = (
+            ts,
+            step,
+            now,
+            prefill_tokens,
+            decode_tokens,
+            n_prefill,
+            n_decode,
+            n_running,
+            n_waiting,
+            0.0 if usage < 0 else 1.0 if usage > 1 else float(usage),
+            ids,
+            depth,
+            max_depth,
+            stalled_ids,
+            stalled_blocks,
+        )
+        if len(self._cl_steps) > 64:  # outputs never passed back (should not happen): forget them
+            del self._cl_steps[next(iter(self._cl_steps))]
+
+    # -- after update: tokens, finishes, the step --------------------------------------------------
+
+    def _cl_after_update(self, scheduler_output: Any, outputs: dict[int, Any]) -> None:
+        ts = time.time()
+        now = time.monotonic()
+        states = self._cl_states
+        pending = self._cl_pending
+        keep_ids = self.options.token_ids
+        flush_n = self.options.tokens_flush
+        for eco in outputs.values():
+            for out in eco.outputs:
+                rid = out.request_id
+                st = states.get(rid)
+                if st is None:
+                    continue
+                new = out.new_token_ids
+                if new:
+                    if not st.pending:
+                        st.pending_first_ts = ts
+                        pending[rid] = st
+                    if keep_ids:
+                        st.pending.extend(new)
+                    else:
+                        st.pending.extend([0] * len(new))
+                    st.output += len(new)
+                if out.finish_reason is not None:
+                    stop = out.stop_reason
+                    reason = _FINISH.get(out.finish_reason, "stop")
+                    if stop is None and out.finish_reason == FinishReason.REPETITION:
+                        stop = "repetition"
+                    self._cl_finish(rid, st, reason, None if stop is None else str(stop), ts, now)
+                elif len(st.pending) >= flush_n:
+                    self._cl_flush(rid, st, ts)
+        if pending:
+            oldest = ts - self.options.tokens_flush_s
+            for rid, st in list(pending.items()):
+                if st.pending_first_ts <= oldest:
+                    self._cl_flush(rid, st, ts)
+        if self._cl_abort_outputs:
+            for client, out in self._cl_abort_outputs:
+                eco = outputs.get(client)
+                if eco is None:
+                    outputs[client] = EngineCoreOutputs(outputs=[out])
+                else:
+                    eco.outputs.append(out)
+            self._cl_abort_outputs = []
+        info = self._cl_steps.pop(id(scheduler_output), None)
+        if info:
+            self._e_step(
+                info[0],
+                info[1],
+                max(now - info[2], 0.0),
+                *info[3:],
+            )
+
+    def _cl_flush(self, rid: str, st: _ReqState, ts: float) -> None:
+        ids = st.pending
+        st.pending = []
+        self._cl_pending.pop(rid, None)
+        self._e_tokens(
+            ts,
+            st.ext,
+            len(ids),
+            st.output,
+            st.pending_first_ts,
+            st.blocks,
+            ids if self.options.token_ids else None,
+        )
+
+    def _cl_finish(
+        self, rid: str, st: _ReqState, reason: str, stop: str | None, ts: float, now: float
+    ) -> None:
+        if st.pending:
+            self._cl_flush(rid, st, ts)
+        self._cl_states.pop(rid, None)
+        ids = self._cl_by_ext.get(st.ext)
+        if ids is not None:
+            ids.discard(rid)
+            if not ids:
+                del self._cl_by_ext[st.ext]
+        if st.non_preemptible:
+            self._cl_protected -= 1
+        if st.slow or st.promoted:
+            self._cl_marked -= 1
+        wait_s = now - st.waiting_since if st.state != _RUNNING else None
+        self._e_finished(ts, st.ext, reason, st.output, stop, wait_s)
+
+
+class LedgerScheduler(_LedgerHooks, Scheduler):
+    """vLLM v1's ``Scheduler`` reporting to chunkledger.
+
+    ``--scheduler-cls engine_hooks.vllm.LedgerScheduler``
+    """
+
+
+class AsyncLedgerScheduler(_LedgerHooks, AsyncScheduler):
+    """vLLM v1's ``AsyncScheduler`` (the default with async scheduling) reporting to chunkledger."""
+
+
+def iter_schedulers(llm: Any) -> Iterable[_LedgerHooks]:
+    """The ledger schedulers of an in-process ``vllm.LLM`` (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    core = getattr(getattr(llm, "llm_engine", llm), "engine_core", None)
+    core = getattr(core, "engine_core", core)
+    scheduler = getattr(core, "scheduler", None)
+    if isinstance(scheduler, _LedgerHooks):
+        yield scheduler
+
+
+__all__ = ["XARGS_KEY", "AsyncLedgerScheduler", "LedgerScheduler", "external_request_id", "iter_schedulers"]
