@@ -9,9 +9,15 @@ from fastapi import FastAPI
 
 from ledger.api import advice as advice_api
 from ledger.api import analytics, events, health, requests
+from ledger.api import commands as commands_api
+from ledger.api import metrics as metrics_api
+from ledger.api import policy as policy_api
 from ledger.api import sql as sql_api
+from ledger.api import webhooks as webhooks_api
 from ledger.config import Settings, get_settings
 from ledger.ingest import IngestWriter
+from ledger.metrics import LedgerMetrics
+from ledger.rules.service import RunawayService
 from ledger.sql import open_runner as open_sql_runner
 from ledger.store import Store, open_store
 
@@ -25,21 +31,43 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         own_store = store is None
         app.state.store = store or open_store(settings.db_url, persist_token_ids=settings.persist_token_ids)
         app.state.sql = open_sql_runner(app.state.store, reader_url=settings.sql_reader_url)
-        app.state.writer = IngestWriter(app.state.store, max_group_events=settings.group_commit_max_events)
+        app.state.runaway = RunawayService(
+            None if app.state.store.dialect == "null" else app.state.store.engine,
+            app.state.metrics,
+            policy_file=settings.policy_file or None,
+            webhook_options={
+                "max_attempts": settings.webhook_max_attempts,
+                "base_backoff_s": settings.webhook_backoff_s,
+                "max_backoff_s": settings.webhook_backoff_max_s,
+                "timeout_s": settings.webhook_timeout_s,
+            },
+        )
+        app.state.runaway.start()
+        app.state.writer = IngestWriter(
+            app.state.store,
+            max_group_events=settings.group_commit_max_events,
+            on_commit=app.state.runaway.on_commit,
+        )
         app.state.writer.start()
         try:
             yield
         finally:
             app.state.writer.stop()
+            app.state.runaway.stop()
             app.state.sql.close()
             if own_store:
                 app.state.store.close()
 
     app = FastAPI(title="chunkledger", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
+    app.state.metrics = LedgerMetrics()
     app.include_router(health.router)
     app.include_router(events.router)
     app.include_router(requests.router)
+    app.include_router(policy_api.router)
+    app.include_router(commands_api.router)
+    app.include_router(webhooks_api.router)
+    app.include_router(metrics_api.router)
     app.include_router(analytics.router)
     app.include_router(advice_api.router)
     app.include_router(sql_api.router)

@@ -24,6 +24,16 @@ class Settings(BaseSettings):
     max_events_per_batch: int = Field(20_000, ge=1)
     group_commit_max_events: int = Field(50_000, ge=1, description="events per storage transaction")
     persist_token_ids: bool = False  # store output token ids in events.data (they are user content)
+    policy_file: str = Field(
+        "", description="runaway policy (TOML/YAML/JSON) loaded at start; empty: stored or defaults"
+    )
+    metrics_token: str = ""  # bearer token for GET /metrics (empty: /metrics takes the read token)
+    webhook_max_attempts: int = Field(8, ge=1, le=100, description="webhook attempts before dead-letter")
+    webhook_backoff_s: float = Field(
+        1.0, gt=0, description="first webhook retry delay (doubles, with jitter)"
+    )
+    webhook_backoff_max_s: float = Field(300.0, gt=0, description="longest webhook retry delay")
+    webhook_timeout_s: float = Field(5.0, gt=0, le=120, description="webhook HTTP timeout per attempt")
     log_level: str = "info"
     sql_timeout_s: float = Field(10.0, gt=0, le=3600, description="POST /v1/sql: time limit per query")
     sql_max_rows: int = Field(

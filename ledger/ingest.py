@@ -17,6 +17,7 @@ import logging
 import queue
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,9 +111,18 @@ class WriterUnavailable(RuntimeError):
 class IngestWriter:
     """A thread that owns the store's write path and commits queued batches in groups."""
 
-    def __init__(self, store: Store, *, max_group_events: int = 50_000) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        max_group_events: int = 50_000,
+        on_commit: Callable[[ev.Batch, int, int], None] | None = None,
+    ) -> None:
         self.store = store
         self.max_group_events = max_group_events
+        # Called on this thread after each commit, per batch, with (batch, accepted, duplicates), before
+        # the batch's handler is answered (the rule engine: its commands can ride on that answer).
+        self.on_commit = on_commit
         self._queue: queue.Queue[tuple[ev.Batch, concurrent.futures.Future[WriteResult]] | None] = (
             queue.Queue()
         )
@@ -181,5 +191,10 @@ class IngestWriter:
             return
         self.groups_committed += 1
         self.batches_committed += len(group)
-        for (_, fut), res in zip(group, results, strict=True):
+        for (batch, fut), res in zip(group, results, strict=True):
+            if self.on_commit is not None:
+                try:
+                    self.on_commit(batch, res.accepted, res.duplicates)
+                except Exception:  # stored is stored: a hook failure must not fail the batch
+                    log.exception("post-commit hook failed for a batch from %s", batch.source.id)
             fut.set_result(res)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 from fastapi import APIRouter, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from engine_hooks import events as ev
@@ -32,7 +33,10 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
 @router.post("/v1/events", dependencies=[require("ingest")])
 async def ingest_events(request: Request, settings: SettingsDep, writer: WriterDep) -> Response:
     body = await _read_body(request, settings.max_body_bytes)
+    runaway = getattr(request.app.state, "runaway", None)
     if body is None:
+        if runaway is not None:
+            runaway.metrics.ingest_rejections.labels("too_large").inc()
         return JSONResponse(
             {"detail": f"body larger than {settings.max_body_bytes} bytes; send smaller batches"},
             status_code=status.HTTP_413_CONTENT_TOO_LARGE,
@@ -40,6 +44,8 @@ async def ingest_events(request: Request, settings: SettingsDep, writer: WriterD
     try:
         batch = decode_batch(body, max_events=settings.max_events_per_batch)
     except BadBatch as exc:
+        if runaway is not None:
+            runaway.metrics.ingest_rejections.labels("invalid").inc()
         return JSONResponse(
             {"detail": "batch rejected, nothing stored", "errors": [e.as_dict() for e in exc.errors]},
             status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
@@ -47,10 +53,17 @@ async def ingest_events(request: Request, settings: SettingsDep, writer: WriterD
     try:
         result = await writer.submit(batch)
     except WriterUnavailable as exc:
+        if runaway is not None:
+            runaway.metrics.ingest_rejections.labels("unavailable").inc()
         return JSONResponse(
             {"detail": f"not stored, retry: {exc}"},
             status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
             headers={"Retry-After": "1"},
         )
-    answer = ev.IngestResponse(accepted=result.accepted, duplicates=result.duplicates, commands=[])
+    commands: list[ev.Command] = []
+    if runaway is not None and runaway.book.has_pending(batch.source.id):
+        # Re-sent in every response until the source confirms (ledger.rules.commands).
+        commands = runaway.book.for_source(batch.source.id)
+        await run_in_threadpool(runaway.book.mark_delivered, batch.source.id, commands, "ingest")
+    answer = ev.IngestResponse(accepted=result.accepted, duplicates=result.duplicates, commands=commands)
     return Response(_encode(answer), media_type="application/json")

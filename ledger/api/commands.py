@@ -1,0 +1,43 @@
+"""GET /v1/commands (long-poll, ingest token) and GET /v1/cutoffs (the decisions, read token)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
+
+from ledger.api.deps import require
+from ledger.api.policy import runaway
+
+router = APIRouter()
+_encode = msgspec.json.Encoder().encode
+
+
+@router.get("/v1/commands", dependencies=[require("ingest")])
+async def get_commands(
+    request: Request,
+    source_id: Annotated[str, Query(min_length=1, max_length=128, description="the source asking")],
+    wait_s: Annotated[float, Query(ge=0, le=60, description="wait up to this long for a command")] = 0.0,
+) -> Response:
+    """The source's unconfirmed commands (``{"commands": [...]}``); re-sent until confirmed."""
+    book = runaway(request).book
+    commands = await book.wait(source_id, wait_s)
+    if commands:
+        await run_in_threadpool(book.mark_delivered, source_id, commands, "poll")
+    return Response(_encode({"commands": commands}), media_type="application/json")
+
+
+@router.get("/v1/cutoffs", dependencies=[require("read")])
+async def get_cutoffs(
+    request: Request,
+    request_id: Annotated[str | None, Query(max_length=256)] = None,
+    state: Annotated[Literal["pending", "applied", "moot", "expired"] | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+) -> dict[str, Any]:
+    """Stored decisions, newest first, with their delivery and confirmation times."""
+    rows = await run_in_threadpool(
+        runaway(request).book.rows, request_id=request_id, state=state, limit=limit
+    )
+    return {"cutoffs": rows}

@@ -1,0 +1,222 @@
+"""Prometheus metrics of the ledger service, on a per-app ``CollectorRegistry`` (tests get fresh ones).
+
+Names carry the ``chunkledger_`` prefix and base units; counters end in ``_total``; labels come from
+small sets only (model, source, kind, rule, action, layer, reason, channel, event_type): never a request
+id. Latency histograms are observed once per finished request, from its ``requests`` view row, a few
+seconds after the engine finished it (so the gateway's end has landed). Gauges about live requests are
+read from the rule engine when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ledger.rules.rules import RULE_NAMES
+
+LAYERS = ("entry", "admission", "backend_wait", "prefill", "decode")
+ACTIONS = ("abort", "slow_pool", "non_preemptible", "promote")
+_RULE_ACTIONS = {
+    "preemption_limit": ("slow_pool", "non_preemptible"),
+    "forced_wait_limit": ("slow_pool", "non_preemptible"),
+    "slow_pool_starved": ("promote",),
+}
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
+
+_instances: weakref.WeakSet[LedgerMetrics] = weakref.WeakSet()
+
+
+class _LiveCollector(Collector):
+    """Gauges computed at scrape time from the rule engine."""
+
+    def __init__(self) -> None:
+        self.live: Callable[[], dict[str, int]] = dict
+        self.stalled: Callable[[], dict[str, int]] = dict
+        self.stall_max: Callable[[], dict[str, float]] = dict
+        self.outbox: Callable[[], int] = lambda: 0
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        g = GaugeMetricFamily(
+            "chunkledger_live_requests", "Requests the rule engine tracks (not finished)", labels=["model"]
+        )
+        for m, n in sorted(self.live().items()):
+            g.add_metric([m], n)
+        yield g
+        g = GaugeMetricFamily(
+            "chunkledger_kv_stalled_requests",
+            "Requests holding KV blocks that got no token in their engine's latest step",
+            labels=["model"],
+        )
+        for m, n in sorted(self.stalled().items()):
+            g.add_metric([m], n)
+        yield g
+        g = GaugeMetricFamily(
+            "chunkledger_kv_stall_max_seconds",
+            "Longest time a live request has gone without a new token",
+            labels=["model"],
+        )
+        for m, s in sorted(self.stall_max().items()):
+            g.add_metric([m], s)
+        yield g
+        yield GaugeMetricFamily(
+            "chunkledger_webhook_outbox_pending", "Webhook deliveries waiting to be sent", value=self.outbox()
+        )
+
+
+class LedgerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.layer_seconds = Histogram(
+            "chunkledger_request_layer_seconds",
+            "Per-request time in each layer (entry, admission, backend_wait, prefill, decode)",
+            ["model", "layer"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "chunkledger_ttft_seconds",
+            "Time to first token per request",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl_seconds = Histogram(
+            "chunkledger_itl_seconds",
+            "Mean inter-token latency per request (decode time / (output tokens - 1))",
+            ["model"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e_seconds = Histogram(
+            "chunkledger_e2e_seconds",
+            "End-to-end time per request",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests_finished = Counter(
+            "chunkledger_requests_finished_total", "Requests observed finished", ["model"], registry=r
+        )
+        self.cutoffs = Counter(
+            "chunkledger_cutoffs_total", "Rule decisions (commands issued)", ["rule", "action"], registry=r
+        )
+        self.commands_delivered = Counter(
+            "chunkledger_commands_delivered_total",
+            "Commands handed to a source (ingest response or long-poll), re-sends included",
+            ["channel"],
+            registry=r,
+        )
+        self.commands_applied = Counter(
+            "chunkledger_commands_applied_total",
+            "Commands a source confirmed",
+            ["rule", "target"],
+            registry=r,
+        )
+        self.command_apply_seconds = Histogram(
+            "chunkledger_command_apply_seconds",
+            "Decision -> confirmation time of commands",
+            ["target"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.commands_expired = Counter(
+            "chunkledger_commands_expired_total", "Commands given up unconfirmed after their ttl", registry=r
+        )
+        self.webhook_attempts = Counter(
+            "chunkledger_webhook_attempts_total", "Webhook delivery attempts", ["event_type"], registry=r
+        )
+        self.webhook_failures = Counter(
+            "chunkledger_webhook_failures_total",
+            "Failed webhook delivery attempts (reason: status, timeout, connect)",
+            ["event_type", "reason"],
+            registry=r,
+        )
+        self.webhook_dead = Counter(
+            "chunkledger_webhook_dead_letters_total",
+            "Webhook deliveries given up after the last attempt",
+            ["event_type"],
+            registry=r,
+        )
+        self.alerts = Counter(
+            "chunkledger_alerts_total", "Alerts raised (webhook event types)", ["event_type"], registry=r
+        )
+        self.ingest_events = Counter(
+            "chunkledger_ingest_events_total", "Events stored (new, not duplicates)", ["source"], registry=r
+        )
+        self.ingest_duplicates = Counter(
+            "chunkledger_ingest_duplicates_total",
+            "Events received again and not stored twice",
+            ["source"],
+            registry=r,
+        )
+        self.ingest_batches = Counter(
+            "chunkledger_ingest_batches_total", "Batches stored", ["source"], registry=r
+        )
+        self.ingest_rejections = Counter(
+            "chunkledger_ingest_rejections_total",
+            "Batches refused (reason: invalid, too_large, unavailable)",
+            ["reason"],
+            registry=r,
+        )
+        self.source_dropped = Counter(
+            "chunkledger_source_dropped_events_total",
+            "Events sources reported as dropped",
+            ["source", "reason"],
+            registry=r,
+        )
+        self.advised_chunk_tokens = Gauge(
+            "chunkledger_advised_chunk_tokens",
+            "Advised prefill chunk size (tokens per step) from the chunk-size advice",
+            ["model"],
+            registry=r,
+        )
+        self.live = _LiveCollector()
+        r.register(self.live)
+        for rule in RULE_NAMES:
+            for action in _RULE_ACTIONS.get(rule, ("abort",)):
+                self.cutoffs.labels(rule, action)
+        for reason in ("invalid", "too_large", "unavailable"):
+            self.ingest_rejections.labels(reason)
+        for ch in ("ingest", "poll"):
+            self.commands_delivered.labels(ch)
+        _instances.add(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def observe_request(self, row: dict[str, object]) -> None:
+        """Latency histograms from one finished request's ``requests`` view row."""
+        model = str(row.get("model") or "")
+        for layer in LAYERS:
+            v = row.get(f"{layer}_s")
+            if isinstance(v, (int, float)) and v >= 0:
+                self.layer_seconds.labels(model, layer).observe(v)
+        ttft = row.get("ttft_s")
+        if isinstance(ttft, (int, float)) and ttft >= 0:
+            self.ttft_seconds.labels(model).observe(ttft)
+        e2e = row.get("e2e_s")
+        if isinstance(e2e, (int, float)) and e2e >= 0:
+            self.e2e_seconds.labels(model).observe(e2e)
+        itl = itl_of(row)
+        if itl is not None:
+            self.itl_seconds.labels(model).observe(itl)
+        self.requests_finished.labels(model).inc()
+
+
+def itl_of(row: dict[str, object]) -> float | None:
+    """Mean inter-token latency of a request: decode time over the gaps between its output tokens."""
+    decode, n = row.get("decode_s"), row.get("output_tokens")
+    if isinstance(decode, (int, float)) and isinstance(n, int) and n > 1 and decode >= 0:
+        return float(decode) / (n - 1)
+    return None
+
+
+def set_advised_chunk(model: str, tokens: int) -> None:
+    """Publish the advised chunk size for ``model`` on every live ledger's registry."""
+    for m in list(_instances):
+        m.advised_chunk_tokens.labels(model).set(tokens)

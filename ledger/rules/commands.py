@@ -1,0 +1,340 @@
+"""Commands: decisions stored in ``cutoffs`` and delivered to sources until they confirm.
+
+A decision becomes one command (one id) with up to two targets: the engine source that runs the request
+(it aborts it, or moves it to the slow pool) and the gateway source streaming it, if any (it cuts the
+stream). The command is returned to a target in every ingest response from that source and by
+``GET /v1/commands`` (long-poll) until that target confirms with a ``cutoff_applied`` event (a gateway
+may confirm with ``stream_cut`` carrying the command id). A target that finishes the request without
+confirming (it ended on its own first) is moot: nothing left to apply. A command still unconfirmed
+``ttl_s`` after its decision expires. Sources apply commands idempotently (the contract says so), so
+re-sending is safe.
+
+The store is the truth (``cutoffs`` rows, one per (request, rule): a decision made twice, by a restart
+or another replica, is stored once and delivered once); the pending set is kept in memory for the
+ingest path and reloaded from the store at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+
+from engine_hooks import events as ev
+from ledger.rules.engine import Decision
+
+log = logging.getLogger(__name__)
+
+_INSERT = sa.text(
+    "INSERT INTO cutoffs (command_id, request_id, rule, action, detail, model, source_id, gateway_source_id, "
+    "decided_ts, deliveries, state) VALUES (:command_id, :request_id, :rule, :action, :detail, :model, "
+    ":source_id, :gateway_source_id, :decided_ts, 0, 'pending') ON CONFLICT DO NOTHING"
+)
+
+
+@dataclass(eq=False)
+class Pending:
+    command: ev.Command
+    model: str | None
+    decided_ts: float
+    targets: dict[str, str]  # source id -> "engine" | "gateway", still to confirm
+    delivered: set[str] = field(default_factory=set)
+
+
+class CommandBook:
+    """The pending commands per source, backed by the ``cutoffs`` table."""
+
+    def __init__(
+        self,
+        engine: sa.Engine | None,
+        *,
+        ttl_s: Callable[[], float] = lambda: 600.0,
+        clock: Callable[[], float] = time.time,
+        on_delivered: Callable[[Pending, str, str], None] | None = None,
+        on_applied: Callable[[Pending, str, float], None] | None = None,
+    ) -> None:
+        self.engine = engine  # None: memory only (a null store)
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._on_delivered = on_delivered
+        self._on_applied = on_applied
+        self._lock = threading.Lock()
+        self.by_id: dict[str, Pending] = {}
+        self.by_source: dict[str, dict[str, Pending]] = {}
+        self.by_request: dict[str, list[Pending]] = {}
+        self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+
+    # -- storage helpers ---------------------------------------------------------------------------
+    def _exec(self, sql: str | Any, params: Any = None) -> Any:
+        if self.engine is None:
+            return None
+        stmt = sa.text(sql) if isinstance(sql, str) else sql
+        with self.engine.begin() as conn:
+            return conn.execute(stmt, params or {})
+
+    def load(self) -> int:
+        """Reload the pending commands (after a restart); expire the ones past their ttl."""
+        if self.engine is None:
+            return 0
+        now = self._clock()
+        cutoff = now - self._ttl_s()
+        self._exec(
+            "UPDATE cutoffs SET state = 'expired', closed_ts = :now WHERE state = 'pending' AND "
+            "decided_ts < :c",
+            {"now": now, "c": cutoff},
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.text(
+                    "SELECT command_id, request_id, rule, action, detail, model, source_id, "
+                    "gateway_source_id, "
+                    "decided_ts, applied_ts, gateway_applied_ts, delivered_ts, gateway_delivered_ts "
+                    "FROM cutoffs WHERE state = 'pending'"
+                )
+            ).all()
+        with self._lock:
+            for r in rows:
+                targets = {}
+                if r.source_id and r.applied_ts is None:
+                    targets[r.source_id] = "engine"
+                if r.gateway_source_id and r.gateway_applied_ts is None:
+                    targets[r.gateway_source_id] = "gateway"
+                if not targets:
+                    continue
+                cmd = ev.Command(
+                    id=r.command_id, request_id=r.request_id, action=r.action, rule=r.rule, detail=r.detail
+                )
+                p = Pending(command=cmd, model=r.model, decided_ts=r.decided_ts, targets=targets)
+                if r.delivered_ts is not None and r.source_id:
+                    p.delivered.add(r.source_id)
+                if r.gateway_delivered_ts is not None and r.gateway_source_id:
+                    p.delivered.add(r.gateway_source_id)
+                self._index(p)
+        return len(rows)
+
+    def _index(self, p: Pending) -> None:
+        self.by_id[p.command.id] = p
+        for sid in p.targets:
+            self.by_source.setdefault(sid, {})[p.command.id] = p
+        self.by_request.setdefault(p.command.request_id, []).append(p)
+
+    def _unindex_target(self, p: Pending, sid: str) -> bool:
+        """Drop one target; True when the command has none left."""
+        p.targets.pop(sid, None)
+        per = self.by_source.get(sid)
+        if per is not None:
+            per.pop(p.command.id, None)
+            if not per:
+                del self.by_source[sid]
+        if p.targets:
+            return False
+        self.by_id.pop(p.command.id, None)
+        lst = self.by_request.get(p.command.request_id)
+        if lst is not None:
+            if p in lst:
+                lst.remove(p)
+            if not lst:
+                del self.by_request[p.command.request_id]
+        return True
+
+    # -- decisions ---------------------------------------------------------------------------------
+    def record(self, decisions: Sequence[Decision]) -> list[tuple[Decision, Pending]]:
+        """Store new decisions and queue their commands; a decision already stored is skipped."""
+        out = []
+        for d in decisions:
+            cid = uuid.uuid4().hex
+            if self.engine is not None:
+                with self.engine.begin() as conn:
+                    conn.execute(
+                        _INSERT,
+                        {
+                            "command_id": cid,
+                            "request_id": d.request_id,
+                            "rule": d.rule,
+                            "action": d.action,
+                            "detail": d.detail,
+                            "model": d.model,
+                            "source_id": d.engine_source_id,
+                            "gateway_source_id": d.gateway_source_id,
+                            "decided_ts": d.decided_ts,
+                        },
+                    )
+                    stored = conn.execute(
+                        sa.text("SELECT command_id FROM cutoffs WHERE request_id = :r AND rule = :rule"),
+                        {"r": d.request_id, "rule": d.rule},
+                    ).scalar_one()
+                if stored != cid:
+                    continue  # decided before (a restart, another replica): stored and delivered once
+            targets = {}
+            if d.engine_source_id:
+                targets[d.engine_source_id] = "engine"
+            if d.gateway_source_id:
+                targets[d.gateway_source_id] = "gateway"
+            cmd = ev.Command(id=cid, request_id=d.request_id, action=d.action, rule=d.rule, detail=d.detail)  # type: ignore[arg-type]
+            p = Pending(command=cmd, model=d.model, decided_ts=d.decided_ts, targets=targets)
+            if targets:
+                with self._lock:
+                    self._index(p)
+                self._wake(list(targets))
+            out.append((d, p))
+        return out
+
+    # -- delivery ----------------------------------------------------------------------------------
+    def for_source(self, source_id: str) -> list[ev.Command]:
+        with self._lock:
+            per = self.by_source.get(source_id)
+            return [p.command for p in per.values()] if per else []
+
+    def has_pending(self, source_id: str) -> bool:
+        return source_id in self.by_source
+
+    def mark_delivered(self, source_id: str, commands: Sequence[ev.Command], channel: str) -> None:
+        """Count a delivery; the first one to each target sets its delivered timestamp."""
+        now = self._clock()
+        for c in commands:
+            with self._lock:
+                p = self.by_id.get(c.id)
+                if p is None:
+                    continue
+                role = p.targets.get(source_id)
+                first = source_id not in p.delivered
+                p.delivered.add(source_id)
+            col = "gateway_delivered_ts" if role == "gateway" else "delivered_ts"
+            self._exec(
+                f"UPDATE cutoffs SET deliveries = deliveries + 1, {col} = COALESCE({col}, :now) "
+                "WHERE command_id = :id",
+                {"now": now, "id": c.id},
+            )
+            if self._on_delivered is not None:
+                self._on_delivered(p, channel, "first" if first else "again")
+
+    async def wait(self, source_id: str, timeout_s: float) -> list[ev.Command]:
+        """The source's pending commands; when there are none, wait up to ``timeout_s`` for one."""
+        cmds = self.for_source(source_id)
+        if cmds or timeout_s <= 0:
+            return cmds
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        key = (loop, event)
+        with self._lock:
+            self._waiters.setdefault(source_id, set()).add(key)
+        try:
+            cmds = self.for_source(source_id)
+            if not cmds:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), timeout_s)
+                cmds = self.for_source(source_id)
+        finally:
+            with self._lock:
+                ws = self._waiters.get(source_id)
+                if ws is not None:
+                    ws.discard(key)
+                    if not ws:
+                        del self._waiters[source_id]
+        return cmds
+
+    def _wake(self, source_ids: list[str]) -> None:
+        with self._lock:
+            keys = [k for sid in source_ids for k in self._waiters.get(sid, ())]
+        for loop, event in keys:
+            with contextlib.suppress(RuntimeError):  # the loop closed
+                loop.call_soon_threadsafe(event.set)
+
+    # -- confirmations -----------------------------------------------------------------------------
+    def confirm(self, source_id: str, command_id: str, ts: float) -> Pending | None:
+        """A source applied the command: no more re-sending to it."""
+        now = self._clock()
+        with self._lock:
+            p = self.by_id.get(command_id)
+            role = p.targets.get(source_id) if p is not None else None
+            if p is not None and role is None and p.targets:
+                role = "engine" if "engine" in p.targets.values() else "gateway"  # an unexpected source
+                source_id = next(s for s, r in p.targets.items() if r == role)
+            closed = self._unindex_target(p, source_id) if p is not None else False
+        if p is None:
+            # Not pending here: already confirmed, or decided by another replica. Record it anyway.
+            self._exec(
+                "UPDATE cutoffs SET applied_ts = COALESCE(applied_ts, :now), "
+                "applied_source_id = COALESCE(applied_source_id, :sid) WHERE command_id = :id",
+                {"now": now, "sid": source_id, "id": command_id},
+            )
+            return None
+        if role == "gateway":
+            sets = "gateway_applied_ts = COALESCE(gateway_applied_ts, :now)"
+        else:
+            sets = (
+                "applied_ts = COALESCE(applied_ts, :now), "
+                "applied_source_id = COALESCE(applied_source_id, :sid)"
+            )
+        if closed:
+            sets += ", state = 'applied', closed_ts = :now"
+        self._exec(
+            f"UPDATE cutoffs SET {sets} WHERE command_id = :id",
+            {"now": now, "sid": source_id, "id": command_id},
+        )
+        if self._on_applied is not None:
+            self._on_applied(p, role or "engine", now - p.decided_ts)
+        return p
+
+    def request_done(self, request_id: str, source_id: str) -> None:
+        """The source finished the request: whatever it has not confirmed is moot there."""
+        with self._lock:
+            lst = list(self.by_request.get(request_id, ()))
+            closed = [p for p in lst if source_id in p.targets and self._unindex_target(p, source_id)]
+        if closed:
+            now = self._clock()
+            for p in closed:
+                self._exec(
+                    "UPDATE cutoffs SET state = CASE WHEN applied_ts IS NULL AND gateway_applied_ts IS NULL "
+                    "THEN 'moot' ELSE 'applied' END, closed_ts = :now WHERE command_id = :id AND "
+                    "state = 'pending'",
+                    {"now": now, "id": p.command.id},
+                )
+
+    def expire(self, now: float | None = None) -> int:
+        now = self._clock() if now is None else now
+        limit = now - self._ttl_s()
+        with self._lock:
+            old = [p for p in self.by_id.values() if p.decided_ts < limit]
+            for p in old:
+                for sid in list(p.targets):
+                    self._unindex_target(p, sid)
+        for p in old:
+            log.warning(
+                "command %s (%s on %s) expired unconfirmed",
+                p.command.id,
+                p.command.rule,
+                p.command.request_id,
+            )
+            self._exec(
+                "UPDATE cutoffs SET state = 'expired', closed_ts = :now WHERE command_id = :id "
+                "AND state = 'pending'",
+                {"now": now, "id": p.command.id},
+            )
+        return len(old)
+
+    # -- reads -------------------------------------------------------------------------------------
+    def rows(
+        self, *, request_id: str | None = None, state: str | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        if self.engine is None:
+            return []
+        where, params = [], {"limit": limit}
+        if request_id:
+            where.append("request_id = :rid")
+            params["rid"] = request_id  # type: ignore[assignment]
+        if state:
+            where.append("state = :state")
+            params["state"] = state  # type: ignore[assignment]
+        sql = "SELECT * FROM cutoffs" + (" WHERE " + " AND ".join(where) if where else "")
+        sql += " ORDER BY decided_ts DESC LIMIT :limit"
+        with self.engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(sa.text(sql), params)]

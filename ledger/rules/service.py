@@ -1,0 +1,299 @@
+"""The runaway service: wires the rule engine to storage, delivery, webhooks and metrics.
+
+* ``on_commit(batch, result)`` is the ingest writer's hook: it runs on the writer thread right after a
+  group commit, with the batch's newly accepted events, so the rule engine sees each event once.
+* Decisions are stored (``cutoffs``), queued for delivery (``CommandBook``), counted and sent to the
+  ``cutoff`` webhook subscribers.
+* A ticker thread runs the time rules, expires stale commands, observes finished requests' latencies
+  (one query per tick for all of them), watches the SLO and picks up policy versions from other replicas.
+
+Which events are new: the store reports counts per batch, not which events. When a batch had no
+duplicates every event is new (the usual case); with none accepted nothing is; in the rare mixed case
+(a retry that overlaps new events) the events above this replica's high-water mark for the source are
+taken as the new ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+
+from engine_hooks import events as ev
+from ledger.metrics import LedgerMetrics, itl_of
+from ledger.rules import rules as R
+from ledger.rules.commands import CommandBook, Pending
+from ledger.rules.engine import Decision, RuleEngine
+from ledger.rules.policy_store import PolicyStore
+from ledger.webhooks.outbox import Webhooks
+
+log = logging.getLogger(__name__)
+
+OBSERVE_DELAY_S = 3.0  # wait this long after the engine's finish before reading the row (gateway end)
+_VIEW_COLUMNS = (
+    "request_id, model, output_tokens, entry_s, admission_s, backend_wait_s, prefill_s, decode_s, e2e_s, "
+    "ttft_s"
+)
+
+
+class SloMonitor:
+    """Per model, p99 TTFT and mean-ITL over a sliding window of finished requests, with hysteresis.
+
+    Fires when the p99 exceeds the target (with at least ``min_samples`` requests in the window) and
+    resolves only when it drops below ``target * clear_ratio``: a p99 hovering at the target does not
+    flap.
+    """
+
+    def __init__(self) -> None:
+        self.samples: dict[str, deque[tuple[float, float | None, float | None]]] = {}
+        self.firing: set[tuple[str, str]] = set()
+
+    def add(self, model: str, now: float, ttft: float | None, itl: float | None) -> None:
+        dq = self.samples.get(model)
+        if dq is None:
+            dq = self.samples[model] = deque(maxlen=50_000)
+        dq.append((now, ttft, itl))
+
+    def check(self, policy: Any, now: float) -> list[dict[str, Any]]:
+        alerts = policy.alerts
+        out = []
+        for model, dq in self.samples.items():
+            while dq and dq[0][0] < now - alerts.slo_window_s:
+                dq.popleft()
+            slo = policy.slo_for(model)
+            for metric, target, idx in (("ttft", slo.ttft_p99_s, 1), ("itl", slo.itl_p99_s, 2)):
+                key = (model, metric)
+                if target is None:
+                    self.firing.discard(key)
+                    continue
+                values = sorted(x for v in dq if (x := v[idx]) is not None)
+                if len(values) < alerts.slo_min_samples:
+                    continue
+                p99 = values[min(len(values) - 1, int(0.99 * len(values)))]
+                state = None
+                if key not in self.firing and p99 > target:
+                    self.firing.add(key)
+                    state = "firing"
+                elif key in self.firing and p99 < target * alerts.slo_clear_ratio:
+                    self.firing.discard(key)
+                    state = "resolved"
+                if state is not None:
+                    out.append(
+                        {
+                            "model": model,
+                            "metric": metric,
+                            "state": state,
+                            "p99_s": p99,
+                            "target_s": target,
+                            "samples": len(values),
+                            "window_s": alerts.slo_window_s,
+                        }
+                    )
+        return out
+
+
+class RunawayService:
+    def __init__(
+        self,
+        engine: sa.Engine | None,
+        metrics: LedgerMetrics,
+        *,
+        policy_file: str | None = None,
+        tick_s: float = 0.5,
+        webhook_options: dict[str, Any] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.metrics = metrics
+        self.clock = clock
+        self.tick_s = tick_s
+        self.policies = PolicyStore(engine, policy_file)
+        self.book = CommandBook(
+            engine,
+            ttl_s=lambda: self.policies.get().commands.ttl_s,
+            clock=clock,
+            on_delivered=self._delivered,
+            on_applied=self._applied,
+        )
+        self.webhooks = (
+            Webhooks(engine, on_attempt=self._webhook_attempt, **(webhook_options or {})) if engine else None
+        )
+        self.rules = RuleEngine(self.policies.get, self, clock=clock)
+        self.engine = engine
+        self.slo = SloMonitor()
+        self._marks: dict[str, int] = {}
+        self._to_observe: deque[tuple[float, str]] = deque()
+        self._observed: dict[str, None] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_slo = 0.0
+        self._last_refresh = 0.0
+        live = metrics.live
+        live.live = self.rules.live_counts
+        live.stalled = self.rules.kv_stalled_counts
+        live.stall_max = self.rules.kv_stall_max_s
+        if self.webhooks is not None:
+            live.outbox = self.webhooks.pending_count
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.policies.load()
+        self.book.load()
+        if self.webhooks is not None:
+            self.webhooks.start()
+        self._thread = threading.Thread(target=self._run, name="chunkledger-rules", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        if self.webhooks is not None:
+            self.webhooks.stop()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            try:
+                self.tick()
+            except Exception:
+                log.exception("rules ticker pass failed")
+
+    def tick(self, now: float | None = None) -> None:
+        now = self.clock() if now is None else now
+        self.rules.tick(now)
+        expired = self.book.expire(now)
+        if expired:
+            self.metrics.commands_expired.inc(expired)
+        self._observe_finished(now)
+        policy = self.policies.get()
+        if now - self._last_slo >= policy.alerts.slo_check_interval_s:
+            self._last_slo = now
+            for alert in self.slo.check(policy, now):
+                self._alert("slo_breach", alert)
+        if now - self._last_refresh >= 5.0:
+            self._last_refresh = now
+            self.policies.refresh()
+
+    # -- ingest hook (writer thread) ----------------------------------------------------------------
+    def on_commit(self, batch: ev.Batch, accepted: int, duplicates: int) -> None:
+        source = batch.source
+        events = batch.events
+        mark = self._marks.get(source.id, -1)
+        if accepted == 0:
+            new: list[Any] = []
+        elif duplicates == 0:
+            new = events
+        else:
+            new = [e for e in events if e.seq > mark]
+        if events:
+            self._marks[source.id] = max(mark, events[-1].seq)
+        m = self.metrics
+        m.ingest_batches.labels(source.id).inc()
+        if accepted:
+            m.ingest_events.labels(source.id).inc(accepted)
+        if duplicates:
+            m.ingest_duplicates.labels(source.id).inc(duplicates)
+        if new:
+            self.rules.observe(source, new, self.clock())
+
+    # -- rule engine hooks ---------------------------------------------------------------------------
+    def decided(self, decisions: list[Decision]) -> None:
+        for d, p in self.book.record(decisions):
+            self.metrics.cutoffs.labels(d.rule, d.action).inc()
+            log.info("cutoff %s: %s -> %s on %s (%s)", p.command.id, d.rule, d.action, d.request_id, d.detail)
+            self._alert(
+                "cutoff",
+                {
+                    "command_id": p.command.id,
+                    "request_id": d.request_id,
+                    "model": d.model,
+                    "rule": d.rule,
+                    "action": d.action,
+                    "detail": d.detail,
+                    "source_id": d.engine_source_id,
+                    "gateway_source_id": d.gateway_source_id,
+                    "decided_ts": d.decided_ts,
+                },
+                count=False,
+            )
+
+    def confirmed(self, source_id: str, command_id: str, ts: float) -> None:
+        self.book.confirm(source_id, command_id, ts)
+
+    def request_done(self, request_id: str, source_id: str, kind: str) -> None:
+        self.book.request_done(request_id, source_id)
+        if kind == "finished" and request_id not in self._observed:
+            self._observed[request_id] = None
+            if len(self._observed) > 100_000:
+                self._observed.pop(next(iter(self._observed)))
+            self._to_observe.append((self.clock() + OBSERVE_DELAY_S, request_id))
+
+    def dropped(self, source: ev.Source, count: int, reason: str, ts: float) -> None:
+        self.metrics.source_dropped.labels(source.id, reason).inc(count)
+        self._alert(
+            "data_loss",
+            {"source_id": source.id, "model": source.model, "count": count, "reason": reason, "ts": ts},
+        )
+
+    def starving(self, r: R.LiveRequest, waited_s: float, now: float) -> None:
+        bound = self.policies.get().alerts.starvation_wait_s
+        self._alert(
+            "starvation",
+            {
+                "request_id": r.request_id,
+                "model": r.model,
+                "source_id": r.engine_source_id,
+                "waited_s": waited_s,
+                "bound_s": bound,
+                "preemptions": r.preemptions,
+            },
+        )
+
+    # -- command book hooks --------------------------------------------------------------------------
+    def _delivered(self, p: Pending, channel: str, first: str) -> None:
+        self.metrics.commands_delivered.labels(channel).inc()
+
+    def _applied(self, p: Pending, target: str, took_s: float) -> None:
+        self.metrics.commands_applied.labels(p.command.rule, target).inc()
+        self.metrics.command_apply_seconds.labels(target).observe(max(0.0, took_s))
+
+    def _webhook_attempt(self, event_type: str, status: int | None, reason: str | None, dead: bool) -> None:
+        m = self.metrics
+        m.webhook_attempts.labels(event_type).inc()
+        if reason is not None:
+            m.webhook_failures.labels(event_type, reason).inc()
+        if dead:
+            m.webhook_dead.labels(event_type).inc()
+
+    def _alert(self, event_type: str, data: dict[str, Any], count: bool = True) -> None:
+        if count:
+            self.metrics.alerts.labels(event_type).inc()
+        if self.webhooks is None:
+            return
+        try:
+            self.webhooks.emit(event_type, data)
+        except Exception:
+            log.exception("could not queue the %s webhook", event_type)
+
+    # -- latency observations ------------------------------------------------------------------------
+    def _observe_finished(self, now: float) -> None:
+        due: list[str] = []
+        while self._to_observe and self._to_observe[0][0] <= now and len(due) < 5000:
+            due.append(self._to_observe.popleft()[1])
+        if not due or self.engine is None:
+            return
+        stmt = sa.text(f"SELECT {_VIEW_COLUMNS} FROM requests WHERE request_id IN :ids").bindparams(
+            sa.bindparam("ids", expanding=True)
+        )
+        with self.engine.connect() as conn:
+            rows = [dict(r._mapping) for r in conn.execute(stmt, {"ids": due})]
+        for row in rows:
+            self.metrics.observe_request(row)
+            ttft = row.get("ttft_s")
+            self.slo.add(
+                str(row.get("model") or ""), now, ttft if isinstance(ttft, float) else None, itl_of(row)
+            )

@@ -1,0 +1,392 @@
+"""Webhook subscriptions, the persistent outbox and its delivery worker.
+
+``emit(event_type, data)`` writes one outbox row per subscriber of that type, with the body already
+rendered in the subscriber's format (``json``: ``{"id", "type", "ts", "data"}``; ``text``: a Slack-
+compatible ``{"text": ...}``). The worker thread claims due rows with a lease (``UPDATE .. RETURNING``,
+so two replicas on one PostgreSQL never send the same row at once), POSTs them signed
+(``ledger.webhooks.signing``), logs every attempt in ``webhook_attempts`` and either marks the row
+delivered (2xx), schedules a retry with exponential backoff and jitter, or, after ``max_attempts``,
+dead-letters it. Rows live in the database, so deliveries pending at a restart go out after it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+
+from ledger.webhooks.signing import HEADER, sign
+
+log = logging.getLogger(__name__)
+
+EVENT_TYPES = ("cutoff", "slo_breach", "starvation", "data_loss")
+FORMATS = ("json", "text")
+
+
+def render_text(event_type: str, data: dict[str, Any]) -> str:
+    """One line for chat tools (Slack's ``text`` field)."""
+    if event_type == "cutoff":
+        return (
+            f":scissors: chunkledger cut request `{data.get('request_id')}` "
+            f"({data.get('model') or 'unknown model'}): "
+            f"{data.get('rule')} -> {data.get('action')}, {data.get('detail')}"
+        )
+    if event_type == "slo_breach":
+        verb = "breached" if data.get("state") == "firing" else "recovered"
+        return (
+            f":rotating_light: chunkledger SLO {verb} for {data.get('model')}: {data.get('metric')} p99 "
+            f"{data.get('p99_s'):.3f} s vs target {data.get('target_s'):.3f} s over "
+            f"{data.get('samples')} requests"
+        )
+    if event_type == "starvation":
+        return (
+            f":hourglass: chunkledger: request `{data.get('request_id')}` "
+            f"({data.get('model') or 'unknown model'}) "
+            f"waiting {data.get('waited_s'):.1f} s (bound {data.get('bound_s'):g} s)"
+        )
+    if event_type == "data_loss":
+        return (
+            f":warning: chunkledger: source {data.get('source_id')} dropped {data.get('count')} events "
+            f"({data.get('reason')})"
+        )
+    return f"chunkledger {event_type}: {json.dumps(data, sort_keys=True)}"
+
+
+class SubscriptionError(ValueError):
+    """A bad subscription request; the message names the field."""
+
+
+class Webhooks:
+    def __init__(
+        self,
+        engine: sa.Engine,
+        *,
+        max_attempts: int = 8,
+        base_backoff_s: float = 1.0,
+        max_backoff_s: float = 300.0,
+        timeout_s: float = 5.0,
+        poll_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+        on_attempt: Callable[[str, int | None, str | None, bool], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_attempts = max_attempts
+        self.base_backoff_s = base_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._on_attempt = on_attempt  # (event_type, status, failure reason or None, dead)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._http: httpx.Client | None = None
+
+    # -- subscriptions -----------------------------------------------------------------------------
+    def create(
+        self, *, url: str, secret: str, event_types: list[str], format: str = "json"
+    ) -> dict[str, Any]:
+        if not url.startswith(("http://", "https://")):
+            raise SubscriptionError("url: must start with http:// or https://")
+        if len(secret) < 16:
+            raise SubscriptionError("secret: at least 16 characters")
+        if not event_types:
+            raise SubscriptionError(f"event_types: name at least one of {', '.join(EVENT_TYPES)}")
+        unknown = [t for t in event_types if t not in EVENT_TYPES]
+        if unknown:
+            raise SubscriptionError(f"event_types: unknown {unknown}; choose from {', '.join(EVENT_TYPES)}")
+        if format not in FORMATS:
+            raise SubscriptionError(f"format: {format!r}; choose json or text")
+        row = {
+            "id": uuid.uuid4().hex,
+            "url": url,
+            "secret": secret,
+            "event_types": ",".join(dict.fromkeys(event_types)),
+            "format": format,
+            "created_ts": self._clock(),
+        }
+        with self.engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO webhook_subscriptions (id, url, secret, event_types, format, created_ts) "
+                    "VALUES (:id, :url, :secret, :event_types, :format, :created_ts)"
+                ),
+                row,
+            )
+        return self._public(row)
+
+    @staticmethod
+    def _public(row: Any) -> dict[str, Any]:
+        d = dict(row)
+        d.pop("secret", None)
+        d.pop("deleted_ts", None)
+        d["event_types"] = d["event_types"].split(",")
+        return d
+
+    def subscriptions(
+        self, event_type: str | None = None, *, with_secret: bool = False
+    ) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.text("SELECT * FROM webhook_subscriptions WHERE deleted_ts IS NULL ORDER BY created_ts")
+            ).all()
+        out = []
+        for r in rows:
+            m = dict(r._mapping)
+            if event_type is not None and event_type not in m["event_types"].split(","):
+                continue
+            out.append({**m, "event_types": m["event_types"].split(",")} if with_secret else self._public(m))
+        return out
+
+    def delete(self, sub_id: str) -> bool:
+        now = self._clock()
+        with self.engine.begin() as conn:
+            found = conn.execute(
+                sa.text("SELECT id FROM webhook_subscriptions WHERE id = :id AND deleted_ts IS NULL"),
+                {"id": sub_id},
+            ).first()
+            if found is None:
+                return False
+            conn.execute(
+                sa.text("UPDATE webhook_subscriptions SET deleted_ts = :now WHERE id = :id"),
+                {"now": now, "id": sub_id},
+            )
+            conn.execute(
+                sa.text(
+                    "UPDATE webhook_outbox SET state = 'dead', last_error = 'subscription deleted' "
+                    "WHERE subscription_id = :id AND state = 'pending'"
+                ),
+                {"id": sub_id},
+            )
+        return True
+
+    # -- outbox ------------------------------------------------------------------------------------
+    def emit(self, event_type: str, data: dict[str, Any]) -> int:
+        """Queue ``data`` for every subscriber of ``event_type``; returns how many deliveries."""
+        subs = self.subscriptions(event_type)
+        if not subs:
+            return 0
+        now = self._clock()
+        event_id = uuid.uuid4().hex
+        rows = []
+        for s in subs:
+            if s["format"] == "text":
+                body = json.dumps({"text": render_text(event_type, data)})
+            else:
+                body = json.dumps(
+                    {"id": event_id, "type": event_type, "ts": now, "data": data}, sort_keys=True
+                )
+            rows.append(
+                {
+                    "id": uuid.uuid4().hex,
+                    "subscription_id": s["id"],
+                    "event_type": event_type,
+                    "event_id": event_id,
+                    "body": body,
+                    "created_ts": now,
+                    "next_attempt_ts": now,
+                }
+            )
+        with self.engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO webhook_outbox (id, subscription_id, event_type, event_id, "
+                    "body, created_ts, "
+                    "next_attempt_ts, attempts, state) VALUES (:id, :subscription_id, "
+                    ":event_type, :event_id, "
+                    ":body, :created_ts, :next_attempt_ts, 0, 'pending')"
+                ),
+                rows,
+            )
+        self._wake.set()
+        return len(rows)
+
+    def backoff_s(self, attempts: int) -> float:
+        """Delay before attempt ``attempts + 1``: exponential, capped, with +-50% jitter."""
+        base = min(self.max_backoff_s, self.base_backoff_s * 2 ** max(0, attempts - 1))
+        return base * (0.5 + self._rng.random())
+
+    def _claim(self, now: float, limit: int = 20) -> list[Any]:
+        lease = now + 2 * self.timeout_s + 5
+        with self.engine.begin() as conn:
+            ids = [
+                r[0]
+                for r in conn.execute(
+                    sa.text(
+                        "UPDATE webhook_outbox SET lease_until = :lease WHERE id IN (SELECT id "
+                        "FROM webhook_outbox "
+                        "WHERE state = 'pending' AND next_attempt_ts <= :now AND (lease_until IS NULL OR "
+                        "lease_until < :now) ORDER BY next_attempt_ts LIMIT :limit) AND state = "
+                        "'pending' AND "
+                        "(lease_until IS NULL OR lease_until < :now) RETURNING id"
+                    ),
+                    {"lease": lease, "now": now, "limit": limit},
+                )
+            ]
+            if not ids:
+                return []
+            return list(
+                conn.execute(
+                    sa.text(
+                        "SELECT o.id, o.event_type, o.body, o.attempts, s.url, s.secret FROM "
+                        "webhook_outbox o "
+                        "JOIN webhook_subscriptions s ON s.id = o.subscription_id WHERE o.id IN :ids "
+                        "ORDER BY o.next_attempt_ts"
+                    ).bindparams(sa.bindparam("ids", expanding=True)),
+                    {"ids": ids},
+                )
+            )
+
+    def run_once(self, now: float | None = None) -> int:
+        """Send every due delivery once; returns the attempts made."""
+        now = self._clock() if now is None else now
+        rows = self._claim(now)
+        if self._http is None:
+            self._http = httpx.Client(timeout=self.timeout_s)
+        for r in rows:
+            self._attempt(r)
+        return len(rows)
+
+    def _attempt(self, r: Any) -> None:
+        body = r.body.encode()
+        attempt = r.attempts + 1
+        started = time.monotonic()
+        status: int | None = None
+        error: str | None = None
+        assert self._http is not None
+        try:
+            resp = self._http.post(
+                r.url,
+                content=body,
+                headers={
+                    "Content-Type": "application/json",
+                    HEADER: sign(r.secret, body),
+                    "X-Chunkledger-Event": r.event_type,
+                    "X-Chunkledger-Delivery": r.id,
+                    "User-Agent": "chunkledger-webhooks/1",
+                },
+            )
+            status = resp.status_code
+            if not 200 <= status < 300:
+                error = f"HTTP {status}"
+        except httpx.TimeoutException:
+            error = "timeout"
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}"[:500]
+        took = time.monotonic() - started
+        now = self._clock()
+        dead = error is not None and attempt >= self.max_attempts
+        with self.engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO webhook_attempts (delivery_id, attempt, ts, status_code, error, duration_s) "
+                    "VALUES (:id, :attempt, :ts, :status, :error, :took)"
+                ),
+                {"id": r.id, "attempt": attempt, "ts": now, "status": status, "error": error, "took": took},
+            )
+            if error is None:
+                sql = (
+                    "UPDATE webhook_outbox SET state = 'delivered', attempts = :attempt, "
+                    "last_status = :status, "
+                    "last_error = NULL, delivered_ts = :now, lease_until = NULL WHERE id = :id"
+                )
+                params: dict[str, Any] = {"attempt": attempt, "status": status, "now": now, "id": r.id}
+            else:
+                sql = (
+                    "UPDATE webhook_outbox SET state = :state, attempts = :attempt, last_status = :status, "
+                    "last_error = :error, next_attempt_ts = :next, lease_until = NULL WHERE id = :id"
+                )
+                params = {
+                    "state": "dead" if dead else "pending",
+                    "attempt": attempt,
+                    "status": status,
+                    "error": error,
+                    "next": now + self.backoff_s(attempt),
+                    "id": r.id,
+                }
+            conn.execute(sa.text(sql), params)
+        if error is not None:
+            log.info(
+                "webhook %s attempt %d failed: %s%s", r.id, attempt, error, " (dead-lettered)" if dead else ""
+            )
+        if self._on_attempt is not None:
+            reason = (
+                None
+                if error is None
+                else ("status" if status is not None else ("timeout" if error == "timeout" else "connect"))
+            )
+            self._on_attempt(r.event_type, status, reason, dead)
+
+    def pending_count(self) -> int:
+        with self.engine.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.text("SELECT count(*) FROM webhook_outbox WHERE state = 'pending'")
+                ).scalar_one()
+            )
+
+    def deliveries(self, *, state: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """Newest deliveries with their attempt log."""
+        sql = "SELECT * FROM webhook_outbox" + (" WHERE state = :state" if state else "")
+        sql += " ORDER BY created_ts DESC LIMIT :limit"
+        with self.engine.connect() as conn:
+            rows = [dict(r._mapping) for r in conn.execute(sa.text(sql), {"state": state, "limit": limit})]
+            if not rows:
+                return []
+            attempts = conn.execute(
+                sa.text(
+                    "SELECT delivery_id, attempt, ts, status_code, error, duration_s FROM webhook_attempts "
+                    "WHERE delivery_id IN :ids ORDER BY delivery_id, attempt"
+                ).bindparams(sa.bindparam("ids", expanding=True)),
+                {"ids": [r["id"] for r in rows]},
+            ).all()
+        log_by: dict[str, list[dict[str, Any]]] = {}
+        for a in attempts:
+            m = dict(a._mapping)
+            log_by.setdefault(m.pop("delivery_id"), []).append(m)
+        for r in rows:
+            r.pop("lease_until", None)
+            r["body"] = json.loads(r["body"])
+            r["log"] = log_by.get(r["id"], [])
+        return rows
+
+    # -- worker ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.engine.dialect.name == "duckdb":
+            # One process owns a DuckDB file: leases left by a killed predecessor are stale.
+            with self.engine.begin() as conn:
+                conn.execute(
+                    sa.text("UPDATE webhook_outbox SET lease_until = NULL WHERE lease_until IS NOT NULL")
+                )
+        self._thread = threading.Thread(target=self._run, name="chunkledger-webhooks", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                n = self.run_once()
+            except Exception:
+                log.exception("webhook worker pass failed")
+                n = 0
+            if n == 0:
+                self._wake.wait(self.poll_s)
+                self._wake.clear()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._http is not None:
+            self._http.close()
+            self._http = None
