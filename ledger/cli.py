@@ -104,6 +104,18 @@ def _register_analytics() -> None:
 _register_analytics()
 
 
+def _register_sql() -> None:
+    from ledger.export import export_command
+    from ledger.sql import query_command, sql_reader_command
+
+    app.command(name="query")(query_command)
+    app.command(name="export")(export_command)
+    app.command(name="sql-reader")(sql_reader_command)
+
+
+_register_sql()
+
+
 def main() -> None:
     app(prog_name="chunkledger")
 

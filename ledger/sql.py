@@ -50,10 +50,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal, NoReturn
 
 import duckdb
 import sqlalchemy as sa
+import typer
 
 log = logging.getLogger(__name__)
 
@@ -402,7 +403,9 @@ class PostgresRunner(SqlRunner):
             raw = self.engine.raw_connection()
         except sa.exc.SQLAlchemyError as exc:
             raise SqlError(
-                "unavailable", f"cannot connect for SQL: {_first_line(exc.orig or exc)}", 503
+                "unavailable",
+                f"cannot connect for SQL: {_first_line(getattr(exc, 'orig', None) or exc)}",
+                503,
             ) from None
         pg: Any = raw.driver_connection
         try:
@@ -554,4 +557,187 @@ def reader_url(url: str, role: str, password: str | None = None) -> str:
 
 
 def dumps(obj: Any) -> str:
+    """Compact JSON; values must already be JSON-safe (``json_value``)."""
     return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+# -- output formats (API CSV and the ``chunkledger query`` console) -------------------------------
+
+
+def csv_cell(v: Any) -> Any:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+    return v
+
+
+def to_csv(columns: list[str], rows: list[list[Any]]) -> str:
+    """RFC 4180 CSV with a header row; NULL as an empty field, lists and structs as JSON."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(columns)
+    for row in rows:
+        w.writerow([csv_cell(v) for v in row])
+    return buf.getvalue()
+
+
+_NUMERIC = {"integer", "float", "decimal"}
+
+
+def _cell(v: Any, width: int) -> str:
+    if v is None:
+        text = "NULL"
+    elif isinstance(v, bool):
+        text = "true" if v else "false"
+    elif isinstance(v, float):
+        text = f"{v:.6f}".rstrip("0").rstrip(".") if abs(v) >= 1e-6 or v == 0 else f"{v:.3g}"
+    elif isinstance(v, (list, dict)):
+        text = json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+    else:
+        text = str(v)
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def to_table(columns: list[str], types: list[str], rows: list[list[Any]], *, width: int = 60) -> str:
+    """Aligned columns for a terminal: numbers right-aligned, floats to 6 decimals, long cells cut."""
+    cells = [[_cell(v, width) for v in row] for row in rows]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    right = [t in _NUMERIC for t in types]
+
+    def line(values: list[str]) -> str:
+        parts = [v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right, strict=True)]
+        return " | ".join(parts).rstrip()
+
+    out = [line(columns), "-+-".join("-" * w for w in widths)]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+# -- CLI: chunkledger query / sql-reader ---------------------------------------------------------
+
+
+def parse_param(text: str) -> tuple[str, Any]:
+    """``name=value`` with the value read as JSON when it parses (numbers, true, null), else a string."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"--param {text!r}: expected name=value")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return name, value
+
+
+def query_command(
+    sql: Annotated[str, typer.Argument(help="one SELECT statement ('-' reads it from stdin)")],
+    format: Annotated[
+        Literal["table", "csv", "json"], typer.Option("--format", "-f", help="table, csv or json")
+    ] = "table",
+    ledger: Annotated[
+        str, typer.Option("--ledger", envvar="CHUNKLEDGER_URL", help="ledger base URL (env CHUNKLEDGER_URL)")
+    ] = "http://127.0.0.1:8321",
+    token: Annotated[
+        str | None, typer.Option("--token", envvar="CHUNKLEDGER_READ_TOKEN", help="read token (env ...)")
+    ] = None,
+    max_rows: Annotated[
+        int | None, typer.Option("--max-rows", min=1, help="row cap (default: ledger's)")
+    ] = None,
+    param: Annotated[
+        list[str] | None, typer.Option("--param", "-p", help="name=value for a $name placeholder; repeatable")
+    ] = None,
+) -> None:
+    """Run read-only SQL on a running ledger (tables: requests, steps, events, sources)."""
+    import sys
+
+    if sql == "-":
+        sql = sys.stdin.read()
+    body: dict[str, Any] = {"sql": sql}
+    try:
+        if param:
+            body["params"] = dict(parse_param(p) for p in param)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if max_rows is not None:
+        body["max_rows"] = max_rows
+    answer = ledger_request("POST", ledger, "/v1/sql", token, json_body=body)
+    result = answer.json()
+    if format == "json":
+        typer.echo(json.dumps(result, ensure_ascii=False))
+    elif format == "csv":
+        typer.echo(to_csv(result["columns"], result["rows"]), nl=False)
+    else:
+        typer.echo(to_table(result["columns"], result["types"], result["rows"]))
+        n = len(result["rows"])
+        typer.echo(f"({n} row{'s' if n != 1 else ''}, {result['elapsed_s'] * 1000:.1f} ms)")
+    if result.get("truncated"):
+        typer.echo(f"truncated at {len(result['rows'])} rows; raise --max-rows or narrow the query", err=True)
+
+
+def ledger_request(
+    method: str, ledger: str, path: str, token: str | None, *, json_body: Any = None, params: Any = None
+) -> Any:
+    """One call to the ledger's API; on an error status, the ledger's message on stderr and exit 1."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = ledger.rstrip("/") + path
+    try:
+        r = httpx.request(method, url, json=json_body, params=params, headers=headers, timeout=3600.0)
+    except httpx.HTTPError as exc:
+        typer.echo(
+            f"error: cannot reach the ledger at {ledger} ({exc}); is `chunkledger serve` running?", err=True
+        )
+        raise typer.Exit(2) from None
+    if r.status_code >= 400:
+        fail(r)
+    return r
+
+
+def fail(r: Any) -> NoReturn:
+    try:
+        payload = r.json()
+        detail = payload.get("detail", payload) if isinstance(payload, dict) else payload
+        reason = payload.get("reason") if isinstance(payload, dict) else None
+    except ValueError:
+        detail, reason = r.text.strip() or r.reason_phrase, None
+    label = f"{r.status_code} {reason}" if reason else str(r.status_code)
+    hint = " (pass --token or set CHUNKLEDGER_READ_TOKEN)" if r.status_code in (401, 403) else ""
+    typer.echo(f"error ({label}): {detail}{hint}", err=True)
+    raise typer.Exit(1)
+
+
+def sql_reader_command(
+    db: Annotated[
+        str | None,
+        typer.Option("--db", help="the ledger's PostgreSQL URL, as its owner (env CHUNKLEDGER_DB_URL)"),
+    ] = None,
+    role: Annotated[str, typer.Option("--role", help="name of the read-only role")] = "chunkledger_reader",
+    password: Annotated[
+        str | None, typer.Option("--password", envvar="CHUNKLEDGER_SQL_READER_PASSWORD", help="its password")
+    ] = None,
+) -> None:
+    """PostgreSQL: create or update the role /v1/sql runs as (SELECT on the ledger tables, nothing else)."""
+    import os
+
+    url = db or os.environ.get("CHUNKLEDGER_DB_URL", "")
+    if not url.startswith("postgresql"):
+        typer.echo("error: --db must be the ledger's postgresql URL (DuckDB needs no reader role)", err=True)
+        raise typer.Exit(2)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        grant_reader_role(engine, role, password)
+    except (ValueError, sa.exc.SQLAlchemyError) as exc:
+        typer.echo(f"error: {_first_line(getattr(exc, 'orig', None) or exc)}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        engine.dispose()
+    shown = reader_url(url, role, "***" if password else None)
+    typer.echo(f"role {role} may now SELECT the ledger tables; set CHUNKLEDGER_SQL_READER_URL={shown}")

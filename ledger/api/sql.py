@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
-import json
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -15,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ledger import export
 from ledger.api.deps import SettingsDep, StoreDep, require
-from ledger.sql import SqlError, SqlResult, SqlRunner, dumps
+from ledger.sql import SqlError, SqlRunner, dumps, to_csv
 
 router = APIRouter(dependencies=[require("read")])
 
@@ -59,7 +56,7 @@ def run_sql(
     wants_csv = format == "csv" or (format is None and "text/csv" in request.headers.get("accept", ""))
     if wants_csv:
         return Response(
-            to_csv(result),
+            to_csv(result.columns, result.rows),
             media_type="text/csv; charset=utf-8",
             headers={
                 "X-Chunkledger-Types": ",".join(result.types),
@@ -68,25 +65,6 @@ def run_sql(
             },
         )
     return Response(dumps(result.as_dict()), media_type="application/json")
-
-
-def csv_cell(v: Any) -> Any:
-    if v is None:
-        return ""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (list, dict)):
-        return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
-    return v
-
-
-def to_csv(result: SqlResult) -> str:
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(result.columns)
-    for row in result.rows:
-        w.writerow([csv_cell(v) for v in row])
-    return buf.getvalue()
 
 
 @router.get("/v1/export/{table}.parquet")
