@@ -104,6 +104,15 @@ def _register_analytics() -> None:
 _register_analytics()
 
 
+def _register_rules() -> None:
+    from ledger.rules.cli import register
+
+    register(app)
+
+
+_register_rules()
+
+
 def _register_sql() -> None:
     from ledger.export import export_command
     from ledger.sql import query_command, sql_reader_command

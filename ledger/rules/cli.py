@@ -1,0 +1,123 @@
+"""``chunkledger loopcheck`` and ``chunkledger policy-check``: the rules offline."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any
+
+import httpx
+import typer
+
+from ledger.rules.loop import LoopDetector
+from ledger.rules.policy import Policy, PolicyError, load_policy_file, parse_policy
+
+
+def _live_policy(policy_file: str | None, ledger: str | None, token: str | None) -> Policy:
+    """The policy to use: from the running ledger, else the policy file, else the defaults."""
+    if ledger:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            r = httpx.get(f"{ledger.rstrip('/')}/v1/policy", headers=headers, timeout=10)
+        except httpx.HTTPError as exc:
+            raise PolicyError(f"cannot reach {ledger}: {exc}") from None
+        if r.status_code != 200:
+            raise PolicyError(f"GET {ledger}/v1/policy answered {r.status_code}: {r.text[:200]}")
+        return parse_policy(r.json()["policy"])
+    if policy_file:
+        return load_policy_file(policy_file)
+    return Policy()
+
+
+def loopcheck(
+    file: Annotated[str, typer.Argument(help='JSON lines {"id": ..., "tokens": [int, ...]}; "-" for stdin')],
+    model: Annotated[
+        str | None, typer.Option(help="use this model's loop settings (per-model overrides)")
+    ] = None,
+    policy: Annotated[
+        str | None,
+        typer.Option(help="policy file (env CHUNKLEDGER_POLICY_FILE); default: the built-in defaults"),
+    ] = None,
+    ledger: Annotated[
+        str | None, typer.Option(help="read the live policy from this ledger's GET /v1/policy instead")
+    ] = None,
+    token: Annotated[
+        str | None, typer.Option(help="admin token for --ledger", envvar="CHUNKLEDGER_ADMIN_TOKEN")
+    ] = None,
+) -> None:
+    """Run the live loop detector over past outputs.
+
+    Prints one JSON line per input line: {"id", "loop", "at": index of the token where it would have cut
+    (or null), "period" (or null)}. Bad lines are reported on stderr (line number and reason) and the
+    exit status is then 1.
+    """
+    import os
+
+    policy = policy or os.environ.get("CHUNKLEDGER_POLICY_FILE") or None
+    try:
+        settings = _live_policy(policy, ledger, token).rules_for(model).loop
+    except PolicyError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        stream: Any = sys.stdin if file == "-" else open(file)  # noqa: SIM115 - closed below
+    except OSError as exc:
+        typer.echo(f"error: {file}: {exc.strerror}", err=True)
+        raise typer.Exit(2) from None
+    bad = 0
+    out = sys.stdout
+    with stream:
+        for lineno, line in enumerate(stream, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                if not isinstance(item, dict):
+                    raise ValueError("expected an object")
+                if "id" not in item:
+                    raise ValueError("field id: missing")
+                tokens = item.get("tokens")
+                if not isinstance(tokens, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in tokens
+                ):
+                    raise ValueError("field tokens: must be a list of integers")
+            except ValueError as exc:
+                typer.echo(f"{file}:{lineno}: {exc}", err=True)
+                bad += 1
+                continue
+            hit = None
+            if settings.enabled:
+                det = LoopDetector(
+                    max_period=settings.max_period,
+                    min_repeats=settings.min_repeats,
+                    min_span_tokens=settings.min_span_tokens,
+                )
+                hit = det.extend(tokens)
+            out.write(
+                json.dumps(
+                    {
+                        "id": item["id"],
+                        "loop": hit is not None,
+                        "at": hit.at if hit else None,
+                        "period": hit.period if hit else None,
+                    }
+                )
+                + "\n"
+            )
+    if bad:
+        raise typer.Exit(1)
+
+
+def policy_check(file: Annotated[str, typer.Argument(help="policy file (.toml, .yaml or .json)")]) -> None:
+    """Validate a policy file; print the effective policy as JSON (exit 2 naming the bad field)."""
+    try:
+        p = load_policy_file(file)
+    except PolicyError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(p.model_dump(mode="json"), indent=2))
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="loopcheck")(loopcheck)
+    app.command(name="policy-check")(policy_check)

@@ -1,0 +1,75 @@
+"""Policy documents: TOML/YAML/JSON, per-model overrides, errors that name the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ledger.rules.policy import Policy, PolicyError, load_policy_file, load_policy_text
+
+TOML = """
+[rules]
+max_output_tokens = 8192
+stall_timeout_s = 0          # off
+[rules.loop]
+min_repeats = 5
+
+[models."llama-3-8b".rules]
+max_output_tokens = 1024
+loop = { max_period = 16 }
+
+[models."llama-3-8b".slo]
+ttft_p99_s = 0.5
+
+[alerts.slo]
+ttft_p99_s = 2.0
+itl_p99_s = 0.1
+"""
+
+
+def test_toml_policy_merges_model_overrides_over_the_defaults():
+    p = load_policy_text(TOML, "toml")
+    base, llama = p.rules_for("other"), p.rules_for("llama-3-8b")
+    assert base.max_output_tokens == 8192 and base.stall_timeout_s is None
+    assert llama.max_output_tokens == 1024
+    assert (llama.loop.max_period, llama.loop.min_repeats) == (16, 5)  # nested keys merge, not replace
+    assert llama.stall_timeout_s is None
+    assert p.slo_for("llama-3-8b").ttft_p99_s == 0.5 and p.slo_for("llama-3-8b").itl_p99_s == 0.1
+    assert p.slo_for("other").ttft_p99_s == 2.0
+
+
+def test_yaml_and_json_files_load_the_same_policy(tmp_path):
+    doc = {"rules": {"max_output_tokens": 77, "loop": {"min_span_tokens": 200}}}
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    (tmp_path / "p.yaml").write_text("rules:\n  max_output_tokens: 77\n  loop:\n    min_span_tokens: 200\n")
+    a, b = load_policy_file(tmp_path / "p.json"), load_policy_file(tmp_path / "p.yaml")
+    assert a == b and a.rules.max_output_tokens == 77 and a.rules.loop.min_span_tokens == 200
+
+
+def test_defaults_are_the_measured_loop_settings():
+    loop = Policy().rules.loop
+    assert (loop.max_period, loop.min_repeats, loop.min_span_tokens) == (64, 4, 128)
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        ("[rules]\nmax_output_tokns = 3", "rules.max_output_tokns"),
+        ("[rules.loop]\nmin_repeats = 1", "rules.loop.min_repeats"),
+        ('[rules]\npreemption_action = "kill"', "rules.preemption_action"),
+        ('[models."m".rules]\nstall_timeout_s = -1', "models.m: stall_timeout_s"),
+        ('[models."m".rules]\nloop = { max_period = 0 }', "models.m: loop.max_period"),
+        ("[alerts]\nslo_clear_ratio = 1.5", "alerts.slo_clear_ratio"),
+        ("rules = [", "not valid toml"),
+    ],
+)
+def test_bad_policy_is_rejected_naming_the_field(text, names):
+    with pytest.raises(PolicyError) as err:
+        load_policy_text(text, "toml")
+    assert names in str(err.value)
+
+
+def test_missing_policy_file_names_the_path(tmp_path):
+    with pytest.raises(PolicyError, match=r"nope\.toml"):
+        load_policy_file(tmp_path / "nope.toml")
