@@ -1,0 +1,212 @@
+"""The live rule engine: events in, decisions out, time rules on the ticker, bounded state."""
+
+from __future__ import annotations
+
+from engine_hooks import events as ev
+from ledger.rules.engine import RuleEngine
+from ledger.rules.policy import Policy, parse_policy
+
+ENGINE = ev.Source(id="e0", kind="engine", model="m")
+GATEWAY = ev.Source(id="g0", kind="gateway")
+T0 = 1_800_000_000.0
+
+
+class Hooks:
+    def __init__(self):
+        self.decisions, self.confirms, self.done, self.drops, self.starved = [], [], [], [], []
+
+    def decided(self, ds):
+        self.decisions += ds
+
+    def confirmed(self, sid, cid, ts):
+        self.confirms.append((sid, cid))
+
+    def request_done(self, rid, sid, kind):
+        self.done.append((rid, sid, kind))
+
+    def dropped(self, source, count, reason, ts):
+        self.drops.append((source.id, count, reason))
+
+    def starving(self, r, waited, now):
+        self.starved.append((r.request_id, round(waited)))
+
+
+class Clock:
+    def __init__(self, t):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def make(policy: dict | None = None, **kw):
+    hooks, clock = Hooks(), Clock(T0)
+    pol = parse_policy(policy or {})
+    eng = RuleEngine(lambda: pol, hooks, clock=clock, mono=clock, **kw)
+    return eng, hooks, clock
+
+
+def seqs(events, start=1):
+    import msgspec
+
+    return [msgspec.structs.replace(e, seq=start + i) for i, e in enumerate(events)]
+
+
+def tokens(rid, total, count=16, ts=T0, ids=None):
+    return ev.Tokens(seq=0, ts=ts, request_id=rid, count=count, total=total, token_ids=ids)
+
+
+def test_token_cap_decides_abort_once_with_the_engine_as_target():
+    eng, hooks, _ = make({"rules": {"max_output_tokens": 40}})
+    eng.observe(ENGINE, seqs([ev.Queued(seq=0, ts=T0, request_id="r", prompt_tokens=5), tokens("r", 32)]), T0)
+    assert hooks.decisions == []
+    eng.observe(ENGINE, seqs([tokens("r", 48), tokens("r", 64)], 3), T0)
+    assert [(d.rule, d.action, d.engine_source_id) for d in hooks.decisions] == [("token_cap", "abort", "e0")]
+    assert hooks.decisions[0].detail == "64 output tokens, ledger cap 40"  # checked at the end of the batch
+
+
+def test_a_request_that_finishes_in_the_same_batch_is_not_cut():
+    eng, hooks, _ = make({"rules": {"max_output_tokens": 40}})
+    eng.observe(
+        ENGINE, seqs([tokens("r", 64), ev.Finished(seq=0, ts=T0, request_id="r", reason="length")]), T0
+    )
+    assert hooks.decisions == [] and eng.get("r") is None
+    assert hooks.done == [("r", "e0", "finished")]
+
+
+def test_loop_in_token_ids_is_cut_with_period_in_the_detail():
+    eng, hooks, _ = make()
+    ids = [101, 2023, 318] * 60
+    eng.observe(
+        ENGINE, seqs([tokens("r", (i + 1) * 18, 18, ids=ids[i * 18 : (i + 1) * 18]) for i in range(10)]), T0
+    )
+    assert [d.rule for d in hooks.decisions] == ["loop"]
+    assert "period 3" in hooks.decisions[0].detail
+
+
+def test_streaming_gateway_is_a_second_target_until_it_completes():
+    eng, hooks, _ = make({"rules": {"max_output_tokens": 10}})
+    eng.observe(GATEWAY, seqs([ev.Arrived(seq=0, ts=T0, request_id="r", stream=True)]), T0)
+    eng.observe(ENGINE, seqs([tokens("r", 16)]), T0)
+    assert hooks.decisions[0].gateway_source_id == "g0"
+    eng.observe(GATEWAY, seqs([ev.Arrived(seq=0, ts=T0, request_id="q", stream=False)], 5), T0)
+    eng.observe(ENGINE, seqs([tokens("q", 16)], 5), T0)
+    assert hooks.decisions[1].gateway_source_id is None  # not streaming: nothing to cut at the gateway
+
+
+def test_stall_and_wall_clock_timeouts_fire_on_the_ticker():
+    eng, _hooks, clock = make({"rules": {"stall_timeout_s": 10, "wall_clock_timeout_s": 100}})
+    eng.observe(ENGINE, seqs([ev.Queued(seq=0, ts=T0, request_id="a", prompt_tokens=5), tokens("a", 16)]), T0)
+    eng.observe(ENGINE, seqs([ev.Queued(seq=0, ts=T0, request_id="b", prompt_tokens=5)], 3), T0)
+    clock.t = T0 + 9
+    assert eng.tick() == []
+    clock.t = T0 + 11
+    assert [(d.request_id, d.rule) for d in eng.tick()] == [("a", "stall_timeout")]
+    clock.t = T0 + 101  # b never ran (no stall), but it has been admitted too long
+    assert [(d.request_id, d.rule) for d in eng.tick()] == [("b", "wall_clock_timeout")]
+    assert eng.tick() == []  # once per request and rule
+
+
+def test_source_clock_skew_does_not_make_time_rules_fire_early():
+    eng, _hooks, clock = make({"rules": {"stall_timeout_s": 10}})
+    ahead = T0 + 3600  # the engine's wall clock runs an hour ahead of the ledger's
+    eng.observe(ENGINE, seqs([tokens("a", 16, ts=ahead)]), T0)
+    clock.t = T0 + 5
+    assert eng.tick() == []
+    clock.t = T0 + 11
+    assert [d.rule for d in eng.tick()] == ["stall_timeout"]
+    behind_eng, _behind_hooks, behind_clock = make({"rules": {"stall_timeout_s": 10}})
+    behind_eng.observe(ENGINE, seqs([tokens("a", 16, ts=T0 - 3600)]), T0)  # an hour behind
+    behind_clock.t = T0 + 5
+    assert behind_eng.tick() == []
+
+
+def test_preemptions_and_forced_waits_move_a_request_to_the_slow_pool_then_promote():
+    eng, hooks, clock = make(
+        {"rules": {"max_preemptions": 2, "slow_pool_max_wait_s": 30, "stall_timeout_s": 0}}
+    )
+    evs = [ev.Queued(seq=0, ts=T0, request_id="r", prompt_tokens=5)]
+    for _ in range(2):
+        evs += [ev.Preempted(seq=0, ts=T0, request_id="r"), ev.Resumed(seq=0, ts=T0, request_id="r")]
+    eng.observe(ENGINE, seqs(evs), T0)
+    assert [(d.rule, d.action) for d in hooks.decisions] == [("preemption_limit", "slow_pool")]
+    clock.t = T0 + 31
+    assert [(d.rule, d.action) for d in eng.tick()] == [("slow_pool_starved", "promote")]
+
+    eng2, hooks2, _ = make({"rules": {"max_forced_waits": 3, "preemption_action": "non_preemptible"}})
+    eng2.observe(ENGINE, seqs([ev.Queued(seq=0, ts=T0, request_id="r", prompt_tokens=5)]), T0)
+    steps = [
+        ev.Step(seq=0, ts=T0, step=i, duration_s=0.01, stalled_request_ids=["r", "gone"]) for i in range(3)
+    ]
+    eng2.observe(ENGINE, seqs(steps, 2), T0)
+    assert [(d.rule, d.action) for d in hooks2.decisions] == [("forced_wait_limit", "non_preemptible")]
+
+
+def test_starvation_alert_once_per_request():
+    eng, hooks, clock = make({"alerts": {"starvation_wait_s": 20}})
+    eng.observe(ENGINE, seqs([ev.Queued(seq=0, ts=T0, request_id="r", prompt_tokens=5)]), T0)
+    clock.t = T0 + 21
+    eng.tick()
+    eng.tick()
+    assert hooks.starved == [("r", 21)]
+
+
+def test_confirmations_and_drops_are_reported():
+    eng, hooks, _ = make()
+    eng.observe(
+        ENGINE,
+        seqs(
+            [
+                ev.CutoffApplied(seq=0, ts=T0, request_id="r", command_id="c1", action="abort", rule="loop"),
+                ev.Dropped(seq=0, ts=T0, count=7, reason="spool_full"),
+            ]
+        ),
+        T0,
+    )
+    eng.observe(GATEWAY, seqs([ev.StreamCut(seq=0, ts=T0, request_id="r", rule="loop", command_id="c1")]), T0)
+    assert hooks.confirms == [("e0", "c1"), ("g0", "c1")]
+    assert hooks.drops == [("e0", 7, "spool_full")]
+
+
+def test_live_state_is_bounded_and_idle_requests_are_evicted():
+    eng, _, clock = make(max_live=100, idle_evict_s=60)
+    eng.observe(ENGINE, seqs([tokens(f"r{i}", 16) for i in range(250)]), T0)
+    assert len(eng.live) == 100 and eng.get("r249") is not None and eng.get("r0") is None
+    clock.t = T0 + 61
+    eng.tick()
+    assert len(eng.live) == 0
+    eng.observe(
+        ENGINE, seqs([tokens("x", 16), ev.Finished(seq=0, ts=T0, request_id="x", reason="stop")], 300)
+    )
+    eng.observe(GATEWAY, seqs([ev.Completed(seq=0, ts=T0, request_id="x")]))
+    eng.observe(GATEWAY, seqs([ev.FirstByte(seq=0, ts=T0, request_id="x")], 2))  # late: not tracked again
+    assert eng.get("x") is None
+
+
+def test_loop_detector_uses_the_models_override():
+    eng, hooks, _ = make({"models": {"m": {"rules": {"loop": {"enabled": False}}}}})
+    eng.observe(ENGINE, seqs([tokens("r", 200, 200, ids=[1, 2] * 100)]), T0)
+    assert hooks.decisions == [] and eng.get("r").detector is None
+
+
+def test_live_counts_and_kv_stall_views():
+    eng, _, clock = make()
+    eng.observe(ENGINE, seqs([tokens("a", 16), tokens("b", 16, ts=T0 - 5)]), T0)
+    eng.observe(
+        ENGINE, seqs([ev.Step(seq=0, ts=T0, step=1, duration_s=0.01, stalled_request_ids=["a"])], 3), T0
+    )
+    assert eng.live_counts() == {"m": 2}
+    assert eng.kv_stalled_counts() == {"m": 1}
+    clock.t = T0 + 2
+    assert round(eng.kv_stall_max_s()["m"]) == 7
+
+
+def test_policy_changes_apply_to_new_checks():
+    hooks, clock = Hooks(), Clock(T0)
+    box = {"p": Policy()}
+    eng = RuleEngine(lambda: box["p"], hooks, clock=clock, mono=clock)
+    eng.observe(ENGINE, seqs([tokens("r", 100)]), T0)
+    assert hooks.decisions == []
+    box["p"] = parse_policy({"rules": {"max_output_tokens": 50}})
+    eng.observe(ENGINE, seqs([tokens("r", 116)], 2), T0)
+    assert [d.rule for d in hooks.decisions] == ["token_cap"]
