@@ -1,0 +1,234 @@
+"""Altair charts: units on every axis, tails drawn next to (never instead of) means."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import altair as alt
+import pandas as pd
+
+TAIL_COLORS = alt.Scale(
+    domain=["p50", "p90", "p99", "max"], range=["#4c78a8", "#f58518", "#e45756", "#9d9d9d"]
+)
+TAIL_DASH = alt.Scale(domain=["p50", "p90", "p99", "max"], range=[[1, 0], [1, 0], [1, 0], [3, 3]])
+LAYER_COLORS = alt.Scale(
+    domain=["entry", "admission", "backend wait", "prefill", "decode"],
+    range=["#bab0ac", "#9ecae9", "#e45756", "#f58518", "#54a24b"],
+)
+GANTT_COLORS = alt.Scale(
+    domain=[
+        "entry",
+        "admission",
+        "backend wait",
+        "prefill",
+        "decode",
+        "ran",
+        "chunk",
+        "tokens",
+        "sat out",
+        "preempted",
+        "cutoff",
+    ],
+    range=[
+        "#bab0ac",
+        "#9ecae9",
+        "#e45756",
+        "#f58518",
+        "#54a24b",
+        "#72b7b2",
+        "#f58518",
+        "#54a24b",
+        "#b279a2",
+        "#d62728",
+        "#000000",
+    ],
+)
+TIME_AXIS = alt.X("time:T", title="time (UTC)", axis=alt.Axis(format="%H:%M:%S"))
+P99_SELECTION = "p99_point"
+
+
+def latency_tails(df: pd.DataFrame, title: str, *, selectable: bool = True) -> alt.LayerChart:
+    """p50/p90/p99 (and max, dashed) of one latency over time, in ms; p99 points are clickable."""
+    base = alt.Chart(df).encode(
+        x=TIME_AXIS,
+        y=alt.Y("ms:Q", title=f"{title} (ms)", scale=alt.Scale(zero=True)),
+        color=alt.Color("tail:N", scale=TAIL_COLORS, title="tail"),
+        tooltip=[
+            alt.Tooltip("time:T", title="bucket (UTC)", format="%H:%M:%S"),
+            "tail:N",
+            alt.Tooltip("ms:Q", title="ms", format=",.1f"),
+            alt.Tooltip("n:Q", title="requests"),
+        ],
+    )
+    lines = base.mark_line(point=False).encode(
+        strokeDash=alt.StrokeDash("tail:N", scale=TAIL_DASH, legend=None)
+    )
+    points = base.transform_filter(alt.datum.tail == "p99").mark_point(filled=True, size=70, cursor="pointer")
+    if selectable:
+        sel = alt.selection_point(name=P99_SELECTION, fields=["bucket_ts", "metric"], on="click")
+        points = points.add_params(sel)
+    return alt.layer(lines, points).properties(height=220, title=f"{title}: p50 / p90 / p99 / max")
+
+
+def itl_tails(df: pd.DataFrame) -> alt.Chart:
+    return (
+        alt.Chart(df)
+        .mark_line(point=True)
+        .encode(
+            x=TIME_AXIS,
+            y=alt.Y("ms:Q", title="inter-token latency (ms)"),
+            color=alt.Color("tail:N", scale=TAIL_COLORS, title="tail"),
+            strokeDash=alt.StrokeDash("tail:N", scale=TAIL_DASH, legend=None),
+            tooltip=[
+                alt.Tooltip("time:T", format="%H:%M:%S"),
+                "tail:N",
+                alt.Tooltip("ms:Q", format=",.1f"),
+                "n:Q",
+            ],
+        )
+        .properties(height=220, title="decode ITL: p50 / p90 / p99 / max")
+    )
+
+
+def layers_stacked(df: pd.DataFrame) -> alt.Chart:
+    """Mean of each layer, stacked: the stack's height is mean e2e (the layers add up exactly)."""
+    return (
+        alt.Chart(df)
+        .mark_area()
+        .encode(
+            x=TIME_AXIS,
+            y=alt.Y("mean_ms:Q", title="mean time per request (ms), stacked", stack="zero"),
+            color=alt.Color("layer:N", scale=LAYER_COLORS, title="layer", sort=list(LAYER_COLORS.domain)),
+            order=alt.Order("order:Q"),
+            tooltip=[
+                alt.Tooltip("time:T", format="%H:%M:%S"),
+                "layer:N",
+                alt.Tooltip("mean_ms:Q", title="mean ms", format=",.1f"),
+                alt.Tooltip("share:Q", title="share of e2e", format=".0%"),
+                alt.Tooltip("p99_ms:Q", title="p99 ms", format=",.1f"),
+            ],
+        )
+        .properties(height=240, title="layer attribution: mean per layer (stacked = mean e2e)")
+    )
+
+
+def layers_p99(df: pd.DataFrame) -> alt.Chart:
+    return (
+        alt.Chart(df)
+        .mark_line(point=True)
+        .encode(
+            x=TIME_AXIS,
+            y=alt.Y("p99_ms:Q", title="p99 per layer (ms)"),
+            color=alt.Color("layer:N", scale=LAYER_COLORS, title="layer", sort=list(LAYER_COLORS.domain)),
+            tooltip=[
+                alt.Tooltip("time:T", format="%H:%M:%S"),
+                "layer:N",
+                alt.Tooltip("p99_ms:Q", format=",.1f"),
+            ],
+        )
+        .properties(height=240, title="layer attribution: p99 per layer")
+    )
+
+
+def rate(df: pd.DataFrame, field: str, title: str, unit: str) -> alt.Chart:
+    return (
+        alt.Chart(df)
+        .mark_bar()
+        .encode(
+            x=TIME_AXIS,
+            y=alt.Y(f"{field}:Q", title=f"{title} ({unit})"),
+            tooltip=[alt.Tooltip("time:T", format="%H:%M:%S"), alt.Tooltip(f"{field}:Q", format=",.2f")],
+        )
+        .properties(height=180, title=title)
+    )
+
+
+def gantt(df: pd.DataFrame) -> alt.LayerChart:
+    """Bars per lane from start_s to end_s (seconds since arrival); zero-width bars become ticks."""
+    lanes = ["layers", "steps", "engine", "sat out", "cutoff"]
+    y = alt.Y("lane:N", title=None, sort=lanes)
+    tooltip = [
+        "what:N",
+        alt.Tooltip("start_s:Q", title="from (s)", format=",.3f"),
+        alt.Tooltip("end_s:Q", title="to (s)", format=",.3f"),
+        "label:N",
+    ]
+    color = alt.Color("what:N", scale=GANTT_COLORS, title="what")
+    bars = (
+        alt.Chart(df)
+        .transform_filter(alt.datum.end_s > alt.datum.start_s)
+        .mark_bar(height=14)
+        .encode(
+            x=alt.X("start_s:Q", title="seconds since arrival (s)"),
+            x2="end_s:Q",
+            y=y,
+            color=color,
+            tooltip=tooltip,
+        )
+    )
+    ticks = (
+        alt.Chart(df)
+        .transform_filter(alt.datum.end_s <= alt.datum.start_s)
+        .mark_tick(thickness=2, size=18)
+        .encode(x=alt.X("start_s:Q", title="seconds since arrival (s)"), y=y, color=color, tooltip=tooltip)
+    )
+    return alt.layer(bars, ticks).properties(height=60 + 40 * max(1, df["lane"].nunique()))
+
+
+def bars(df: pd.DataFrame, x: str, y: str, x_title: str, y_title: str, color: str | None = None) -> alt.Chart:
+    enc: dict[str, Any] = {
+        "x": alt.X(f"{x}:Q", title=x_title),
+        "y": alt.Y(f"{y}:N", title=y_title, sort="-x"),
+        "tooltip": list(df.columns),
+    }
+    if color:
+        enc["color"] = alt.Color(f"{color}:N")
+    return alt.Chart(df).mark_bar().encode(**enc).properties(height=max(120, 18 * len(df)))
+
+
+def step_fit(points: pd.DataFrame, curves: pd.DataFrame) -> alt.LayerChart:
+    """Observed step times (points) against the fitted model's curves at a few depths (lines), in ms."""
+    dots = (
+        alt.Chart(points)
+        .mark_circle(opacity=0.45, size=22)
+        .encode(
+            x=alt.X("prefill_tokens:Q", title="prefill tokens in the step (tokens)"),
+            y=alt.Y("duration_ms:Q", title="step time (ms)"),
+            color=alt.Color(
+                "max_prefill_depth:Q", title="deepest chunk start (tokens)", scale=alt.Scale(scheme="viridis")
+            ),
+            tooltip=[
+                "prefill_tokens:Q",
+                "max_prefill_depth:Q",
+                "num_decode_reqs:Q",
+                alt.Tooltip("duration_ms:Q", format=",.1f"),
+                alt.Tooltip("predicted_ms:Q", format=",.1f"),
+            ],
+        )
+    )
+    lines = (
+        alt.Chart(curves)
+        .mark_line(strokeWidth=2)
+        .encode(
+            x="prefill_tokens:Q",
+            y="predicted_ms:Q",
+            strokeDash=alt.StrokeDash("curve:N", title="fitted model"),
+            tooltip=["curve:N", "prefill_tokens:Q", alt.Tooltip("predicted_ms:Q", format=",.1f")],
+        )
+    )
+    return alt.layer(dots, lines).properties(
+        height=320, title="step time: observed (points) vs fitted (lines)"
+    )
+
+
+def residuals(points: pd.DataFrame) -> alt.Chart:
+    return (
+        alt.Chart(points)
+        .mark_circle(opacity=0.45, size=18)
+        .encode(
+            x=alt.X("predicted_ms:Q", title="predicted step time (ms)"),
+            y=alt.Y("duration_ms:Q", title="observed step time (ms)"),
+            tooltip=["prefill_tokens:Q", "max_prefill_depth:Q", "num_decode_reqs:Q"],
+        )
+        .properties(height=320, title="observed vs predicted (ms)")
+    )

@@ -1,0 +1,124 @@
+"""Cutoffs & webhooks: runaway-rule decisions by rule over time, the decision log, webhook deliveries."""
+
+from __future__ import annotations
+
+import time
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, ui
+from dashboard.data import Unavailable, bucket_for
+from ledger.client import LedgerError
+
+
+def _sql(ctx: ui.Context, what: str, query: str) -> pd.DataFrame | None:
+    try:
+        return ctx.data.sql(query)
+    except Unavailable:
+        st.info(f"{what}: not available in this ledger (no /v1/sql yet).")
+    except (LedgerError, Exception) as exc:
+        st.info(f"{what}: not available in this ledger ({exc}).")
+    return None
+
+
+def decisions(ctx: ui.Context) -> None:
+    st.subheader("Decisions by rule")
+    with ui.ledger_errors("cutoffs"):
+        df = ctx.data.cutoffs(ctx.since_s)
+        if df.empty:
+            st.caption("no cutoff decisions in this window")
+            return
+        show_decisions(ctx, df)
+
+
+def show_decisions(ctx: ui.Context, df: pd.DataFrame) -> None:
+    df["decided_ts"] = df["decided_ts"].astype(float)
+    by_rule = df.groupby(["rule", "action"]).size().reset_index(name="decisions")
+    c = st.columns(min(4, len(by_rule)) or 1)
+    for i, row in by_rule.head(4).iterrows():
+        c[int(i) % len(c)].metric(f"{row['rule']} → {row['action']}", f"{row['decisions']:,}")
+    bucket_s = bucket_for(ctx.since_s, time.time())
+    df["time"] = pd.to_datetime((df["decided_ts"] // bucket_s) * bucket_s, unit="s", utc=True)
+    over = df.groupby(["time", "rule"]).size().reset_index(name="decisions")
+    st.altair_chart(
+        alt.Chart(over)
+        .mark_bar()
+        .encode(
+            x=charts.TIME_AXIS,
+            y=alt.Y("decisions:Q", title=f"decisions per {int(bucket_s)} s (count)"),
+            color=alt.Color("rule:N", title="rule"),
+            tooltip=["time:T", "rule:N", "decisions:Q"],
+        )
+        .properties(height=200, title="cutoff decisions over time, by rule")
+    )
+    applied = df["applied_ts"].astype(float) - df["decided_ts"]
+    st.caption(
+        f"decided → applied by the engine: p50 {ui.fmt_ms(applied.quantile(0.5))}, p99 "
+        f"{ui.fmt_ms(applied.quantile(0.99))}, max {ui.fmt_ms(applied.max())} ({applied.count()} applied)"
+        if applied.count()
+        else "no decision confirmed as applied yet"
+    )
+    log = df.drop(columns=["time"]).copy()
+    for col in (
+        "decided_ts",
+        "delivered_ts",
+        "applied_ts",
+        "gateway_delivered_ts",
+        "gateway_applied_ts",
+        "closed_ts",
+    ):
+        if col in log:
+            log[col] = pd.to_datetime(log[col].astype(float), unit="s", utc=True)
+    log.insert(2, "open", "request?id=" + log["request_id"].astype(str))
+    st.dataframe(
+        log, hide_index=True, column_config={"open": st.column_config.LinkColumn("open", display_text="open")}
+    )
+
+
+def deliveries(ctx: ui.Context) -> None:
+    st.subheader("Webhook deliveries")
+    since = f" WHERE o.created_ts >= {ctx.since_s:.3f}" if ctx.since_s else ""
+    df = _sql(
+        ctx,
+        "webhook deliveries",
+        "SELECT o.created_ts, o.event_type, s.url, o.state, o.attempts, o.last_status, o.last_error, "
+        "o.delivered_ts - o.created_ts AS delivery_s, o.id AS delivery_id FROM webhook_outbox o "
+        "LEFT JOIN webhook_subscriptions s ON s.id = o.subscription_id"
+        + since
+        + " ORDER BY o.created_ts DESC LIMIT 500",
+    )
+    if df is None:
+        return
+    if df.empty:
+        st.caption("no webhook deliveries in this window")
+        return
+    states = df.groupby("state").size().reset_index(name="deliveries")
+    c = st.columns(max(1, len(states)))
+    for i, row in states.iterrows():
+        c[int(i)].metric(str(row["state"]), f"{row['deliveries']:,}")
+    d = df["delivery_s"].dropna().astype(float)
+    if len(d):
+        st.caption(
+            f"created → delivered: p50 {ui.fmt_ms(d.quantile(0.5))}, p99 {ui.fmt_ms(d.quantile(0.99))}, "
+            f"max {ui.fmt_ms(d.max())}"
+        )
+    df["created (UTC)"] = pd.to_datetime(df["created_ts"].astype(float), unit="s", utc=True)
+    st.dataframe(df.drop(columns=["created_ts"]), hide_index=True)
+
+
+def policy(ctx: ui.Context) -> None:
+    with st.expander("policy in force"), ui.ledger_errors("policy"):
+        st.json(ctx.data.get("/v1/policy"))
+
+
+def body() -> None:
+    ctx = ui.context()
+    decisions(ctx)
+    deliveries(ctx)
+    policy(ctx)
+
+
+st.title("Cutoffs & webhooks")
+ui.refreshing(ui.context(), body)

@@ -1,0 +1,188 @@
+"""KV & preemption: live stall ranking, KV idle block-seconds, preemptions over time, escape-valve actions."""
+
+from __future__ import annotations
+
+import time
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, ui
+from dashboard.data import Unavailable, bucket_for, throughput
+from ledger.client import LedgerError
+
+
+def stall_ranking(ctx: ui.Context) -> None:
+    st.subheader("Live: held KV without progress")
+    with ui.ledger_errors("KV stalls"):
+        doc = ctx.data.kv_stalls(limit=50)
+        df = pd.DataFrame(doc.get("requests", []))
+        if df.empty:
+            st.caption("no live requests right now")
+            return
+        st.caption(
+            f"live requests ranked by seconds since their last token or step, at {ui.fmt_ts(doc['now'])}"
+        )
+        df.insert(1, "open", "request?id=" + df["request_id"].astype(str))
+        st.altair_chart(
+            charts.bars(
+                df.head(20)[["request_id", "stall_s", "state"]],
+                "stall_s",
+                "request_id",
+                "without progress (s)",
+                "request",
+                "state",
+            )
+        )
+        st.dataframe(
+            df,
+            hide_index=True,
+            column_config={
+                "open": st.column_config.LinkColumn("open", display_text="open"),
+                "stall_s": st.column_config.NumberColumn("stalled (s)", format="%.2f"),
+                "kv_idle_s": st.column_config.NumberColumn("KV idle (s)", format="%.2f"),
+                "kv_idle_block_s": st.column_config.NumberColumn("KV idle (block·s)", format="%.1f"),
+            },
+        )
+
+
+def idle_block_seconds(ctx: ui.Context) -> None:
+    st.subheader("KV idle block-seconds: who held cache without using it")
+    with ui.ledger_errors("requests"):
+        out = ctx.data.requests(since=ctx.since, sort="kv_idle_block_s", order="desc", limit=20)
+        df = pd.DataFrame(out["rows"])
+        if df.empty or not (df["kv_idle_block_s"].fillna(0) > 0).any():
+            st.caption("no request held KV blocks idle in this window")
+            return
+        df = df[df["kv_idle_block_s"].fillna(0) > 0]
+        show = df[
+            [
+                "request_id",
+                "kv_idle_block_s",
+                "kv_idle_s",
+                "stalled_steps",
+                "kv_blocks_max",
+                "preemptions",
+                "prompt_tokens",
+            ]
+        ]
+        st.altair_chart(charts.bars(show, "kv_idle_block_s", "request_id", "KV idle (block·s)", "request"))
+        show = show.copy()
+        show.insert(1, "open", "request?id=" + show["request_id"].astype(str))
+        st.dataframe(
+            show,
+            hide_index=True,
+            column_config={"open": st.column_config.LinkColumn("open", display_text="open")},
+        )
+
+
+def preemptions(ctx: ui.Context) -> None:
+    st.subheader("Preemptions")
+    now = time.time()
+    bucket_s = bucket_for(ctx.since_s, now)
+    with ui.ledger_errors("attribution"):
+        groups = ctx.data.attribution(ctx.since, bucket_s=bucket_s).get("groups", [])
+        tp = throughput(groups, bucket_s)
+        if tp.empty or not tp["preemptions"].any():
+            st.caption("no preemptions among the requests that finished in this window")
+        else:
+            st.altair_chart(
+                alt.Chart(tp)
+                .mark_bar(color="#d62728")
+                .encode(
+                    x=charts.TIME_AXIS,
+                    y=alt.Y("preemptions:Q", title=f"preemptions per {int(bucket_s)} s (count)"),
+                )
+                .properties(height=180, title="preemptions of finished requests, by end time")
+            )
+        out = ctx.data.requests(since=ctx.since, sort="preemptions", order="desc", limit=20)
+        df = pd.DataFrame(out["rows"])
+        if not df.empty and (df["preemptions"].fillna(0) > 0).any():
+            df = df[df["preemptions"].fillna(0) > 0][
+                ["request_id", "preemptions", "recomputed_tokens", "backend_wait_s", "e2e_s", "finish_reason"]
+            ].copy()
+            df.insert(1, "open", "request?id=" + df["request_id"].astype(str))
+            st.dataframe(
+                df,
+                hide_index=True,
+                column_config={"open": st.column_config.LinkColumn("open", display_text="open")},
+            )
+
+
+def kv_usage(ctx: ui.Context) -> None:
+    st.subheader("KV usage, running and waiting per engine")
+    where = f"WHERE ts >= {ctx.since_s:.3f}" if ctx.since_s else ""
+    try:
+        df = ctx.data.sql(
+            "SELECT source_id, floor(ts / 5) * 5 AS t, max(kv_usage) AS kv_usage_max, "
+            "max(running) AS running, max(waiting) AS waiting "
+            f"FROM steps {where} GROUP BY 1, 2 ORDER BY 2 LIMIT 5000"
+        )
+    except Unavailable:
+        st.info("KV usage over time: not available in this ledger (no /v1/sql yet).")
+        return
+    except (LedgerError, Exception) as exc:
+        st.info(f"KV usage over time: not available in this ledger ({exc}).")
+        return
+    if df.empty:
+        st.caption("no engine steps in this window")
+        return
+    df["time"] = pd.to_datetime(df["t"].astype(float), unit="s", utc=True)
+    df["kv_usage_pct"] = df["kv_usage_max"].astype(float) * 100
+    left, right = st.columns(2)
+    left.altair_chart(
+        alt.Chart(df)
+        .mark_line()
+        .encode(
+            x=charts.TIME_AXIS,
+            y=alt.Y("kv_usage_pct:Q", title="KV cache in use, max per 5 s (%)"),
+            color="source_id:N",
+        )
+        .properties(height=220)
+    )
+    right.altair_chart(
+        alt.Chart(df)
+        .mark_line()
+        .encode(
+            x=charts.TIME_AXIS,
+            y=alt.Y("waiting:Q", title="waiting requests, max per 5 s (count)"),
+            color="source_id:N",
+        )
+        .properties(height=220)
+    )
+
+
+def escape_valve(ctx: ui.Context) -> None:
+    st.subheader("Escape-valve actions (slow pool, non-preemptible)")
+    try:
+        df = ctx.data.sql(
+            "SELECT decided_ts, request_id, rule, action, state, detail FROM cutoffs "
+            "WHERE action IN ('slow_pool', 'non_preemptible', 'promote')"
+            + (f" AND decided_ts >= {ctx.since_s:.3f}" if ctx.since_s else "")
+            + " ORDER BY decided_ts DESC LIMIT 200"
+        )
+    except Unavailable:
+        st.info("escape-valve actions: not available in this ledger (no /v1/sql yet).")
+        return
+    except (LedgerError, Exception) as exc:
+        st.info(f"escape-valve actions: not available in this ledger ({exc}).")
+        return
+    if df.empty:
+        st.caption("no escape-valve actions in this window")
+    else:
+        df["decided (UTC)"] = pd.to_datetime(df["decided_ts"].astype(float), unit="s", utc=True)
+        st.dataframe(df.drop(columns=["decided_ts"]), hide_index=True)
+
+
+def body() -> None:
+    ctx = ui.context()
+    stall_ranking(ctx)
+    idle_block_seconds(ctx)
+    preemptions(ctx)
+    kv_usage(ctx)
+    escape_valve(ctx)
+
+
+st.title("KV & preemption")
+ui.refreshing(ui.context(), body)

@@ -1,0 +1,200 @@
+"""Overview: latency tails over time, layer attribution, throughput, live queue, cutoffs in the window.
+
+A click on any p99 point opens the Requests page on the requests that finished in that bucket, sorted
+by that latency, slowest first.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, ui
+from dashboard.data import (
+    LATENCIES,
+    TAILS,
+    LedgerData,
+    bucket_for,
+    layers_long,
+    tails_long,
+    throughput,
+)
+
+MAX_ITL_BUCKETS = 24
+
+
+def requests_behind(bucket_ts: float, bucket_s: float, metric: str) -> dict[str, str]:
+    """Query parameters of the Requests page for the requests behind one bucket's point of ``metric``."""
+    return {
+        "ended_since": f"{bucket_ts:.3f}",
+        "ended_until": f"{bucket_ts + bucket_s:.3f}",
+        "sort": metric,
+        "order": "desc",
+    }
+
+
+def itl_over_time(data: LedgerData, since_s: float, bucket_s: float, now: float) -> pd.DataFrame:
+    """ITL tails per bucket (one /v1/itl call per bucket, at most MAX_ITL_BUCKETS of the newest)."""
+    first = max(since_s, now - bucket_s * MAX_ITL_BUCKETS)
+    start = first - first % bucket_s
+    rows = []
+    t = start
+    while t < now:
+        s = data.itl(f"{t:.3f}", f"{t + bucket_s:.3f}")
+        if s and s.get("n"):
+            for k in (*TAILS, "max"):
+                if s.get(k) is not None:
+                    rows.append(
+                        {
+                            "time": pd.to_datetime(t, unit="s", utc=True),
+                            "tail": k,
+                            "ms": s[k] * 1e3,
+                            "n": s["n"],
+                        }
+                    )
+        t += bucket_s
+    return pd.DataFrame(rows, columns=["time", "tail", "ms", "n"])
+
+
+def headline(ctx: ui.Context, overall: dict[str, Any] | None, itl: dict[str, Any] | None) -> None:
+    cols = st.columns(5)
+    layers = (overall or {}).get("layers", {})
+    for col, (m, label) in zip(cols, (("ttft_s", "TTFT"), ("e2e_s", "end to end")), strict=False):
+        s = layers.get(m) or {}
+        col.metric(
+            f"{label} p99",
+            ui.fmt_ms(s.get("p99")),
+            help=f"p50 {ui.fmt_ms(s.get('p50'))}, max {ui.fmt_ms(s.get('max'))}",
+        )
+        col.caption(
+            f"p50 {ui.fmt_ms(s.get('p50'))} · p90 {ui.fmt_ms(s.get('p90'))} · max {ui.fmt_ms(s.get('max'))}"
+        )
+    cols[2].metric("ITL p99", ui.fmt_ms((itl or {}).get("p99")))
+    cols[2].caption(
+        f"p50 {ui.fmt_ms((itl or {}).get('p50'))} · p90 {ui.fmt_ms((itl or {}).get('p90'))} · "
+        f"max {ui.fmt_ms((itl or {}).get('max'))}"
+    )
+    cols[3].metric("finished requests", f"{(overall or {}).get('requests', 0):,}")
+    cols[3].caption(f"{(overall or {}).get('output_tokens', 0):,} output tokens")
+    cols[4].metric("preemptions", f"{(overall or {}).get('preemptions', 0):,}")
+
+
+def live(ctx: ui.Context) -> None:
+    st.subheader("Live")
+    with ui.ledger_errors("live queue"):
+        stalls = ctx.data.kv_stalls(limit=1000)
+        rows = stalls.get("requests", [])
+        running = sum(1 for r in rows if r.get("state") == "running")
+        waiting = sum(1 for r in rows if r.get("state") == "waiting")
+        c = st.columns(4)
+        c[0].metric("running", f"{running:,}")
+        c[1].metric("waiting", f"{waiting:,}")
+        worst = max((max(r.get("stall_s") or 0.0, 0.0) for r in rows), default=None)
+        c[2].metric("longest without progress", ui.fmt_ms(worst) if worst is not None else "-")
+        c[3].page_link("views/kv.py", label="KV stall ranking →")
+        if len(rows) >= 1000:
+            st.caption("counts capped at 1,000 live requests")
+
+
+def cutoffs(ctx: ui.Context) -> None:
+    st.subheader("Cutoffs in the window")
+    with ui.ledger_errors("cutoffs"):
+        df = ctx.data.cutoffs(ctx.since_s)
+        if df.empty:
+            st.caption("no cutoff decisions in this window")
+            return
+        summary = df.groupby(["rule", "action", "state"]).size().reset_index(name="decisions")
+        st.dataframe(summary.sort_values("decisions", ascending=False), hide_index=True)
+        st.page_link("views/cutoffs.py", label="Cutoffs & webhooks →")
+
+
+def body() -> None:
+    ctx = ui.context()
+    now = time.time()
+    bucket_s = bucket_for(ctx.since_s, now)
+    with ui.ledger_errors("attribution"):
+        overall_doc = ctx.data.attribution(ctx.since)
+        overall = overall_doc["groups"][0] if overall_doc.get("groups") else None
+        itl = overall_doc["itl"][0] if overall_doc.get("itl") else None
+        headline(ctx, overall, itl)
+        doc = ctx.data.attribution(ctx.since, bucket_s=bucket_s)
+        groups = doc.get("groups", [])
+        st.caption(
+            f"finished requests by end time, {int(bucket_s)} s buckets; updated {ui.fmt_ts(now)}"
+            + (f", every {ctx.refresh_s:g} s" if ctx.refresh_s else "")
+        )
+        if not groups:
+            st.info("No finished requests in this window yet. Charts appear once requests finish.")
+        else:
+            st.subheader("Latency tails")
+            st.caption("click a p99 point to open the requests behind it, slowest first")
+            tails = tails_long(groups, ("ttft_s", "e2e_s"))
+            left, right = st.columns(2)
+            for col, metric in ((left, "ttft_s"), (right, "e2e_s")):
+                df = tails[tails.metric == metric]
+                event = col.altair_chart(
+                    charts.latency_tails(df, LATENCIES[metric]),
+                    on_select="rerun",
+                    selection_mode=charts.P99_SELECTION,
+                    key=f"tails_{metric}",
+                )
+                picked = (getattr(event, "selection", None) or {}).get(charts.P99_SELECTION) or []
+                if picked and "bucket_ts" in picked[0]:
+                    st.switch_page(
+                        "views/requests.py",
+                        query_params=requests_behind(float(picked[0]["bucket_ts"]), bucket_s, metric),
+                    )
+            with ui.ledger_errors("ITL"):
+                itl_df = itl_over_time(
+                    ctx.data, ctx.since_s or (now - bucket_s * MAX_ITL_BUCKETS), bucket_s, now
+                )
+                if itl_df.empty:
+                    st.caption("no decode steps in this window")
+                else:
+                    st.altair_chart(charts.itl_tails(itl_df))
+            st.subheader("Where the time went")
+            layers = layers_long(groups)
+            left, right = st.columns(2)
+            left.altair_chart(charts.layers_stacked(layers))
+            right.altair_chart(charts.layers_p99(layers))
+            st.subheader("Throughput")
+            tp = throughput(groups, bucket_s)
+            left, right = st.columns(2)
+            left.altair_chart(charts.rate(tp, "requests_per_s", "finished requests", "requests/s"))
+            right.altair_chart(charts.rate(tp, "output_tokens_per_s", "output tokens", "tokens/s"))
+            with st.expander("the p99 points as a table (links to the requests behind each)"):
+                rows = []
+                for g in groups:
+                    for m in ("ttft_s", "e2e_s"):
+                        s = g["layers"][m]
+                        if s.get("p99") is None:
+                            continue
+                        qp = requests_behind(g["bucket_ts"], bucket_s, m)
+                        rows.append(
+                            {
+                                "bucket (UTC)": ui.fmt_ts(g["bucket_ts"]),
+                                "latency": LATENCIES[m],
+                                "p50 ms": s["p50"] * 1e3,
+                                "p99 ms": s["p99"] * 1e3,
+                                "requests": s["n"],
+                                "open": "requests?" + "&".join(f"{k}={v}" for k, v in qp.items()),
+                            }
+                        )
+                st.dataframe(
+                    pd.DataFrame(rows),
+                    hide_index=True,
+                    column_config={
+                        "open": st.column_config.LinkColumn("requests", display_text="open"),
+                        "p50 ms": st.column_config.NumberColumn(format="%.1f"),
+                        "p99 ms": st.column_config.NumberColumn(format="%.1f"),
+                    },
+                )
+    live(ctx)
+    cutoffs(ctx)
+
+
+st.title("Overview")
+ui.refreshing(ui.context(), body)
