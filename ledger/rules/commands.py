@@ -67,6 +67,7 @@ class CommandBook:
         self._on_delivered = on_delivered
         self._on_applied = on_applied
         self._lock = threading.Lock()
+        self._db_lock = threading.Lock()
         self.by_id: dict[str, Pending] = {}
         self.by_source: dict[str, dict[str, Pending]] = {}
         self.by_request: dict[str, list[Pending]] = {}
@@ -77,7 +78,9 @@ class CommandBook:
         if self.engine is None:
             return None
         stmt = sa.text(sql) if isinstance(sql, str) else sql
-        with self.engine.begin() as conn:
+        # One writer at a time in this process: DuckDB fails concurrent updates of one row instead of
+        # waiting (PostgreSQL would wait on the row lock; other replicas still do).
+        with self._db_lock, self.engine.begin() as conn:
             return conn.execute(stmt, params or {})
 
     def load(self) -> int:
@@ -152,7 +155,7 @@ class CommandBook:
         for d in decisions:
             cid = uuid.uuid4().hex
             if self.engine is not None:
-                with self.engine.begin() as conn:
+                with self._db_lock, self.engine.begin() as conn:
                     conn.execute(
                         _INSERT,
                         {

@@ -1,9 +1,10 @@
 """Policy versions: every accepted policy is a row in ``policy_versions``; the newest is live.
 
-At start the service loads the newest stored version; a policy file (``CHUNKLEDGER_POLICY_FILE``) whose
-content differs from it becomes a new version (origin ``file``); with neither, the defaults are stored
-as version 1. ``PUT /v1/policy`` stores a new version (origin ``api``). Replicas on one PostgreSQL pick
-up a newer version within a few seconds (``refresh`` on the service's ticker).
+At start the service loads the newest stored version; a policy file (``CHUNKLEDGER_POLICY_FILE``) that
+is new or changed since it was last loaded becomes a new version (origin ``file``), while an unchanged
+file does not undo later ``PUT``s; with neither, the defaults are stored as version 1.
+``PUT /v1/policy`` stores a new version (origin ``api``). Replicas on one PostgreSQL pick up a newer
+version within a few seconds (``refresh`` on the service's ticker).
 """
 
 from __future__ import annotations
@@ -36,12 +37,21 @@ class PolicyStore:
         latest = self._latest()
         if latest is not None:
             self._set(*latest)
-        if file_policy is not None and (
-            latest is None or policy_json(file_policy) != policy_json(self.policy)
-        ):
-            self.put(file_policy, origin="file")
+        if file_policy is not None and policy_json(file_policy) != self._last_file_body():
+            self.put(file_policy, origin="file")  # a new or edited file wins; an unchanged one does not
         elif latest is None:
             self.put(Policy(), origin="default")
+
+    def _last_file_body(self) -> dict[str, Any] | None:
+        if self.engine is None:
+            return None
+        with self.engine.connect() as conn:
+            body = conn.execute(
+                sa.text(
+                    "SELECT body FROM policy_versions WHERE origin = 'file' ORDER BY version DESC LIMIT 1"
+                )
+            ).scalar()
+        return json.loads(body) if body is not None else None
 
     def _latest(self) -> tuple[int, float, str, Policy] | None:
         if self.engine is None:

@@ -87,6 +87,7 @@ class Webhooks:
         self._clock = clock
         self._rng = rng or random.Random()
         self._on_attempt = on_attempt  # (event_type, status, failure reason or None, dead)
+        self._db_lock = threading.Lock()  # DuckDB fails concurrent updates of a row: one writer here
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -115,7 +116,7 @@ class Webhooks:
             "format": format,
             "created_ts": self._clock(),
         }
-        with self.engine.begin() as conn:
+        with self._db_lock, self.engine.begin() as conn:
             conn.execute(
                 sa.text(
                     "INSERT INTO webhook_subscriptions (id, url, secret, event_types, format, created_ts) "
@@ -150,7 +151,7 @@ class Webhooks:
 
     def delete(self, sub_id: str) -> bool:
         now = self._clock()
-        with self.engine.begin() as conn:
+        with self._db_lock, self.engine.begin() as conn:
             found = conn.execute(
                 sa.text("SELECT id FROM webhook_subscriptions WHERE id = :id AND deleted_ts IS NULL"),
                 {"id": sub_id},
@@ -197,7 +198,7 @@ class Webhooks:
                     "next_attempt_ts": now,
                 }
             )
-        with self.engine.begin() as conn:
+        with self._db_lock, self.engine.begin() as conn:
             conn.execute(
                 sa.text(
                     "INSERT INTO webhook_outbox (id, subscription_id, event_type, event_id, "
@@ -218,7 +219,7 @@ class Webhooks:
 
     def _claim(self, now: float, limit: int = 20) -> list[Any]:
         lease = now + 2 * self.timeout_s + 5
-        with self.engine.begin() as conn:
+        with self._db_lock, self.engine.begin() as conn:
             ids = [
                 r[0]
                 for r in conn.execute(
@@ -286,7 +287,7 @@ class Webhooks:
         took = time.monotonic() - started
         now = self._clock()
         dead = error is not None and attempt >= self.max_attempts
-        with self.engine.begin() as conn:
+        with self._db_lock, self.engine.begin() as conn:
             conn.execute(
                 sa.text(
                     "INSERT INTO webhook_attempts (delivery_id, attempt, ts, status_code, error, duration_s) "
@@ -364,7 +365,7 @@ class Webhooks:
     def start(self) -> None:
         if self.engine.dialect.name == "duckdb":
             # One process owns a DuckDB file: leases left by a killed predecessor are stale.
-            with self.engine.begin() as conn:
+            with self._db_lock, self.engine.begin() as conn:
                 conn.execute(
                     sa.text("UPDATE webhook_outbox SET lease_until = NULL WHERE lease_until IS NOT NULL")
                 )

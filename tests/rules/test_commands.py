@@ -1,0 +1,226 @@
+"""Commands: stored decisions, re-delivered in ingest responses and by long-poll until confirmed.
+
+Every test runs on DuckDB and PostgreSQL (``db_url``), against the app with its real writer thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+
+from engine_hooks import events as ev
+from ledger.app import create_app
+from ledger.config import Settings
+
+ENGINE = ev.Source(id="e0", kind="engine", model="m")
+GATEWAY = ev.Source(id="g0", kind="gateway")
+ING = {"Authorization": "Bearer ing"}
+ADM = {"Authorization": "Bearer adm"}
+RD = {"Authorization": "Bearer rd"}
+
+
+def settings(db_url: str, **kw) -> Settings:
+    return Settings(db_url=db_url, ingest_token="ing", read_token="rd", admin_token="adm", **kw)
+
+
+class Src:
+    """A source that numbers its events."""
+
+    def __init__(self, client: TestClient, source: ev.Source, seq: int = 1):
+        self.c, self.source, self.seq = client, source, seq
+
+    def send(self, *events) -> dict:
+        evs = []
+        for e in events:
+            evs.append(msgspec.structs.replace(e, seq=self.seq))
+            self.seq += 1
+        r = self.c.post("/v1/events", content=ev.encode_batch(self.source, evs), headers=ING)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def looping_tokens(rid: str, n: int = 200, ts: float | None = None) -> list:
+    ids = [101, 2023, 318] * n
+    t = ts or time.time()
+    return [
+        ev.Tokens(
+            seq=0, ts=t, request_id=rid, count=16, total=(i + 1) * 16, token_ids=ids[i * 16 : (i + 1) * 16]
+        )
+        for i in range(n // 16)
+    ]
+
+
+def cutoff_rows(db_url: str) -> list[dict]:
+    eng = sa.create_engine(db_url)
+    try:
+        with eng.connect() as conn:
+            return [
+                dict(r._mapping) for r in conn.execute(sa.text("SELECT * FROM cutoffs ORDER BY decided_ts"))
+            ]
+    finally:
+        eng.dispose()
+
+
+def test_command_is_redelivered_in_every_response_until_cutoff_applied(db_url):
+    with TestClient(create_app(settings(db_url))) as c:
+        eng = Src(c, ENGINE)
+        first = eng.send(
+            ev.Queued(seq=0, ts=time.time(), request_id="r1", prompt_tokens=9), *looping_tokens("r1")
+        )
+        assert [(x["request_id"], x["action"], x["rule"]) for x in first["commands"]] == [
+            ("r1", "abort", "loop")
+        ]
+        cmd = first["commands"][0]
+        assert "period 3" in cmd["detail"]
+        # unrelated traffic from the same source keeps carrying it, and so does the poll endpoint
+        again = eng.send(ev.Queued(seq=0, ts=time.time(), request_id="other", prompt_tokens=3))
+        assert again["commands"] == [cmd]
+        assert c.get("/v1/commands", params={"source_id": "e0"}, headers=ING).json() == {"commands": [cmd]}
+        assert c.get("/v1/commands", params={"source_id": "someone-else"}, headers=ING).json() == {
+            "commands": []
+        }
+        confirm = eng.send(
+            ev.CutoffApplied(
+                seq=0, ts=time.time(), request_id="r1", command_id=cmd["id"], action="abort", rule="loop"
+            ),
+            ev.Finished(
+                seq=0, ts=time.time(), request_id="r1", reason="cutoff", stop_reason="chunkledger:loop"
+            ),
+        )
+        assert confirm["commands"] == []
+        assert eng.send(ev.Queued(seq=0, ts=time.time(), request_id="x", prompt_tokens=3))["commands"] == []
+        listed = c.get("/v1/cutoffs", params={"request_id": "r1"}, headers=RD).json()["cutoffs"]
+    (row,) = cutoff_rows(db_url)
+    assert listed[0]["command_id"] == row["command_id"] == cmd["id"]
+    assert row["state"] == "applied" and row["applied_source_id"] == "e0"
+    assert row["decided_ts"] <= row["delivered_ts"] <= row["applied_ts"]
+    assert row["deliveries"] == 3  # two ingest responses and one poll (the confirming batch gets none)
+
+
+def test_long_poll_returns_as_soon_as_a_command_is_decided(db_url):
+    with TestClient(create_app(settings(db_url))) as c:
+        eng = Src(c, ENGINE)
+        eng.send(ev.Queued(seq=0, ts=time.time(), request_id="r1", prompt_tokens=9))
+        got = {}
+
+        def poll():
+            t0 = time.monotonic()
+            got["body"] = c.get("/v1/commands", params={"source_id": "e0", "wait_s": 20}, headers=ING).json()
+            got["took"] = time.monotonic() - t0
+
+        th = threading.Thread(target=poll)
+        th.start()
+        time.sleep(0.5)
+        eng.send(*looping_tokens("r1"))
+        th.join(15)
+        assert [x["rule"] for x in got["body"]["commands"]] == ["loop"]
+        assert 0.4 < got["took"] < 5
+        t0 = time.monotonic()
+        empty = c.get("/v1/commands", params={"source_id": "idle", "wait_s": 0.3}, headers=ING)
+        assert empty.json() == {"commands": []} and time.monotonic() - t0 >= 0.3
+
+
+def test_commands_endpoint_checks_token_and_parameters(db_url):
+    with TestClient(create_app(settings(db_url))) as c:
+        assert c.get("/v1/commands", params={"source_id": "e0"}).status_code == 401
+        assert c.get("/v1/commands", params={"source_id": "e0"}, headers=RD).status_code == 403
+        bad = c.get("/v1/commands", params={"source_id": "e0", "wait_s": 999}, headers=ING)
+        assert bad.status_code == 422 and "wait_s" in bad.text
+        assert c.get("/v1/commands", headers=ING).status_code == 422
+
+
+def test_pending_commands_survive_a_restart_and_a_decision_is_never_made_twice(db_url):
+    with TestClient(create_app(settings(db_url))) as c:
+        eng = Src(c, ENGINE)
+        cmd = eng.send(*looping_tokens("r1"))["commands"][0]
+        seq = eng.seq
+    with TestClient(create_app(settings(db_url))) as c:
+        eng = Src(c, ENGINE, seq)
+        # the new process has no live state for r1: more looping tokens make it decide again, but the
+        # stored decision wins and the same command keeps going out
+        resp = eng.send(*looping_tokens("r1", 400)[12:])
+        assert resp["commands"] == [cmd]
+    rows = cutoff_rows(db_url)
+    assert len(rows) == 1 and rows[0]["state"] == "pending" and rows[0]["deliveries"] == 2
+
+
+def test_streaming_gateway_gets_the_command_too_and_each_target_confirms(db_url):
+    with TestClient(create_app(settings(db_url))) as c:
+        gw, eng = Src(c, GATEWAY), Src(c, ENGINE)
+        gw.send(ev.Arrived(seq=0, ts=time.time(), request_id="r1", stream=True))
+        cmd = eng.send(*looping_tokens("r1"))["commands"][0]
+        assert gw.send(ev.FirstByte(seq=0, ts=time.time(), request_id="r1"))["commands"] == [cmd]
+        eng.send(
+            ev.CutoffApplied(
+                seq=0, ts=time.time(), request_id="r1", command_id=cmd["id"], action="abort", rule="loop"
+            )
+        )
+        assert eng.send(ev.Queued(seq=0, ts=time.time(), request_id="z", prompt_tokens=1))["commands"] == []
+        assert gw.send(ev.Admitted(seq=0, ts=time.time(), request_id="q"))["commands"] == [
+            cmd
+        ]  # gateway: not yet
+        gw.send(ev.StreamCut(seq=0, ts=time.time(), request_id="r1", rule="loop", command_id=cmd["id"]))
+        assert gw.send(ev.Admitted(seq=0, ts=time.time(), request_id="q2"))["commands"] == []
+    (row,) = cutoff_rows(db_url)
+    assert row["gateway_source_id"] == "g0" and row["gateway_applied_ts"] is not None
+    assert row["applied_ts"] is not None and row["state"] == "applied"
+
+
+def test_a_request_that_ends_on_its_own_makes_its_command_moot(db_url):
+    with TestClient(create_app(settings(db_url))) as c:
+        eng = Src(c, ENGINE)
+        cmd = eng.send(*looping_tokens("r1"))["commands"][0]
+        eng.send(ev.Finished(seq=0, ts=time.time(), request_id="r1", reason="length"))
+        assert eng.send(ev.Queued(seq=0, ts=time.time(), request_id="z", prompt_tokens=1))["commands"] == []
+    (row,) = cutoff_rows(db_url)
+    assert row["command_id"] == cmd["id"] and row["state"] == "moot" and row["applied_ts"] is None
+
+
+def test_unconfirmed_commands_expire_after_the_ttl(db_url):
+    app = create_app(settings(db_url))
+    with TestClient(app) as c:
+        c.put("/v1/policy", json={"commands": {"ttl_s": 30}}, headers=ADM).raise_for_status()
+        eng = Src(c, ENGINE)
+        eng.send(*looping_tokens("r1"))
+        app.state.runaway.tick(time.time() + 31)
+        assert eng.send(ev.Queued(seq=0, ts=time.time(), request_id="z", prompt_tokens=1))["commands"] == []
+    assert cutoff_rows(db_url)[0]["state"] == "expired"
+
+
+def test_policy_api_versions_validates_and_takes_effect(db_url, tmp_path):
+    pol = tmp_path / "policy.toml"
+    pol.write_text("[rules]\nmax_output_tokens = 5000\n")
+    with TestClient(create_app(settings(db_url, policy_file=str(pol)))) as c:
+        assert c.get("/v1/policy").status_code == 401
+        assert c.get("/v1/policy", headers=RD).status_code == 403
+        cur = c.get("/v1/policy", headers=ADM).json()
+        assert cur["origin"] == "file" and cur["policy"]["rules"]["max_output_tokens"] == 5000
+        bad = c.put("/v1/policy", json={"rules": {"max_output_tokens": -1}}, headers=ADM)
+        assert bad.status_code == 422 and "rules.max_output_tokens" in bad.json()["detail"]
+        assert c.put("/v1/policy", content=b"{", headers=ADM).status_code == 422
+        new = c.put("/v1/policy", json={"rules": {"max_output_tokens": 20}}, headers=ADM).json()
+        assert new["version"] == cur["version"] + 1 and new["origin"] == "api"
+        resp = Src(c, ENGINE).send(ev.Tokens(seq=0, ts=time.time(), request_id="r", count=32, total=32))
+        assert [x["rule"] for x in resp["commands"]] == ["token_cap"]
+    # a restart keeps the API's version: the unchanged file does not override it
+    with TestClient(create_app(settings(db_url, policy_file=str(pol)))) as c:
+        assert c.get("/v1/policy", headers=ADM).json()["policy"]["rules"]["max_output_tokens"] == 20
+
+
+@pytest.mark.parametrize("kind", ["bad toml", "bad field"])
+def test_a_bad_policy_file_stops_the_service_naming_the_field(tmp_path, kind):
+    pol = tmp_path / "policy.toml"
+    pol.write_text("rules = [" if kind == "bad toml" else "[rules]\nstall_timeout_s = -5\n")
+    from ledger.rules.policy import PolicyError
+
+    app = create_app(settings(f"duckdb:///{tmp_path}/x.duckdb", policy_file=str(pol)))
+    with (
+        pytest.raises(PolicyError, match="stall_timeout_s" if kind == "bad field" else "not valid toml"),
+        TestClient(app),
+    ):
+        pass
