@@ -25,6 +25,9 @@ class GatewayConfig(msgspec.Struct, kw_only=True, frozen=True):
     connect_timeout_s: PositiveFloat = 5.0  # TCP connect to the upstream
     read_timeout_s: PositiveFloat = 300.0  # longest silence from the upstream: before its response
     # headers, between two chunks of a stream, or while reading a whole response
+    poll_commands: bool = True  # long-poll the ledger's GET /v1/commands for cutoff commands (they also
+    # arrive in ingest responses, but a quiet gateway sends few events while it streams)
+    command_poll_wait_s: PositiveFloat = 20.0  # how long one long-poll may wait at the ledger (at most 60)
     priority_header: str = "x-priority"  # request header carrying the admission priority (lower first)
     request_id_header: str = "x-request-id"  # request id: taken from the client or assigned, sent upstream
 
@@ -32,6 +35,10 @@ class GatewayConfig(msgspec.Struct, kw_only=True, frozen=True):
         if not re.match(r"^https?://[^/\s]+", self.upstream):
             raise ValueError(
                 f"upstream must start with http:// or https:// and name a host, got {self.upstream!r}"
+            )
+        if self.command_poll_wait_s > 60:
+            raise ValueError(
+                f"command_poll_wait_s must be at most 60 (the ledger's limit), got {self.command_poll_wait_s}"
             )
         for name in ("priority_header", "request_id_header"):
             value = getattr(self, name)

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine_hooks"))
 
-from fake_ledger import FakeLedger
+from fake_ledger import FakeLedger, wait_until
 from fake_upstream import FakeUpstream
 
 from engine_hooks.config import ExporterConfig
@@ -60,6 +60,8 @@ class RunningGateway:
         self.url = server.url
 
     def flush(self) -> None:
+        """Wait until no request is in the gateway (its last events are emitted), then deliver them."""
+        assert wait_until(lambda: not self.gateway._active), "requests still in the gateway"
         assert self.gateway.exporter is not None
         assert self.gateway.exporter.force_flush(5.0), "gateway events not delivered"
 

@@ -163,6 +163,13 @@ class FakeUpstream:
                 }
             else:
                 choice = {"index": 0, "text": text, "finish_reason": "length"}
+            if delay:  # generating: a client that goes away aborts it, as in vLLM
+                waiting = asyncio.ensure_future(receive())
+                done, _ = await asyncio.wait({waiting}, timeout=delay * n)
+                if done and waiting.result()["type"] == "http.disconnect":
+                    self.disconnected.append(rid)
+                    return
+                waiting.cancel()
             await self._json(
                 send,
                 200,
@@ -173,8 +180,8 @@ class FakeUpstream:
                     "model": "fake-model",
                     "choices": [choice],
                 },
-                delay=delay * n,
             )
+            self.completed.append(rid)
             return
         gone = asyncio.Event()
 
