@@ -65,6 +65,9 @@ steps = sa.Table(
     sa.Column("prefill_depth_tokens", sa.BigInteger, nullable=False, server_default=sa.text("0")),
     sa.Column("max_prefill_depth", sa.BigInteger, nullable=False, server_default=sa.text("0")),
     sa.Column("stalled_request_ids", sa.ARRAY(sa.Text)),
+    # End of the previous step of the same source -> end of this one: the gap a request decoding in
+    # both steps saw between its tokens. Set at ingest when the previous step is known (NULL otherwise).
+    sa.Column("interval_s", sa.Double),
 )
 
 

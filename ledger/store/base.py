@@ -28,7 +28,7 @@ from ledger.fold import AGGREGATES, SUM_COLUMNS, Row, fold_into
 
 EVENT_COLUMNS = [c.name for c in schema.events.columns]
 STEP_COLUMNS = [c.name for c in schema.steps.columns]
-STEP_FIELDS = [c for c in STEP_COLUMNS if c != "source_id"]  # copied from the Step event as is
+STEP_FIELDS = [c for c in STEP_COLUMNS if c not in ("source_id", "interval_s")]  # copied from the Step as is
 REQUEST_COLUMNS = [c.name for c in schema.request_rows.columns]
 
 
@@ -100,6 +100,8 @@ class Store:
     def __init__(self, engine: sa.Engine, *, persist_token_ids: bool = False) -> None:
         self.engine = engine
         self.persist_token_ids = persist_token_ids
+        # source id -> (step, end ts) of the newest step seen, for steps.interval_s.
+        self._last_step: dict[str, tuple[int, float]] = {}
 
     # -- backend hooks -------------------------------------------------------------------------
     def _connect(self) -> Any:
@@ -192,6 +194,11 @@ class Store:
                 for col in STEP_FIELDS:
                     s[col].append(getattr(e, col))
                 s["source_id"].append(sid)
+                end = e.ts + e.duration_s
+                prev = self._last_step.get(sid)
+                s["interval_s"].append(end - prev[1] if prev is not None and prev[0] == e.step - 1 else None)
+                if prev is None or e.step > prev[0]:
+                    self._last_step[sid] = (e.step, end)
                 if e.request_ids or e.stalled_request_ids:
                     request_events.append(e)
             elif cls is dropped_cls:

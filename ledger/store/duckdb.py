@@ -40,7 +40,7 @@ STEPS_SCHEMA = pa.schema(
     + [(c, pa.int64()) for c in STEP_COLUMNS[5:11]]
     + [("kv_usage", pa.float64()), ("request_ids", pa.list_(pa.string()))]
     + [("prefill_depth_tokens", pa.int64()), ("max_prefill_depth", pa.int64())]
-    + [("stalled_request_ids", pa.list_(pa.string()))]
+    + [("stalled_request_ids", pa.list_(pa.string())), ("interval_s", pa.float64())]
 )
 REQUESTS_SCHEMA = pa.schema(
     [("request_id", pa.string())] + [(c, _ARROW[a.type]) for c, a in AGGREGATES.items()]

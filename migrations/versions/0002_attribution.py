@@ -2,7 +2,8 @@
 
 * ``requests`` is renamed ``request_rows`` (the fold target) and gains fold columns: waits split by
   what they delayed, step participation and KV idle time.
-* ``steps`` gains the prefill-depth work of the step and the requests it left stalled.
+* ``steps`` gains the prefill-depth work of the step, the requests it left stalled, and the interval
+  since the previous step's end (the inter-token gap of a request decoding in both).
 * A view ``requests`` adds the four-layer attribution, and the start and end points they span, to
   every row (see ledger/schema.py, ATTRIBUTION and SPAN).
 
@@ -53,7 +54,9 @@ def _view_sql() -> str:
     t3 = f"COALESCE(r.first_scheduled_ts, {t4})"
     sched = "r.first_scheduled_ts IS NOT NULL"
     w_pre = f"(r.requeue_wait_prefill_s + CASE WHEN {sched} AND {tok} IS NULL THEN r.final_wait_s ELSE 0 END)"
-    w_dec = f"(r.requeue_wait_decode_s + CASE WHEN {sched} AND {tok} IS NOT NULL THEN r.final_wait_s ELSE 0 END)"
+    w_dec = (
+        f"(r.requeue_wait_decode_s + CASE WHEN {sched} AND {tok} IS NOT NULL THEN r.final_wait_s ELSE 0 END)"
+    )
     done = f"{t5} IS NOT NULL"
     layers = {
         "entry_s": f"{t1} - {t0}",
@@ -86,18 +89,20 @@ def upgrade() -> None:
             ),
         )
     op.add_column(
-        "steps", sa.Column("prefill_depth_tokens", sa.BigInteger(), nullable=False, server_default=sa.text("0"))
+        "steps",
+        sa.Column("prefill_depth_tokens", sa.BigInteger(), nullable=False, server_default=sa.text("0")),
     )
     op.add_column(
         "steps", sa.Column("max_prefill_depth", sa.BigInteger(), nullable=False, server_default=sa.text("0"))
     )
     op.add_column("steps", sa.Column("stalled_request_ids", sa.ARRAY(sa.Text()), nullable=True))
+    op.add_column("steps", sa.Column("interval_s", sa.Double(), nullable=True))
     op.execute(_view_sql())
 
 
 def downgrade() -> None:
     op.execute("DROP VIEW requests")
-    for name in ("stalled_request_ids", "max_prefill_depth", "prefill_depth_tokens"):
+    for name in ("interval_s", "stalled_request_ids", "max_prefill_depth", "prefill_depth_tokens"):
         op.drop_column("steps", name)
     for name, _, _ in reversed(_NEW_REQUEST_COLUMNS):
         op.drop_column("request_rows", name)
