@@ -86,6 +86,15 @@ def _register_optional_commands() -> None:
 _register_optional_commands()
 
 
+def _register_gateway() -> None:
+    from engine_hooks.gateway.cli import gateway
+
+    app.command(name="gateway")(gateway)
+
+
+_register_gateway()
+
+
 def _register_advice() -> None:
     from ledger.advice.commands import advise
 
