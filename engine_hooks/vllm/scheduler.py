@@ -201,7 +201,6 @@ class _LedgerHooks(_Base):
         if self.options.admission_reserve:
             # The reserve sets long_prefill_token_threshold per step: on a private copy of the config.
             self.scheduler_config = copy.copy(self.scheduler_config)
-        self._cl_user_threshold = self.scheduler_config.long_prefill_token_threshold
         manager = self.kv_cache_manager
         allocate = manager.allocate_slots
 
@@ -433,9 +432,17 @@ class _LedgerHooks(_Base):
             running.chooser = self._cl_choose_victim
         elif type(self.running) is _RunningList:
             self.running.chooser = None
-        if opts.admission_reserve:
-            return self._cl_admission_reserve(now)
-        return None
+        cap = self._cl_admission_cap(now) if opts.admission_reserve else None
+        if self._cl_marked:
+            promoted = self._cl_promoted_waiting_tokens()
+            if promoted:
+                room = max(self.options.admission_min_chunk, self.max_num_scheduled_tokens - promoted)
+                cap = room if cap is None else min(cap, room)
+        if cap is None:
+            return None
+        old = self.scheduler_config.long_prefill_token_threshold
+        self.scheduler_config.long_prefill_token_threshold = min(cap, old) if old else cap
+        return int(old)
 
     def _cl_apply_commands(self, now: float, ts: float) -> None:
         inbox = self._cl_inbox
@@ -571,10 +578,22 @@ class _LedgerHooks(_Base):
             self._cl_fail("choose_victim")
             return None
 
-    def _cl_admission_reserve(self, now: float) -> int | None:
-        """Cap running prefill chunks for this step (via long_prefill_token_threshold); SJF waiting.
+    def _cl_promoted_waiting_tokens(self) -> int:
+        """Tokens the promoted requests at the head of the waiting queue need (0: none waits)."""
+        states = self._cl_states
+        need = 0
+        for req in self.waiting:
+            st = states.get(req.request_id)
+            if st is None or not st.promoted:
+                break
+            need += max(req.num_tokens - req.num_computed_tokens, 1)
+        return need
 
-        Returns the threshold to restore after ``schedule()``, or None when nothing was changed.
+    def _cl_admission_cap(self, now: float) -> int | None:
+        """This step's cap on prefill chunks (applied as long_prefill_token_threshold), None for none.
+
+        Also orders the waiting queue: aged and preempted requests first (arrival order), then the
+        shortest prompt first.
         """
         opts = self.options
         waiting = self.waiting
@@ -608,10 +627,7 @@ class _LedgerHooks(_Base):
                 cap = min(cap, share / (1.0 + deepest / opts.admission_depth_tokens))
         if cap == float("inf"):
             return None
-        limit = max(opts.admission_min_chunk, int(cap))
-        old = self.scheduler_config.long_prefill_token_threshold
-        self.scheduler_config.long_prefill_token_threshold = min(limit, old) if old else limit
-        return int(old)
+        return max(opts.admission_min_chunk, int(cap))
 
     # -- after schedule: what the step runs --------------------------------------------------------
 
