@@ -94,7 +94,7 @@ def layers_stacked(df: pd.DataFrame) -> alt.Chart:
     """Mean of each layer, stacked: the stack's height is mean e2e (the layers add up exactly)."""
     return (
         alt.Chart(df)
-        .mark_area()
+        .mark_bar(size=_bar_px(df))
         .encode(
             x=TIME_AXIS,
             y=alt.Y("mean_ms:Q", title="mean time per request (ms), stacked", stack="zero"),
@@ -108,7 +108,7 @@ def layers_stacked(df: pd.DataFrame) -> alt.Chart:
                 alt.Tooltip("p99_ms:Q", title="p99 ms", format=",.1f"),
             ],
         )
-        .properties(height=240, title="layer attribution: mean per layer (stacked = mean e2e)")
+        .properties(height=240, title="layer attribution: mean per layer, stacked")
     )
 
 
@@ -130,10 +130,15 @@ def layers_p99(df: pd.DataFrame) -> alt.Chart:
     )
 
 
+def _bar_px(df: pd.DataFrame, width_px: int = 420) -> float:
+    """Bar width for time-bucketed bars: the buckets share the plot's width."""
+    return max(2.0, min(40.0, 0.8 * width_px / max(1, df["time"].nunique())))
+
+
 def rate(df: pd.DataFrame, field: str, title: str, unit: str) -> alt.Chart:
     return (
         alt.Chart(df)
-        .mark_bar()
+        .mark_bar(size=_bar_px(df))
         .encode(
             x=TIME_AXIS,
             y=alt.Y(f"{field}:Q", title=f"{title} ({unit})"),
@@ -153,7 +158,9 @@ def gantt(df: pd.DataFrame) -> alt.LayerChart:
         alt.Tooltip("end_s:Q", title="to (s)", format=",.3f"),
         "label:N",
     ]
-    color = alt.Color("what:N", scale=GANTT_COLORS, title="what")
+    color = alt.Color(
+        "what:N", scale=GANTT_COLORS, title="what", legend=alt.Legend(orient="bottom", columns=6)
+    )
     bars = (
         alt.Chart(df)
         .transform_filter(alt.datum.end_s > alt.datum.start_s)
@@ -172,7 +179,7 @@ def gantt(df: pd.DataFrame) -> alt.LayerChart:
         .mark_tick(thickness=2, size=18)
         .encode(x=alt.X("start_s:Q", title="seconds since arrival (s)"), y=y, color=color, tooltip=tooltip)
     )
-    return alt.layer(bars, ticks).properties(height=60 + 40 * max(1, df["lane"].nunique()))
+    return alt.layer(bars, ticks).properties(height=40 + 36 * max(1, df["lane"].nunique()))
 
 
 def bars(df: pd.DataFrame, x: str, y: str, x_title: str, y_title: str, color: str | None = None) -> alt.Chart:
@@ -212,7 +219,8 @@ def step_fit(points: pd.DataFrame, curves: pd.DataFrame) -> alt.LayerChart:
         .encode(
             x="prefill_tokens:Q",
             y="predicted_ms:Q",
-            strokeDash=alt.StrokeDash("curve:N", title="fitted model"),
+            strokeDash=alt.StrokeDash("curve:N", title="fitted model", legend=alt.Legend(orient="bottom")),
+            color=alt.value("#333333"),
             tooltip=["curve:N", "prefill_tokens:Q", alt.Tooltip("predicted_ms:Q", format=",.1f")],
         )
     )

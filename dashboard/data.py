@@ -274,13 +274,24 @@ def _raise_cached(value: Any) -> Any:
 
 
 # -- frames ------------------------------------------------------------------------------------------
-def bucket_for(since_s: float | None, now: float | None = None, target_buckets: int = 40) -> float:
-    """A round bucket width giving about ``target_buckets`` buckets over the window (10 s .. 1 day)."""
-    span = (now or time.time()) - since_s if since_s else 3600.0
-    for b in (10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400):
-        if span / b <= target_buckets:
+def bucket_for(span_s: float, target_buckets: int = 40) -> float:
+    """A round bucket width giving at most ``target_buckets`` buckets over ``span_s`` (1 s .. 1 day)."""
+    for b in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400):
+        if span_s / b <= target_buckets:
             return float(b)
     return 86400.0
+
+
+def data_span(data: LedgerData, since: str | None, since_s: float | None, now: float) -> tuple[float, float]:
+    """(first, last) end of a finished request in the window, at least 10 s apart and ending no earlier
+    than now: buckets follow the data, so a young ledger is not drawn as one point."""
+    first = data.requests(since=since, live=False, sort="end_ts", order="asc", limit=1)["rows"]
+    last = data.requests(since=since, live=False, sort="end_ts", order="desc", limit=1)["rows"]
+    if not first or first[0].get("end_ts") is None:
+        return (since_s if since_s else now - 3600.0), now
+    lo = float(first[0]["end_ts"])
+    hi = max(now, float(last[0].get("end_ts") or now)) if last else now
+    return min(lo, hi - 10.0), hi
 
 
 def tails_long(groups: list[dict[str, Any]], metrics: Iterable[str]) -> pd.DataFrame:

@@ -39,7 +39,7 @@ def show_decisions(ctx: ui.Context, df: pd.DataFrame) -> None:
     c = st.columns(min(4, len(by_rule)) or 1)
     for i, row in by_rule.head(4).iterrows():
         c[int(i) % len(c)].metric(f"{row['rule']} → {row['action']}", f"{row['decisions']:,}")
-    bucket_s = bucket_for(ctx.since_s, time.time())
+    bucket_s = bucket_for(max(time.time(), df["decided_ts"].max()) - df["decided_ts"].min())
     df["time"] = pd.to_datetime((df["decided_ts"] // bucket_s) * bucket_s, unit="s", utc=True)
     over = df.groupby(["time", "rule"]).size().reset_index(name="decisions")
     st.altair_chart(

@@ -9,7 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, ui
-from dashboard.data import Unavailable, bucket_for, throughput
+from dashboard.data import Unavailable, bucket_for, data_span, throughput
 from ledger.client import LedgerError
 
 
@@ -80,7 +80,8 @@ def idle_block_seconds(ctx: ui.Context) -> None:
 def preemptions(ctx: ui.Context) -> None:
     st.subheader("Preemptions")
     now = time.time()
-    bucket_s = bucket_for(ctx.since_s, now)
+    lo, hi = data_span(ctx.data, ctx.since, ctx.since_s, now)
+    bucket_s = bucket_for(hi - lo)
     with ui.ledger_errors("attribution"):
         groups = ctx.data.attribution(ctx.since, bucket_s=bucket_s).get("groups", [])
         tp = throughput(groups, bucket_s)

@@ -18,6 +18,7 @@ from dashboard.data import (
     TAILS,
     LedgerData,
     bucket_for,
+    data_span,
     layers_long,
     tails_long,
     throughput,
@@ -37,7 +38,8 @@ def requests_behind(bucket_ts: float, bucket_s: float, metric: str) -> dict[str,
 
 
 def itl_over_time(data: LedgerData, since_s: float, bucket_s: float, now: float) -> pd.DataFrame:
-    """ITL tails per bucket (one /v1/itl call per bucket, at most MAX_ITL_BUCKETS of the newest)."""
+    """ITL tails per bucket up to ``now`` (one /v1/itl call per bucket, at most MAX_ITL_BUCKETS of the
+    newest)."""
     first = max(since_s, now - bucket_s * MAX_ITL_BUCKETS)
     start = first - first % bucket_s
     rows = []
@@ -114,8 +116,9 @@ def cutoffs(ctx: ui.Context) -> None:
 def body() -> None:
     ctx = ui.context()
     now = time.time()
-    bucket_s = bucket_for(ctx.since_s, now)
     with ui.ledger_errors("attribution"):
+        lo, hi = data_span(ctx.data, ctx.since, ctx.since_s, now)
+        bucket_s = bucket_for(hi - lo)
         overall_doc = ctx.data.attribution(ctx.since)
         overall = overall_doc["groups"][0] if overall_doc.get("groups") else None
         itl = overall_doc["itl"][0] if overall_doc.get("itl") else None
@@ -155,6 +158,8 @@ def body() -> None:
                     st.caption("no decode steps in this window")
                 else:
                     st.altair_chart(charts.itl_tails(itl_df))
+                    if itl_df["time"].nunique() >= MAX_ITL_BUCKETS:
+                        st.caption(f"ITL: the newest {MAX_ITL_BUCKETS} buckets")
             st.subheader("Where the time went")
             layers = layers_long(groups)
             left, right = st.columns(2)
