@@ -212,3 +212,10 @@ webhook_attempts = sa.Table(
     sa.Column("error", sa.Text),
     sa.Column("duration_s", sa.Double, nullable=False),
 )
+
+# PostgreSQL only (migration 0003), like PG_ONLY_INDEXES: pending commands, due webhook deliveries.
+RULES_PG_ONLY_INDEXES = (
+    sa.Index("cutoffs_state_idx", cutoffs.c.state),
+    sa.Index("webhook_outbox_due_idx", webhook_outbox.c.state, webhook_outbox.c.next_attempt_ts),
+    sa.Index("webhook_attempts_delivery_idx", webhook_attempts.c.delivery_id),
+)
