@@ -339,7 +339,12 @@ def export_command(
         typer.Option("--db", help="read the database directly (the service must not hold a DuckDB file)"),
     ] = None,
     ledger: Annotated[
-        str, typer.Option("--ledger", envvar="CHUNKLEDGER_URL", help="running ledger to export through")
+        str,
+        typer.Option(
+            "--ledger",
+            envvar=["CHUNKLEDGER_LEDGER_URL", "CHUNKLEDGER_URL"],
+            help="running ledger to export through",
+        ),
     ] = "http://127.0.0.1:8321",
     token: Annotated[
         str | None, typer.Option("--token", envvar="CHUNKLEDGER_READ_TOKEN", help="read token")

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NoReturn
 
 import duckdb
+import msgspec
 import sqlalchemy as sa
 import typer
 
@@ -210,15 +211,18 @@ def json_value(v: Any) -> Any:
 
 
 _PLAIN = {"integer", "boolean"}
+_TEXT = {"VARCHAR", "TEXT", "CHARACTER VARYING", "BPCHAR", "NAME", "CHAR"}
 
 
-def _converter(type_name: str) -> Callable[[Any], Any] | None:
-    """None where values are already JSON-safe (ints and booleans)."""
-    return None if type_name in _PLAIN else json_value
+def _converter(native: str, portable: str) -> Callable[[Any], Any] | None:
+    """None where values are already JSON-safe: ints, booleans, text (most ledger columns)."""
+    if portable in _PLAIN or re.sub(r"\(.*\)$", "", native.strip()).upper() in _TEXT:
+        return None
+    return json_value
 
 
-def _convert_rows(raw: list[Any], types: list[str]) -> list[list[Any]]:
-    convs = [_converter(t) for t in types]
+def _convert_rows(raw: list[Any], natives: list[str], types: list[str]) -> list[list[Any]]:
+    convs = [_converter(n, t) for n, t in zip(natives, types, strict=True)]
     if all(c is None for c in convs):
         return [list(r) for r in raw]
     return [[v if c is None else c(v) for v, c in zip(r, convs, strict=True)] for r in raw]
@@ -352,9 +356,10 @@ class DuckDBRunner(SqlRunner):
             finally:
                 timer.cancel()
             elapsed = time.perf_counter() - t0
-        types = [type_name(str(d[1])) for d in desc]
+        natives = [str(d[1]) for d in desc]
+        types = [type_name(n) for n in natives]
         truncated = len(raw) > max_rows
-        rows = _convert_rows(raw[:max_rows], types)
+        rows = _convert_rows(raw[:max_rows], natives, types)
         return SqlResult([d[0] for d in desc], types, rows, truncated, elapsed)
 
     def close(self) -> None:
@@ -460,9 +465,10 @@ class PostgresRunner(SqlRunner):
             except psycopg.Error as exc:
                 raise _pg_error(exc, timeout_s) from None
             elapsed = time.perf_counter() - t0
-        types = [type_name(d.type_display) for d in desc]
+        natives = [d.type_display for d in desc]
+        types = [type_name(n) for n in natives]
         truncated = len(raw) > max_rows
-        rows = _convert_rows(raw[:max_rows], types)
+        rows = _convert_rows(raw[:max_rows], natives, types)
         return SqlResult([d.name for d in desc], types, rows, truncated, elapsed)
 
     def close(self) -> None:
@@ -556,9 +562,12 @@ def reader_url(url: str, role: str, password: str | None = None) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
-def dumps(obj: Any) -> str:
+def dumps(obj: Any) -> bytes:
     """Compact JSON; values must already be JSON-safe (``json_value``)."""
-    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return _encode(obj)
+
+
+_encode = msgspec.json.Encoder().encode
 
 
 # -- output formats (API CSV and the ``chunkledger query`` console) -------------------------------
@@ -641,7 +650,12 @@ def query_command(
         Literal["table", "csv", "json"], typer.Option("--format", "-f", help="table, csv or json")
     ] = "table",
     ledger: Annotated[
-        str, typer.Option("--ledger", envvar="CHUNKLEDGER_URL", help="ledger base URL (env CHUNKLEDGER_URL)")
+        str,
+        typer.Option(
+            "--ledger",
+            envvar=["CHUNKLEDGER_LEDGER_URL", "CHUNKLEDGER_URL"],
+            help="ledger base URL (env CHUNKLEDGER_LEDGER_URL)",
+        ),
     ] = "http://127.0.0.1:8321",
     token: Annotated[
         str | None, typer.Option("--token", envvar="CHUNKLEDGER_READ_TOKEN", help="read token (env ...)")
