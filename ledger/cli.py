@@ -96,9 +96,10 @@ _register_gateway()
 
 
 def _register_advice() -> None:
-    from ledger.advice.commands import advise
+    from ledger.advice.commands import advise, profile
 
     app.command(name="advise")(advise)
+    app.command(name="profile")(profile)
 
 
 _register_advice()

@@ -142,3 +142,118 @@ def advise(
         typer.echo(render_advice(body) if status == 200 else render_refusal(body))
     if status != 200:
         raise typer.Exit(1)
+
+
+def _int_list(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        typer.echo(f"error: {option} must be comma-separated integers, got {text!r}", err=True)
+        raise typer.Exit(2) from None
+    return values
+
+
+def profile(
+    model: Annotated[str, typer.Argument(help="model directory or name vLLM can load (offline)")],
+    chunk_sizes: Annotated[
+        str, typer.Option(help="prefill chunk sizes to measure (tokens)")
+    ] = "256,512,1024,2048",
+    max_depth: Annotated[
+        int, typer.Option(help="deepest chunk start measured (tokens into the prompt)")
+    ] = 8192,
+    decode_batches: Annotated[
+        str, typer.Option(help="decode batch sizes running next to the chunks")
+    ] = "1,8,32",
+    repeats: Annotated[int, typer.Option(min=1, help="runs of the whole plan")] = 1,
+    itl_target_ms: Annotated[
+        float | None, typer.Option("--itl-target-ms", min=0.001, help="also advise for this ITL target")
+    ] = None,
+    tiny: Annotated[
+        bool, typer.Option(help="first build a tiny random-weight Llama in MODEL (a directory; no download)")
+    ] = False,
+    tiny_hidden: Annotated[int, typer.Option(help="--tiny: hidden size")] = 128,
+    tiny_layers: Annotated[int, typer.Option(help="--tiny: decoder layers")] = 2,
+    ledger: Annotated[
+        str | None,
+        typer.Option(
+            help="also send the steps to this ledger (as production does); default: in process only"
+        ),
+    ] = None,
+    source_id: Annotated[
+        str | None, typer.Option(help="source id at the ledger (default profile-<model>)")
+    ] = None,
+    ingest_token: Annotated[
+        str | None,
+        typer.Option(help="ingest token (env CHUNKLEDGER_INGEST_TOKEN)", envvar="CHUNKLEDGER_INGEST_TOKEN"),
+    ] = None,
+    kv_cache_mib: Annotated[
+        int, typer.Option(min=16, help="KV cache size for the profile engine (MiB)")
+    ] = 512,
+    format: Annotated[str, typer.Option("--format", help="table or json")] = "table",
+) -> None:
+    """Measure step time on vLLM with chunkledger's plugin: chunk sizes x depths x decode batches.
+
+    Prints the measured table (per chunk size: ms at depth 0 and per 1k tokens of depth; decode-only
+    steps per batch) and the fit `chunkledger advise` would make from it, before production traffic.
+    """
+    import logging
+    import os
+
+    from ledger.advice.profile import ProfileError, ProfilePlan, run_profile
+    from ledger.advice.report import render_profile
+
+    if format not in ("table", "json"):
+        typer.echo("error: --format must be table or json", err=True)
+        raise typer.Exit(2)
+    plan = ProfilePlan(
+        chunk_sizes=_int_list(chunk_sizes, "--chunk-sizes"),
+        max_depth=max_depth,
+        decode_batches=_int_list(decode_batches, "--decode-batches"),
+        repeats=repeats,
+    )
+    try:
+        plan.check()
+    except ProfileError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if tiny:
+        from engine_hooks.vllm.tiny_model import build_tiny_model, vllm_env
+
+        try:
+            model = build_tiny_model(
+                model, hidden=tiny_hidden, layers=tiny_layers, max_pos=max(plan.max_model_len, 128)
+            )
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        os.environ.update(vllm_env(os.path.join(model, ".vllm")))
+    # vLLM logs to stdout at INFO by default: keep stdout for the report (--format json is parsed).
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    def progress(phase: Any) -> None:
+        if format == "table":
+            typer.echo(
+                f"  chunk {phase.chunk:>5} next to {phase.decodes:>3} decodes: "
+                f"{phase.end_step - phase.first_step} steps in {phase.wall_s:.1f} s",
+                err=True,
+            )
+
+    try:
+        result = run_profile(
+            model,
+            plan,
+            ledger_url=ledger,
+            source_id=source_id,
+            ingest_token=ingest_token,
+            kv_cache_bytes=kv_cache_mib << 20,
+            progress=progress,
+        )
+    except ProfileError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    report = result.report(itl_target_ms)
+    typer.echo(json.dumps(report, indent=2) if format == "json" else render_profile(report))
+    if "fit_error" in report:
+        raise typer.Exit(1)

@@ -1,0 +1,149 @@
+"""``chunkledger profile``: the plan, the in-process recorder, and a tiny profile on real vLLM (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from engine_hooks import events as ev
+from ledger.advice.profile import ProfileError, ProfilePlan, StepRecorder, theil_sen
+from ledger.cli import app as cli_app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("plan", "words"),
+    [
+        (ProfilePlan(chunk_sizes=(64, 128)), "at least 3 different sizes"),
+        (ProfilePlan(chunk_sizes=(64, 128, 256), max_depth=300), "at least twice the largest chunk"),
+        (ProfilePlan(decode_batches=(4,)), "at least 2 different decode batches"),
+        (ProfilePlan(chunk_sizes=(0, 64, 128)), "sizes >= 1"),
+        (ProfilePlan(repeats=0), "must be >= 1"),
+    ],
+)
+def test_profile_plan_refuses_plans_the_fit_cannot_use(plan, words):
+    with pytest.raises(ProfileError, match=words):
+        plan.check()
+
+
+def test_profile_plan_sizes_the_engine_for_its_first_step_and_deepest_chunk():
+    plan = ProfilePlan(chunk_sizes=(256, 512, 2048), max_depth=8192, decode_batches=(1, 32))
+    assert plan.max_num_batched_tokens == 2048 + 32 * plan.decode_prompt_tokens
+    assert plan.max_model_len >= 8192 + 2048
+    # decoders outlast the chunked prefill (8192 + 256 tokens: 33 chunks of 256) plus the tail
+    assert plan.decode_tokens_for(256) == 33 + plan.tail_steps + 2
+
+
+def test_recorder_keeps_steps_forwards_everything_and_is_silent_while_paused():
+    class Forward:
+        def __init__(self):
+            self.sent = []
+
+        def emitter(self, kind, *fields):
+            return lambda *values: self.sent.append((kind, values))
+
+    fwd = Forward()
+    rec = StepRecorder(fwd)
+    step = rec.emitter(ev.Step, "ts", "step", "duration_s", "prefill_tokens", "max_prefill_depth")
+    queued = rec.emitter(ev.Queued, "ts", "request_id", "prompt_tokens")
+    rec.paused = True
+    step(1.0, 0, 0.01, 64, 0)
+    rec.paused = False
+    step(2.0, 1, 0.02, 64, 64)
+    step.many([(3.0, 2, 0.03, 64, 128)])
+    queued(2.5, "r1", 300)
+    assert [(s.step, s.seq, s.prefill_tokens, s.max_prefill_depth) for s in rec.steps] == [
+        (1, 1, 64, 64),
+        (2, 2, 64, 128),
+    ]
+    assert [k for k, _ in fwd.sent] == [ev.Step, ev.Step, ev.Queued]
+
+
+def test_theil_sen_line_ignores_a_few_stalled_steps():
+    x = np.arange(10, dtype=float)
+    y = 8.0 + 6.0 * x
+    y[[7, 9]] += 300.0  # two stalls
+    slope, base = theil_sen(x, y)
+    assert slope == pytest.approx(6.0) and base == pytest.approx(8.0)
+    assert np.polyfit(x, y, 1)[0] != pytest.approx(6.0, abs=1.0)  # least squares is pulled away
+
+
+@pytest.mark.vllm
+def test_profile_drives_vllm_through_the_plugin_and_sends_the_steps_to_a_ledger(ledger_server, tmp_path):
+    pytest.importorskip("vllm")
+    from engine_hooks.vllm.tiny_model import build_tiny_model, vllm_env
+
+    model = build_tiny_model(tmp_path / "tiny", hidden=128, layers=1, max_pos=1024)
+    saved = dict(os.environ)
+    os.environ.update(vllm_env(tmp_path / "vllm"))
+    try:
+        result = runner.invoke(
+            cli_app,
+            [
+                "profile",
+                model,
+                "--chunk-sizes",
+                "32,64,128",
+                "--max-depth",
+                "256",
+                "--decode-batches",
+                "1,3",
+                "--repeats",
+                "2",
+                "--kv-cache-mib",
+                "64",
+                "--ledger",
+                ledger_server.url,
+                "--source-id",
+                "profile-tiny",
+                "--itl-target-ms",
+                "1000",
+                "--format",
+                "json",
+            ],
+        )
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert result.exit_code in (0, 1), result.output
+    report = json.loads(result.stdout)
+    # Every planned (chunk, decode batch) cell was measured at every depth 0..256 in chunk steps.
+    cells = {(c["chunk_tokens"], c["decode_batch"]): c for c in report["chunks"]}
+    assert set(cells) == {(t, b) for t in (32, 64, 128) for b in (1, 3)}
+    for (chunk, _), c in cells.items():
+        assert c["max_depth"] == 256
+        assert c["steps"] >= 2 * (256 // chunk)  # two repeats, a chunk at every multiple of T
+    assert {d["decode_batch"] for d in report["decode"]} == {1, 3}
+    assert all(d["steps"] >= 2 * 8 for d in report["decode"])  # the decode-only tail of each run
+    # The fit ran on those steps (or said exactly why not), and the ledger got the same steps.
+    if "fit" in report:
+        assert report["fit"]["steps_used"] == report["steps"]
+        assert report["fit"]["covers"]["prefill_depth"][1] == 256
+    else:
+        assert report["fit_error"]["reason"]
+    assert report["ledger"]["source_id"] == "profile-tiny" and report["ledger"]["dropped"] == {}
+    sources = httpx.get(f"{ledger_server.url}/v1/sources").json()["sources"]
+    (src,) = [s for s in sources if s["source_id"] == "profile-tiny"]
+    assert src["model"] == "tiny" and src["events_total"] == report["ledger"]["sent"]
+    advised = runner.invoke(
+        cli_app,
+        [
+            "advise",
+            "--itl-target-ms",
+            "1000",
+            "--source",
+            "profile-tiny",
+            "--ledger",
+            ledger_server.url,
+            "--format",
+            "json",
+        ],
+    )
+    body = json.loads(advised.stdout)
+    assert body["window"]["steps_read"] == report["steps"]
