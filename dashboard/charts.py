@@ -94,7 +94,7 @@ def layers_stacked(df: pd.DataFrame) -> alt.Chart:
     """Mean of each layer, stacked: the stack's height is mean e2e (the layers add up exactly)."""
     return (
         alt.Chart(df)
-        .mark_bar(size=_bar_px(df))
+        .mark_bar(size=bar_px(df))
         .encode(
             x=TIME_AXIS,
             y=alt.Y("mean_ms:Q", title="mean time per request (ms), stacked", stack="zero"),
@@ -130,7 +130,7 @@ def layers_p99(df: pd.DataFrame) -> alt.Chart:
     )
 
 
-def _bar_px(df: pd.DataFrame, width_px: int = 420) -> float:
+def bar_px(df: pd.DataFrame, width_px: int = 420) -> float:
     """Bar width for time-bucketed bars: the buckets share the plot's width."""
     return max(2.0, min(40.0, 0.8 * width_px / max(1, df["time"].nunique())))
 
@@ -138,7 +138,7 @@ def _bar_px(df: pd.DataFrame, width_px: int = 420) -> float:
 def rate(df: pd.DataFrame, field: str, title: str, unit: str) -> alt.Chart:
     return (
         alt.Chart(df)
-        .mark_bar(size=_bar_px(df))
+        .mark_bar(size=bar_px(df))
         .encode(
             x=TIME_AXIS,
             y=alt.Y(f"{field}:Q", title=f"{title} ({unit})"),

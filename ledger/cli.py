@@ -135,6 +135,15 @@ def _register_sql() -> None:
 _register_sql()
 
 
+def _register_dashboard() -> None:
+    from dashboard.cli import dashboard  # imports streamlit only when the command runs
+
+    app.command(name="dashboard")(dashboard)
+
+
+_register_dashboard()
+
+
 def main() -> None:
     app(prog_name="chunkledger")
 

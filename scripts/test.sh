@@ -7,7 +7,15 @@ cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,dashboard]'
+
+# The dashboard's browser test drives headless Chromium (Debian's package) when it is missing.
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null && command -v apt-get >/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get install -y -q chromium >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q chromium >/dev/null; } \
+    || echo "warning: could not install chromium; the dashboard browser test will fail in CI" >&2
+fi
 
 if command -v pg_isready >/dev/null && ! pg_isready -h 127.0.0.1 -p 5432 -q; then
   if command -v pg_ctlcluster >/dev/null; then

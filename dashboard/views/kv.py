@@ -95,7 +95,9 @@ def preemptions(ctx: ui.Context) -> None:
                     x=charts.TIME_AXIS,
                     y=alt.Y("preemptions:Q", title=f"preemptions per {int(bucket_s)} s (count)"),
                 )
-                .properties(height=180, title="preemptions of finished requests, by end time")
+                .properties(
+                    height=180, title=f"preemptions of finished requests per {int(bucket_s)} s, by end time"
+                )
             )
         out = ctx.data.requests(since=ctx.since, sort="preemptions", order="desc", limit=20)
         df = pd.DataFrame(out["rows"])

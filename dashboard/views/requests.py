@@ -145,6 +145,7 @@ def body() -> None:
             on_select="rerun",
             selection_mode="single-row",
             key="req_table",
+            height=min(40 + 35 * len(df), 720),
             column_config={
                 "open": st.column_config.LinkColumn("open", display_text="open"),
                 **{

@@ -8,6 +8,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("streamlit", reason="the dashboard extra is not installed: pip install -e '.[dashboard]'")
+
 from streamlit.testing.v1 import AppTest
 
 from dashboard import data

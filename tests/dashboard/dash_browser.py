@@ -60,7 +60,7 @@ PAGE_STATE_JS = r"""
     return {coloured, marks, w: c.clientWidth, h: c.clientHeight};
   });
   return {
-    ready: !!document.querySelector('[data-testid="stApp"]') && !running,
+    ready: !!document.querySelector('[data-testid="stMain"] [data-testid="stElementContainer"]') && !running,
     title: (document.querySelector('h1') || {}).innerText || '',
     exceptions: q('[data-testid="stException"]').map(e => e.innerText.slice(0, 500)),
     errors: q('[data-testid="stAlertContentError"]').map(e => e.innerText.slice(0, 300)),
