@@ -196,6 +196,7 @@ class _LedgerHooks(_Base):
         self._cl_step = 0
         self._cl_marked = 0  # requests marked slow_pool or promote (reordering needed)
         self._cl_protected = 0  # requests marked non_preemptible
+        self._cl_slow_running = False  # a slow_pool request is in the running queue
         self._cl_current: Any = None  # the request being allocated (victim choice)
         self._cl_blocks = self._block_counter()
         if self.options.admission_reserve:
@@ -423,9 +424,10 @@ class _LedgerHooks(_Base):
         if self._cl_unmatched and self._cl_step % 256 == 0:
             self._cl_expire_unmatched(now)
         opts = self.options
-        if self._cl_marked:
+        guarded = bool(self._cl_protected or opts.preempt_escape_after)
+        if self._cl_marked or guarded:
             self._cl_reorder()
-        if self._cl_protected or opts.kv_idle_victim or opts.preempt_escape_after:
+        if guarded or opts.kv_idle_victim:
             running = self.running
             if type(running) is not _RunningList:
                 running = self.running = _RunningList(running)
@@ -434,7 +436,7 @@ class _LedgerHooks(_Base):
             self.running.chooser = None
         cap = self._cl_admission_cap(now) if opts.admission_reserve else None
         if self._cl_marked:
-            promoted = self._cl_promoted_waiting_tokens()
+            promoted = self._cl_yield_tokens()
             if promoted:
                 room = max(self.options.admission_min_chunk, self.max_num_scheduled_tokens - promoted)
                 cap = room if cap is None else min(cap, room)
@@ -505,26 +507,42 @@ class _LedgerHooks(_Base):
                 del self._cl_unmatched[ext]
 
     def _cl_reorder(self) -> None:
-        """promote: first in running and waiting; slow_pool: last, but first once it starved ``every``."""
+        """Order the queues for the commands and the escape valve before vLLM schedules.
+
+        Running: protected requests (non_preemptible, past the escape valve) first, so that a victim
+        can always be found after them; then promoted ones and slow_pool ones that starved for
+        ``slow_pool_every`` steps; then the rest; other slow_pool ones last. Waiting: promoted first,
+        slow_pool last (unless starved).
+        """
         states = self._cl_states
         every = self.options.slow_pool_every
-        running = self.running
-        first: list[Any] = []
-        normal: list[Any] = []
-        last: list[Any] = []
-        for req in running:
+        escape = self.options.preempt_escape_after
+        ranked: list[tuple[int, Any]] = []
+        moved = slow_running = False
+        for req in self.running:
             st = states.get(req.request_id)
-            if st is None or not (st.slow or st.promoted):
-                normal.append(req)
-            elif st.promoted or st.sat_out >= every:
-                first.append(req)
-            else:
-                last.append(req)
-        if first or last:
-            running[:] = first + normal + last
+            rank = 2
+            if st is not None:
+                if st.non_preemptible or (escape and req.num_preemptions >= escape):
+                    rank = 0
+                elif st.promoted or (st.slow and st.sat_out >= every):
+                    rank = 1
+                elif st.slow:
+                    rank = 3
+                slow_running = slow_running or st.slow
+            moved = moved or (bool(ranked) and rank < ranked[-1][0])
+            ranked.append((rank, req))
+        self._cl_slow_running = slow_running
+        if moved:
+            ranked.sort(key=lambda x: x[0])  # stable: FCFS order within a rank
+            self.running[:] = [req for _, req in ranked]
+        if not self._cl_marked:
+            return
         waiting = self.waiting
         if isinstance(waiting, deque) and len(waiting) > 1:
-            first, normal, last = [], [], []
+            first: list[Any] = []
+            normal: list[Any] = []
+            last: list[Any] = []
             for req in waiting:
                 st = states.get(req.request_id)
                 if st is None or not (st.slow or st.promoted):
@@ -578,15 +596,22 @@ class _LedgerHooks(_Base):
             self._cl_fail("choose_victim")
             return None
 
-    def _cl_promoted_waiting_tokens(self) -> int:
-        """Tokens the promoted requests at the head of the waiting queue need (0: none waits)."""
+    def _cl_yield_tokens(self) -> int:
+        """Budget the commands ask running prefills to leave to waiting requests this step.
+
+        The promoted requests at the head of the waiting queue, or, while a slow_pool request runs,
+        the first waiting request that is not slow_pool. 0: nothing to leave.
+        """
         states = self._cl_states
         need = 0
         for req in self.waiting:
             st = states.get(req.request_id)
-            if st is None or not st.promoted:
-                break
-            need += max(req.num_tokens - req.num_computed_tokens, 1)
+            if st is not None and st.promoted:
+                need += max(req.num_tokens - req.num_computed_tokens, 1)
+                continue
+            if self._cl_slow_running and not (st is not None and st.slow):
+                need += max(req.num_tokens - req.num_computed_tokens, 1)
+            break
         return need
 
     def _cl_admission_cap(self, now: float) -> int | None:
