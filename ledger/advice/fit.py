@@ -38,6 +38,7 @@ MIN_PREFILL_SIZES = 3  # distinct prefill token counts (the fit extrapolates bet
 MIN_DEPTHS = 3  # distinct chunk depths among prefill steps
 STEPS_PER_TERM = 10  # at least this many steps per fitted coefficient (candidates stop short of it)
 MIN_CV_GAIN = 0.02  # a candidate term must cut the cross-validated error by 2% (relative) to be kept
+MIN_CV_GAIN_ABS = 1e-4  # ... and by 0.01 percentage points (noise-free data: no rounding-error terms)
 CV_FOLDS = 5
 SELECTION_MAX_STEPS = 20_000  # term selection runs on a sample of at most this many steps
 HUBER_K = 2.0  # robust fit: steps beyond this many robust deviations are down-weighted
@@ -466,7 +467,7 @@ def fit_step_time(
             score = _cv_error(xc, ys, ws, folds, clip) if r == xc.shape[1] else float("inf")
             tried.append((score, cand, xc))
         score, cand, xc = min(tried, key=lambda s: s[0])
-        if not score <= best * (1 - MIN_CV_GAIN):
+        if not (score <= best * (1 - MIN_CV_GAIN) and best - score >= MIN_CV_GAIN_ABS):
             for s, c, xt in sorted(tried, key=lambda s: s[0]):
                 if np.isfinite(s):
                     selection.append(

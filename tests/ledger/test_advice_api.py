@@ -142,3 +142,39 @@ def test_cli_advise_explains_an_unreachable_ledger_and_bad_options():
     assert result.exit_code == 2 and "cannot reach the ledger" in result.output
     result = runner.invoke(cli_app, ["advise", "--itl-target-ms", "50", "--format", "xml"])
     assert result.exit_code == 2 and "--format must be table or json" in result.output
+
+
+def test_advice_recovers_the_fleet_simulators_step_cost_through_exporter_and_ledger(ledger_server, tmp_path):
+    """End to end: simulated engines (chunked long prompts, preemptions, mixed steps) report through
+    the real exporter to a real ledger; the fit must find the simulator's own cost model."""
+    from engine_hooks.simulator import SCENARIOS, run_simulation
+
+    summary = run_simulation(
+        engines=1,
+        rps=6.0,
+        duration_s=20.0,
+        scenario="long-prompts",
+        ledger_url=ledger_server.url,
+        spool_dir=str(tmp_path / "spool"),
+        pace=False,
+        overrides={"spool_fsync": False, "flush_interval_s": 0.01},
+    )
+    assert summary["exporter"]["dropped"] == {}
+    result = runner.invoke(
+        cli_app, ["advise", "--itl-target-ms", "50", "--ledger", ledger_server.url, "--format", "json"]
+    )
+    assert result.exit_code == 0, result.output
+    a = json.loads(result.stdout)
+    sc = SCENARIOS["long-prompts"]
+    got = {c["term"]: c["ms_per_unit"] / 1e3 for c in a["fit"]["coefficients"]}
+    assert set(got) == {"intercept", "prefill_tokens", "prefill_depth_tokens", "num_decode_reqs"}
+    assert got["intercept"] == pytest.approx(sc.step_a_s, rel=1e-6)
+    assert got["prefill_tokens"] == pytest.approx(sc.step_b_s, rel=1e-6)
+    assert got["prefill_depth_tokens"] == pytest.approx(sc.step_c_s, rel=1e-6)
+    assert got["num_decode_reqs"] == pytest.approx(sc.step_d_s, rel=1e-6)
+    # Noise-free steps: the advised chunk is exactly what the cost model allows at the p99 depth.
+    b99, depth = a["load"]["decode_batch_p99"], a["depth"]
+    budget_s = 0.050 - sc.step_a_s - sc.step_d_s * b99
+    want = int(budget_s / (sc.step_b_s + sc.step_c_s * depth))
+    assert want < a["fit"]["covers"]["prefill_tokens"][1]  # within the data: not capped
+    assert abs(a["prefill_tokens_per_step"] - want) <= 1
