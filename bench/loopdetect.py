@@ -66,22 +66,23 @@ def measure(s: LoopSettings, legit: list, loops: list) -> dict:
     }
 
 
-def per_token_cost(s: LoopSettings, samples: list, rounds: int = 3) -> tuple[float, float]:
+def per_token_cost(s: LoopSettings, samples: list, rounds: int = 5, group: int = 16) -> tuple[float, float]:
+    """Best-of-``rounds`` ns per token, fed ``group`` tokens per call as the live engine does (one call
+    per coalesced tokens event), next to a bare Python loop appending the same tokens."""
     tokens = [t for x in samples for t in x.tokens]
-    best = float("inf")
+    groups = [tokens[i : i + group] for i in range(0, len(tokens), group)]
+    best = bare = float("inf")
     for _ in range(rounds):
         d = LoopDetector(max_period=s.max_period, min_repeats=2 << 30, min_span_tokens=2 << 30)
         t0 = time.perf_counter()
-        push = d.push
-        for t in tokens:
-            push(t)
+        for g in groups:
+            d.extend(g)
         best = min(best, time.perf_counter() - t0)
-    bare = float("inf")
-    for _ in range(rounds):
-        acc = []
+        acc: list[int] = []
         t0 = time.perf_counter()
-        for t in tokens:
-            acc.append(t)
+        for g in groups:
+            for t in g:
+                acc.append(t)
         bare = min(bare, time.perf_counter() - t0)
     return best / len(tokens) * 1e9, bare / len(tokens) * 1e9
 
@@ -128,7 +129,10 @@ def main() -> None:
         print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)) + mark)
         if r["fp_ids"]:
             print(f"{'':>10} false positives: {', '.join(r['fp_ids'])}")
-    print(f"per-token cost: {ns:.0f} ns (a bare Python loop appending the same tokens: {bare:.0f} ns)")
+    print(
+        f"per-token cost: {ns:.0f} ns, fed 16 tokens per call (a bare Python loop appending the same "
+        f"tokens: {bare:.0f} ns)"
+    )
     if args.json:
         print(json.dumps({"results": results, "ns_per_token": ns, "bare_ns_per_token": bare}))
 

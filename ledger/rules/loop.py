@@ -13,8 +13,9 @@ from the last occurrence of the current bigram: in a loop of period ``p`` the bi
 occurred exactly ``p`` tokens ago. Each candidate keeps its own ``run`` and is checked with one
 comparison per token; it is dropped as soon as the equality fails. Natural text produces short-lived
 candidates (a bigram seen a few tokens ago), a loop produces one that never dies. Per token: one dict
-update, one dict lookup and at most ``MAX_CANDIDATES`` comparisons — constant work. Memory per request:
-a ring of ``max_period + 3`` tokens and a bigram map bounded by the same number of entries.
+update, one dict lookup and at most ``MAX_CANDIDATES`` comparisons — constant work (the bigram map is
+rebuilt from the ring when it outgrows ``4 * (max_period + 3)`` entries: amortised O(1)). Memory per
+request: a ring of ``max_period + 3`` tokens and that bounded bigram map.
 
 A candidate is found once its bigram repeats, so ``run`` starts at 2 (the bigram) and then counts exactly;
 the detector therefore fires on the very token that completes ``min_repeats`` periods (or the span),
@@ -43,6 +44,8 @@ class LoopDetector:
     __slots__ = (
         "_cands",
         "_last",
+        "_needs",
+        "_prev",
         "_ring",
         "_size",
         "hit",
@@ -62,61 +65,73 @@ class LoopDetector:
         self._ring = [0] * self._size  # the last max_period + 3 tokens; position j at j % size
         self._last: dict[tuple[int, int], int] = {}  # bigram ending at position j -> latest j
         self._cands: dict[int, int] = {}  # candidate period -> run of matches ending at the last token
+        # run needed to fire, per period: (min_repeats - 1) periods of matches and the span
+        self._needs = [0] + [
+            max((min_repeats - 1) * p, min_span_tokens - p) for p in range(1, max_period + 1)
+        ]
+        self._prev = 0  # the last token
         self.n = 0  # tokens seen
         self.hit: LoopHit | None = None
 
     def push(self, token: int) -> LoopHit | None:
         """Add one token; returns the hit on the token where a loop is first detected, else None."""
-        i = self.n
-        ring, size = self._ring, self._size
-        ring[i % size] = token
-        self.n = i + 1
-        if i == 0:
-            return None
-        cands = self._cands
-        if cands:
-            dead = None
-            for p, run in cands.items():
-                if ring[(i - p) % size] == token:
-                    cands[p] = run + 1
-                else:
-                    dead = [p] if dead is None else [*dead, p]
-            if dead:
-                for p in dead:
-                    del cands[p]
-        key = (ring[(i - 1) % size], token)
-        last = self._last
-        prev = last.get(key)
-        last[key] = i
-        old = i - self.max_period - 1  # bigrams ending here can no longer give a period <= max_period
-        if old >= 1:
-            old_key = (ring[(old - 1) % size], ring[old % size])
-            if last.get(old_key) == old:
-                del last[old_key]
-        if prev is not None:
-            d = i - prev
-            if d <= self.max_period and d not in cands:
-                if len(cands) >= MAX_CANDIDATES:
-                    del cands[min(cands, key=cands.__getitem__)]
-                cands[d] = 2  # t[i] == t[i-d] and t[i-1] == t[i-1-d]: the repeated bigram
-        if self.hit is None and cands:
-            for p, run in cands.items():
-                span = run + p
-                if run >= (self.min_repeats - 1) * p and span >= self.min_span_tokens:
-                    self.hit = LoopHit(at=i, period=p, repeats=span // p, span=span)
-                    return self.hit
-        return None
+        return self.extend((token,))
 
     def extend(self, tokens: Iterable[int]) -> LoopHit | None:
-        """Add tokens in order; the first hit among them (detection stops adding at the hit)."""
+        """Add tokens in order; the hit on the token where a loop is first detected, else None.
+
+        Once a loop is found the detector stops: later calls add nothing and return None.
+        """
         if self.hit is not None:
             return None
-        push = self.push
-        for t in tokens:
-            h = push(t)
-            if h is not None:
-                return h
+        ring, size, last, cands, needs = self._ring, self._size, self._last, self._cands, self._needs
+        max_period = self.max_period
+        i, prev_tok = self.n, self._prev
+        for token in tokens:
+            ring[i % size] = token
+            if i:
+                if cands:
+                    dead = None
+                    for p, run in cands.items():
+                        if ring[(i - p) % size] == token:
+                            run += 1
+                            cands[p] = run
+                            if run >= needs[p]:
+                                return self._fire(i, token, p, run)
+                        elif dead is None:
+                            dead = [p]
+                        else:
+                            dead.append(p)
+                    if dead:
+                        for p in dead:
+                            del cands[p]
+                key = (prev_tok, token)
+                prev = last.get(key)
+                last[key] = i
+                if prev is not None:
+                    d = i - prev
+                    if d <= max_period and d not in cands:
+                        if len(cands) >= MAX_CANDIDATES:
+                            del cands[min(cands, key=cands.__getitem__)]
+                        cands[d] = 2  # t[i] == t[i-d] and t[i-1] == t[i-1-d]: the repeated bigram
+                        if needs[d] <= 2:
+                            return self._fire(i, token, d, 2)
+                if len(last) > 4 * size:
+                    # Only bigrams of the last max_period + 1 positions can still give a period:
+                    # rebuild from the ring every ~3 * max_period tokens (amortised O(1) per token).
+                    last.clear()
+                    for j in range(max(1, i - max_period), i + 1):
+                        last[(ring[(j - 1) % size], ring[j % size])] = j
+            prev_tok = token
+            i += 1
+        self.n, self._prev = i, prev_tok
         return None
+
+    def _fire(self, i: int, token: int, p: int, run: int) -> LoopHit:
+        self.n, self._prev = i + 1, token
+        span = run + p
+        self.hit = LoopHit(at=i, period=p, repeats=span // p, span=span)
+        return self.hit
 
 
 def find_loop(
