@@ -171,6 +171,92 @@ def classify(sql: str, conn: Any | None = None, *, strict: bool = True) -> str:
     )
 
 
+# -- what SQL may read ----------------------------------------------------------------------------
+
+# Tables /v1/sql never reads: they hold credentials (webhook signing secrets and target URLs). On
+# PostgreSQL the reader role has no SELECT on them; on DuckDB (no roles) the query's syntax tree is
+# checked. Add any table that stores a secret here.
+HIDDEN_TABLES = frozenset({"webhook_subscriptions"})
+
+# DuckDB table functions SQL may call. Others are refused: ``query``/``query_table`` run SQL built
+# at run time (which no syntax tree shows), ``pragma_storage_info`` shows column min/max values,
+# ``checkpoint`` has effects, and the file readers are off anyway (external access).
+TABLE_FUNCTIONS = frozenset(
+    {
+        "range",
+        "generate_series",
+        "unnest",
+        "json_each",
+        "json_tree",
+        "pragma_table_info",
+        "pragma_show",
+        "pragma_database_size",
+        "pragma_version",
+        "pragma_platform",
+        "pragma_collations",
+        "pg_timezone_names",
+        "icu_calendar_names",
+        "duckdb_columns",
+        "duckdb_constraints",
+        "duckdb_databases",
+        "duckdb_dependencies",
+        "duckdb_functions",
+        "duckdb_indexes",
+        "duckdb_keywords",
+        "duckdb_schemas",
+        "duckdb_sequences",
+        "duckdb_settings",
+        "duckdb_tables",
+        "duckdb_types",
+        "duckdb_views",
+    }
+)
+
+
+def check_duckdb_access(conn: Any, sql: str) -> None:
+    """Refuse a SELECT whose syntax tree (DuckDB's ``json_serialize_sql``) reads a hidden table or
+    calls a table function outside ``TABLE_FUNCTIONS``. Fails closed: a tree DuckDB cannot give is
+    a refusal."""
+    tree = json.loads(conn.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
+    if tree.get("error"):
+        raise SqlError(
+            "permission_denied",
+            f"cannot tell which tables this query reads ({tree.get('error_message')}); "
+            "write it as a plain SELECT",
+        )
+    tables: set[str] = set()
+    functions: set[str] = set()
+    _walk(tree.get("statements"), tables, functions)
+    hidden = sorted(tables & HIDDEN_TABLES)
+    if hidden:
+        raise SqlError(
+            "permission_denied", f"{', '.join(hidden)} is not readable through /v1/sql (it holds credentials)"
+        )
+    banned = sorted(functions - TABLE_FUNCTIONS)
+    if banned:
+        raise SqlError(
+            "permission_denied",
+            f"table function {', '.join(banned)} is not allowed in /v1/sql (no files, network or "
+            "dynamic SQL; allowed: range, generate_series, unnest, json_each, json_tree, "
+            "pragma_table_info, duckdb_* catalog functions)",
+        )
+
+
+def _walk(node: Any, tables: set[str], functions: set[str]) -> None:
+    if isinstance(node, dict):
+        kind = node.get("type")
+        if kind == "BASE_TABLE":
+            tables.add(str(node.get("table_name", "")).lower())
+        elif kind == "TABLE_FUNCTION":
+            fn = node.get("function") or {}
+            functions.add(str(fn.get("function_name", "")).lower())
+        for v in node.values():
+            _walk(v, tables, functions)
+    elif isinstance(node, list):
+        for v in node:
+            _walk(v, tables, functions)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -343,7 +429,8 @@ class DuckDBRunner(SqlRunner):
     def run(self, sql: str, params: Params = None, *, max_rows: int, timeout_s: float) -> SqlResult:
         bound = _check_params(params)
         with self.read_transaction() as cur:
-            classify(sql, cur)
+            if classify(sql, cur) == "SELECT":
+                check_duckdb_access(cur, sql)
             timer = threading.Timer(timeout_s, cur.interrupt)
             t0 = time.perf_counter()
             timer.start()
@@ -430,6 +517,19 @@ class PostgresRunner(SqlRunner):
             "pg_has_role(current_user, 'pg_execute_server_program', 'USAGE') "
             "FROM pg_roles WHERE rolname = current_user"
         ).fetchone()
+        hidden = pg.execute(
+            "SELECT coalesce(array_agg(c.relname::text ORDER BY c.relname), '{}') FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' "
+            "AND c.relname = ANY(%s) AND has_table_privilege(current_user, c.oid, 'SELECT')",
+            (sorted(HIDDEN_TABLES),),
+        ).fetchone()[0]
+        if hidden and not (su or read or write or program):
+            raise SqlError(
+                "unavailable",
+                f"/v1/sql refused: role {role!r} can read {', '.join(hidden)} (credentials); run "
+                "`chunkledger sql-reader` again, or use a reader role without SELECT on it",
+                503,
+            )
         if su or read or write or program:
             what = "a superuser" if su else "allowed to read, write or run server files"
             where = (
@@ -523,6 +623,8 @@ def open_runner(store: Any, *, reader_url: str = "") -> SqlRunner:
     if dialect == "duckdb":
         return DuckDBRunner(store.reader_connection())
     if dialect == "postgresql":
+        if reader_url:
+            sync_reader_grants(store.engine, reader_url)
         url = reader_url or store.engine.url.render_as_string(hide_password=False)
         return PostgresRunner(url, configured=bool(reader_url))
     return UnavailableRunner(f"this ledger's store ({type(store).__name__}) keeps no tables to query")
@@ -554,6 +656,31 @@ def grant_reader_role(
         conn.exec_driver_sql(f"GRANT USAGE ON SCHEMA public TO {role}")
         conn.exec_driver_sql(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
         conn.exec_driver_sql(f"ALTER DEFAULT PRIVILEGES IN SCHEMA public GRANT SELECT ON TABLES TO {role}")
+        _revoke_hidden(conn, role)
+
+
+def _revoke_hidden(conn: Any, role: str) -> None:
+    for table in sorted(HIDDEN_TABLES):
+        if conn.exec_driver_sql("SELECT to_regclass(%s)", (f"public.{table}",)).scalar_one() is not None:
+            conn.exec_driver_sql(f"REVOKE ALL ON public.{table} FROM {role}")
+
+
+def sync_reader_grants(engine: sa.Engine, reader: str) -> None:
+    """At service start (PostgreSQL, reader configured): SELECT on every ledger table and view for the
+    reader role, none on ``HIDDEN_TABLES``; so tables and views a migration (re)created are readable.
+    Best effort: a role that may not grant only logs why."""
+    role = sa.engine.make_url(reader).username or ""
+    if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", role):
+        log.warning("sql reader role %r is not a plain name; grants not synced", role)
+        return
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+            _revoke_hidden(conn, role)
+    except sa.exc.SQLAlchemyError as exc:
+        log.warning(
+            "could not sync the SQL reader's grants: %s", _first_line(getattr(exc, "orig", None) or exc)
+        )
 
 
 def reader_url(url: str, role: str, password: str | None = None) -> str:

@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import duckdb
 import httpx
 import pytest
 import sqlalchemy as sa
@@ -284,10 +285,9 @@ def test_writes_hidden_inside_a_read_statement_are_refused_by_the_database(ro, q
 
 FILE_READS = {
     "duckdb": [
-        ("SELECT * FROM read_csv('/etc/passwd')", "external_access"),
-        ("SELECT * FROM read_text('/etc/hostname')", "external_access"),
-        ("SELECT * FROM glob('/etc/*')", "external_access"),
-        ("SELECT * FROM read_parquet('https://example.com/x.parquet')", "external_access"),
+        ("SELECT * FROM read_csv('/etc/passwd')", "permission_denied"),  # table function not allowed
+        ("SELECT * FROM read_parquet('https://example.com/x.parquet')", "permission_denied"),
+        ("SELECT * FROM 'https://example.com/x.parquet'", "external_access"),  # refused by DuckDB itself
         ("SELECT * FROM '/etc/passwd'", "query_error"),  # no replacement scan of paths: an unknown table
     ],
     "postgresql": [
@@ -299,7 +299,7 @@ FILE_READS = {
 }
 
 
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(4))
 def test_reading_files_or_urls_is_refused_by_the_database(ro, index):
     cases = FILE_READS[_dialect(ro.db_url)]
     if index >= len(cases):
@@ -309,6 +309,84 @@ def test_reading_files_or_urls_is_refused_by_the_database(ro, index):
     assert r.status_code == 400, r.text
     assert r.json()["reason"] == reason
     assert "root:" not in r.text
+
+
+CREDENTIALS = {
+    "duckdb": [
+        ("SELECT secret FROM webhook_subscriptions", "webhook_subscriptions is not readable"),
+        ("SELECT * FROM main.webhook_subscriptions WHERE id = $x", "webhook_subscriptions is not readable"),
+        ("SUMMARIZE webhook_subscriptions", "webhook_subscriptions is not readable"),
+        ("SELECT * FROM query_table('webhook_subscriptions')", "table function query_table is not allowed"),
+        ("SELECT * FROM query('SELECT * FROM webhook_' || 'subscriptions')", "table function query is not"),
+        ("SELECT * FROM pragma_storage_info('webhook_subscriptions')", "pragma_storage_info is not allowed"),
+    ],
+    "postgresql": [
+        ("SELECT secret FROM webhook_subscriptions", "permission denied for table webhook_subscriptions"),
+        ("SELECT * FROM public.webhook_subscriptions WHERE id = $x", "permission denied for table"),
+        (
+            "SELECT query_to_xml('SELECT * FROM webhook_' || 'subscriptions', true, false, '')",
+            "permission denied",
+        ),
+    ],
+}
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_tables_holding_credentials_are_not_readable(ro, index):
+    cases = CREDENTIALS[_dialect(ro.db_url)]
+    if index >= len(cases):
+        pytest.skip("fewer cases on this backend")
+    query, detail = cases[index]
+    r = _sql(ro, query, params={"x": "w1"} if "$x" in query else None)
+    assert r.status_code == 400, r.text
+    assert r.json()["reason"] == "permission_denied"
+    assert detail in r.json()["detail"]
+
+
+def test_everyday_duckdb_sql_passes_the_syntax_tree_check(ro):
+    if _dialect(ro.db_url) != "duckdb":
+        pytest.skip("DuckDB syntax")
+    for query in [
+        "SELECT kind, count(*) FILTER (WHERE seq > 1), quantile_cont(ts, [0.5, 0.99]) FROM events "
+        "GROUP BY ALL",
+        "SELECT r.request_id FROM requests r JOIN steps s ON list_contains(s.request_ids, r.request_id) "
+        "QUALIFY row_number() OVER (PARTITION BY r.request_id ORDER BY s.ts) = 1",
+        "SELECT [x FOR x IN [1, 2, 3] IF x > 1] AS l, {'a': 1}.a AS a",
+        "SELECT * FROM range(3)",
+        "SELECT unnest(request_ids) FROM steps",
+        "SELECT table_name FROM duckdb_tables() ORDER BY 1",
+        "SELECT * FROM information_schema.columns WHERE table_name = 'requests'",
+        "DESCRIBE requests",
+        "SHOW TABLES",
+    ]:
+        r = _sql(ro, query)
+        assert r.status_code == 200, (query, r.text)
+
+
+def test_duckdb_sql_connections_cannot_touch_files_even_past_the_syntax_check(tmp_path):
+    from ledger.store import open_store
+
+    store = open_store(f"duckdb:///{tmp_path / 'l.duckdb'}")
+    runner = sql.open_runner(store)
+    try:
+        with runner.read_transaction() as cur:  # type: ignore[attr-defined]
+            for query in ("SELECT * FROM read_csv('/etc/passwd')", "SELECT * FROM glob('/etc/*')"):
+                with pytest.raises(duckdb.PermissionException):
+                    cur.execute(query)
+        with (
+            runner.read_transaction() as cur,  # type: ignore[attr-defined]
+            pytest.raises(duckdb.TransactionException, match="read-only"),
+        ):
+            cur.execute("DELETE FROM events")
+        with runner.read_transaction() as cur:  # type: ignore[attr-defined]
+            assert cur.execute("SELECT current_setting('enable_external_access')").fetchone() == (False,)
+            with pytest.raises(duckdb.Error):
+                cur.execute("SET enable_external_access = true")
+        _gw, en = lifecycle("r1")
+        assert store.write([ev.Batch(source=ENGINE, events=numbered(en))])[0].accepted == len(en)
+    finally:
+        runner.close()
+        store.close()
 
 
 def test_a_select_cannot_switch_the_transaction_or_external_access_back_on(ro):
@@ -365,6 +443,27 @@ def test_postgres_refuses_sql_as_a_role_that_can_read_server_files(pg_database):
     assert r.status_code == 503
     assert r.json()["reason"] == "unavailable"
     assert "is a superuser" in r.json()["detail"] and "CHUNKLEDGER_SQL_READER_URL" in r.json()["detail"]
+
+
+def test_reader_grants_are_synced_at_start_and_a_reader_that_can_read_secrets_is_refused(
+    pg_database, request
+):
+    settings = sql_settings(pg_database, request)
+    role = sa.engine.make_url(settings.sql_reader_url).username
+    owner = sa.create_engine(pg_database)
+    with owner.begin() as conn:
+        conn.exec_driver_sql(f"GRANT SELECT ON webhook_subscriptions TO {role}")
+    with TestClient(create_app(settings)) as c:  # the service revokes it at start
+        assert _sql(c, "SELECT count(*) FROM events").status_code == 200
+        with owner.begin() as conn:
+            conn.exec_driver_sql(f"GRANT SELECT ON webhook_subscriptions TO {role}")
+        r = _sql(c, "SELECT count(*) FROM events")
+        assert r.status_code == 503
+        assert "can read webhook_subscriptions" in r.json()["detail"]
+        with owner.begin() as conn:
+            conn.exec_driver_sql(f"REVOKE ALL ON webhook_subscriptions FROM {role}")
+        assert _sql(c, "SELECT count(*) FROM events").status_code == 200
+    owner.dispose()
 
 
 def test_sql_reader_command_makes_a_role_that_can_select_but_not_write(pg_database, reader_role):
