@@ -45,6 +45,14 @@ def serve(
     except UnsafeConfig as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    if settings.policy_file:
+        from ledger.rules.policy import PolicyError, load_policy_file
+
+        try:
+            load_policy_file(settings.policy_file)
+        except PolicyError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

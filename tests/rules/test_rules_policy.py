@@ -73,3 +73,36 @@ def test_bad_policy_is_rejected_naming_the_field(text, names):
 def test_missing_policy_file_names_the_path(tmp_path):
     with pytest.raises(PolicyError, match=r"nope\.toml"):
         load_policy_file(tmp_path / "nope.toml")
+
+
+def test_serve_refuses_a_bad_policy_file_naming_the_field(tmp_path):
+    import subprocess
+    import sys
+
+    pol = tmp_path / "policy.toml"
+    pol.write_text("[rules.loop]\nmin_span_tokens = 1\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ledger.cli", "serve", "--db", f"duckdb:///{tmp_path}/x.duckdb"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "CHUNKLEDGER_POLICY_FILE": str(pol)},
+    )
+    assert proc.returncode == 2
+    assert "rules.loop.min_span_tokens" in proc.stderr and "policy.toml" in proc.stderr
+
+
+def test_policy_check_prints_the_effective_policy(tmp_path):
+    import subprocess
+    import sys
+
+    pol = tmp_path / "p.toml"
+    pol.write_text('[models."m".rules]\nmax_output_tokens = 9\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "ledger.cli", "policy-check", str(pol)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["models"]["m"]["rules"] == {"max_output_tokens": 9}
