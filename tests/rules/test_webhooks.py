@@ -296,3 +296,62 @@ def test_pending_deliveries_go_out_after_a_ledger_restart(db_url, tmp_path):
             assert d["log"][0]["status_code"] is None and d["log"][-1]["status_code"] == 200
     finally:
         server.stop()
+
+
+def test_deleting_a_subscription_dead_letters_its_pending_deliveries(db_url):
+    store, wh, _ = _webhooks(db_url)
+    sub = wh.create(url=f"http://127.0.0.1:{free_port()}/x", secret=SECRET, event_types=["cutoff"])
+    wh.emit("cutoff", {"request_id": "r"})
+    assert wh.delete(sub["id"]) and not wh.delete(sub["id"])
+    (d,) = wh.deliveries()
+    assert d["state"] == "dead" and d["last_error"] == "subscription deleted"
+    assert wh.emit("cutoff", {"request_id": "r2"}) == 0
+    store.close()
+
+
+def test_service_raises_starvation_and_slo_breach_alerts_from_live_traffic(db_url):
+    s = Settings(db_url=db_url)
+    app = create_app(s)
+    src = ev.Source(id="e0", kind="engine", model="m")
+    with TestClient(app) as c:
+        c.put(
+            "/v1/policy",
+            json={
+                "alerts": {
+                    "starvation_wait_s": 5,
+                    "slo": {"ttft_p99_s": 0.1},
+                    "slo_min_samples": 3,
+                    "slo_check_interval_s": 1,
+                }
+            },
+        ).raise_for_status()
+        c.post(
+            "/v1/webhooks",
+            json={
+                "url": f"http://127.0.0.1:{free_port()}/h",
+                "secret": SECRET,
+                "event_types": ["starvation", "slo_breach"],
+            },
+        ).raise_for_status()
+        t = time.time() - 20
+        evs = [ev.Queued(seq=1, ts=t, request_id="stuck", prompt_tokens=10)]
+        seq = 2
+        for i in range(3):  # three finished requests with a 1 s TTFT
+            rid = f"slow{i}"
+            evs += [
+                ev.Queued(seq=seq, ts=t, request_id=rid, prompt_tokens=10),
+                ev.Chunk(seq=seq + 1, ts=t + 0.5, request_id=rid, step=i, tokens=10, computed_before=0),
+                ev.Tokens(seq=seq + 2, ts=t + 1.0, request_id=rid, count=2, total=2),
+                ev.Finished(seq=seq + 3, ts=t + 1.0, request_id=rid, reason="stop", output_tokens=2),
+            ]
+            seq += 4
+        c.post("/v1/events", content=ev.encode_batch(src, evs)).raise_for_status()
+        app.state.runaway.tick(time.time() + 5)
+        deliveries = c.get("/v1/webhooks/deliveries").json()["deliveries"]
+        metrics = c.get("/metrics").text
+    by_type = {d["event_type"]: d["body"]["data"] for d in deliveries}
+    assert by_type["starvation"]["request_id"] == "stuck" and by_type["starvation"]["waited_s"] > 5
+    slo = by_type["slo_breach"]
+    assert (slo["model"], slo["metric"], slo["state"], slo["samples"]) == ("m", "ttft", "firing", 3)
+    assert abs(slo["p99_s"] - 1.0) < 1e-6
+    assert 'chunkledger_alerts_total{event_type="slo_breach"} 1.0' in metrics
