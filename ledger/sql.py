@@ -242,6 +242,25 @@ def check_duckdb_access(conn: Any, sql: str) -> None:
         )
 
 
+def explained_statement(sql: str) -> str:
+    """The statement after ``EXPLAIN [ANALYZE] [(options)]``, found with DuckDB's tokenizer."""
+    tokens = duckdb.tokenize(sql)
+    i = 1
+    if i < len(tokens) and sql[tokens[i][0] :].upper().startswith(("ANALYZE", "ANALYSE")):
+        i += 1
+    if i < len(tokens) and sql[tokens[i][0]] == "(":
+        depth = 0
+        while i < len(tokens):
+            ch = sql[tokens[i][0]]
+            depth += (ch == "(") - (ch == ")")
+            i += 1
+            if depth == 0:
+                break
+    if i >= len(tokens):
+        raise SqlError("syntax", "EXPLAIN needs a statement to explain")
+    return sql[tokens[i][0] :]
+
+
 def _walk(node: Any, tables: set[str], functions: set[str]) -> None:
     if isinstance(node, dict):
         kind = node.get("type")
@@ -429,8 +448,10 @@ class DuckDBRunner(SqlRunner):
     def run(self, sql: str, params: Params = None, *, max_rows: int, timeout_s: float) -> SqlResult:
         bound = _check_params(params)
         with self.read_transaction() as cur:
-            if classify(sql, cur) == "SELECT":
-                check_duckdb_access(cur, sql)
+            inner = sql if classify(sql, cur) == "SELECT" else explained_statement(sql)
+            if inner != sql and classify(inner, cur) != "SELECT":  # refuses DML and DDL by name
+                raise SqlError("not_read_only", "EXPLAIN explains only a SELECT here")
+            check_duckdb_access(cur, inner)
             timer = threading.Timer(timeout_s, cur.interrupt)
             t0 = time.perf_counter()
             timer.start()

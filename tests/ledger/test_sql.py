@@ -268,19 +268,22 @@ def test_writes_files_settings_and_multiple_statements_are_refused_with_a_400(ro
     assert _count(ro, "events") == before
 
 
-@pytest.mark.parametrize(
-    "query",
-    [
-        "WITH d AS (DELETE FROM events RETURNING *) SELECT count(*) FROM d",
-        "EXPLAIN ANALYZE DELETE FROM events",
-    ],
-)
-def test_writes_hidden_inside_a_read_statement_are_refused_by_the_database(ro, query):
+def test_a_write_hidden_inside_a_select_is_refused_by_the_database(ro):
     before = _count(ro, "events")
-    r = _sql(ro, query)
+    r = _sql(ro, "WITH d AS (DELETE FROM events RETURNING *) SELECT count(*) FROM d")
     assert r.status_code == 400 and r.json()["reason"] == "not_read_only", r.text
     assert "read-only transaction" in r.json()["detail"]
     assert _count(ro, "events") == before
+
+
+@pytest.mark.parametrize(
+    "query", ["EXPLAIN ANALYZE DELETE FROM events", "EXPLAIN (FORMAT json) DROP TABLE steps"]
+)
+def test_explain_of_a_write_is_refused(ro, query):
+    before = _count(ro, "events")
+    r = _sql(ro, query)
+    assert r.status_code == 400 and r.json()["reason"] in ("not_read_only", "syntax"), r.text
+    assert _count(ro, "events") == before and _count(ro, "steps") >= 0
 
 
 FILE_READS = {
@@ -416,6 +419,18 @@ def test_explain_is_allowed(ro):
     r = _sql(ro, "EXPLAIN SELECT * FROM events WHERE seq > 3")
     assert r.status_code == 200, r.text
     assert r.json()["rows"]
+    assert _sql(ro, "EXPLAIN ANALYZE SELECT count(*) FROM steps").status_code == 200
+
+
+def test_explain_cannot_reach_hidden_tables_or_banned_functions_on_duckdb(ro):
+    if _dialect(ro.db_url) != "duckdb":
+        pytest.skip("PostgreSQL's grants cover EXPLAIN")
+    for query in (
+        "EXPLAIN ANALYZE SELECT * FROM webhook_subscriptions",
+        "EXPLAIN SELECT * FROM checkpoint()",
+    ):
+        r = _sql(ro, query)
+        assert r.status_code == 400 and r.json()["reason"] == "permission_denied", r.text
 
 
 def test_sql_needs_the_read_token(ro):
