@@ -5,10 +5,12 @@ steps it decodes in. Given a target:
 
 1. decode time at current load: the predicted decode-only step at the observed p50 and p99 decode
    batch (``num_decode_reqs`` over the window);
-2. prefill budget per step = target - decode time at the p99 batch;
+2. prefill budget per step = target - decode time at the p99 batch - the gap between steps;
 3. the largest prefill chunk T whose predicted step (fit at T tokens, depth D, p99 batch) plus the
-   residual p99 (the margin) stays within the target, where D is the deepest chunk start seen at p99
-   (``max_prefill_depth`` over prefill steps) unless the caller names a depth. Every prefill token of
+   residual p99 (the margin) plus the median gap between steps (``interval_s - duration_s`` of
+   steps with decodes: host work a decode also waits for) stays within the target, where D is the
+   deepest chunk start seen at p99 (``max_prefill_depth`` over prefill steps) unless the caller
+   names a depth. Every prefill token of
    a step is costed at depth D, so the bound holds for any mix of chunks no deeper than D;
 4. as vLLM settings: ``max_num_batched_tokens`` = T + p99 decode batch (decodes share the budget);
    ``long_prefill_token_threshold`` = (1 - arrival_share)·T, so that a long prompt being chunked
@@ -63,13 +65,21 @@ class Load:
     decode_only_step_p50_s: float | None  # observed decode-only steps, for comparison with the fit
     decode_only_step_p99_s: float | None
     step_p99_s: float  # observed p99 of every step: today's ITL p99 bound
+    gap_p50_s: float  # between consecutive steps with decodes: end-to-end interval minus duration
+    gap_p99_s: float  # (host work outside schedule()..update_from_output(): a decode waits for it too)
+    gap_steps: int  # steps the gap was measured on (0: no interval data; the gap counts as 0)
 
     @classmethod
     def of(cls, data: StepData) -> Load:
         pre = data.is_prefill
         dec_only = ~pre & (data.num_decode_reqs > 0)
         depth = data.max_prefill_depth[pre]
+        gap = data.interval_s - data.duration_s
+        gap = gap[(data.num_decode_reqs > 0) & np.isfinite(gap) & (gap >= 0)]
         return cls(
+            gap_p50_s=float(np.quantile(gap, 0.5)) if len(gap) else 0.0,
+            gap_p99_s=float(np.quantile(gap, 0.99)) if len(gap) else 0.0,
+            gap_steps=len(gap),
             decode_batch_p50=math.ceil(np.quantile(data.num_decode_reqs, 0.5)),
             decode_batch_p99=math.ceil(np.quantile(data.num_decode_reqs, 0.99)),
             prefill_depth_p50=int(np.quantile(depth, 0.5)) if len(depth) else 0,
@@ -196,9 +206,11 @@ class Advisor:
         b50, b99 = load.decode_batch_p50, load.decode_batch_p99
         decode50, decode99 = self.decode_s(b50), self.decode_s(b99)
         margin_s, margin_from = self.margin(target_s)
-        budget_s = target_s - decode99
+        gap_s = load.gap_p50_s
+        budget_s = target_s - decode99 - gap_s
+        allowance_s = margin_s + gap_s  # added to every predicted step: residual p99 and the gap
         depths = sorted({0, load.prefill_depth_p50, load.prefill_depth_p99, d_hi, depth})
-        by_depth = {d: self.at_depth(d, target_s, margin_s, b99) for d in depths}
+        by_depth = {d: self.at_depth(d, target_s, allowance_s, b99) for d in depths}
         main = by_depth[depth]
         base: dict[str, Any] = {
             "itl_target_ms": itl_target_ms,
@@ -216,6 +228,11 @@ class Advisor:
             "decode_ms": {"at_p50_batch": decode50 * 1e3, "at_p99_batch": decode99 * 1e3},
             "prefill_budget_ms": budget_s * 1e3,
             "margin_ms": margin_s * 1e3,
+            "between_steps_ms": {
+                "p50": load.gap_p50_s * 1e3,
+                "p99": load.gap_p99_s * 1e3,
+                "steps": load.gap_steps,
+            },
             "margin_from": margin_from,
             "depth": depth,
             "by_depth": [by_depth[d].as_dict() for d in depths],
@@ -225,7 +242,8 @@ class Advisor:
             raise AdviceError(
                 "target_unreachable",
                 f"a {itl_target_ms:g} ms ITL target is at or below decode time at the p99 batch "
-                f"({decode99 * 1e3:.1f} ms for {b99} decodes) plus the margin ({margin_s * 1e3:.1f} ms): "
+                f"({decode99 * 1e3:.1f} ms for {b99} decodes), the gap between steps ({gap_s * 1e3:.1f} ms) "
+                f"and the margin ({margin_s * 1e3:.1f} ms): "
                 f"no prefill fits; lower max_num_seqs or raise the target",
                 advice=base,
             )
@@ -244,8 +262,8 @@ class Advisor:
             "long_prefill_token_threshold": _floor_to((1 - arrival_share) * chunk, SETTING_MULTIPLE),
         }
         prefill_share = settings["max_num_batched_tokens"] - b99
-        worst = float(self.predict_s(prefill_share, depth, b99)) + margin_s
-        shallow = float(self.predict_s(prefill_share, 0, b99)) + margin_s
+        worst = float(self.predict_s(prefill_share, depth, b99)) + allowance_s
+        shallow = float(self.predict_s(prefill_share, 0, b99)) + allowance_s
         notes = []
         if main.status == "capped":
             notes.append(

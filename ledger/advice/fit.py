@@ -26,7 +26,7 @@ that tokens·depth (~10^8) and kv_usage (~1) do not ruin the conditioning.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +53,9 @@ COLUMNS = (
     "num_prefill_reqs",
     "num_decode_reqs",
     "kv_usage",
+    "interval_s",
 )
+OPTIONAL = {"interval_s"}  # NaN when unknown (steps not read from the ledger)
 
 
 class FitError(ValueError):
@@ -76,18 +78,38 @@ class StepData:
     num_prefill_reqs: np.ndarray
     num_decode_reqs: np.ndarray
     kv_usage: np.ndarray
+    interval_s: np.ndarray  # end of the engine's previous step to the end of this one (ingest); NaN unknown
 
     @classmethod
     def from_columns(cls, cols: dict[str, Any]) -> StepData:
-        arrays = {c: np.asarray(cols[c], dtype=np.float64) for c in COLUMNS}
+        n_rows = len(cols["duration_s"])
+        arrays = {
+            c: np.asarray(cols[c], dtype=np.float64)
+            if c in cols or c not in OPTIONAL
+            else np.full(n_rows, np.nan)
+            for c in COLUMNS
+        }
         n = {len(a) for a in arrays.values()}
         if len(n) > 1:
             raise ValueError(f"columns of different lengths: {sorted(n)}")
         return cls(**arrays)
 
     @classmethod
+    def from_steps(cls, steps: Sequence[Any]) -> StepData:
+        """From ``step`` events of one source in order, with ``interval_s`` as the ledger computes it
+        at ingest (end of the previous step to the end of this one, consecutive steps only)."""
+        cols: dict[str, Any] = {c: [getattr(s, c) for s in steps] for c in COLUMNS if c not in OPTIONAL}
+        interval, prev = [], None
+        for s in steps:
+            end = s.ts + s.duration_s
+            interval.append(end - prev[1] if prev is not None and prev[0] == s.step - 1 else np.nan)
+            prev = (s.step, end)
+        cols["interval_s"] = interval
+        return cls.from_columns(cols)
+
+    @classmethod
     def from_rows(cls, rows: list[tuple[Any, ...]] | list[Any]) -> StepData:
-        """Rows in ``COLUMNS`` order (e.g. a database cursor's tuples)."""
+        """Rows in ``COLUMNS`` order (e.g. a database cursor's tuples; NULL becomes NaN)."""
         if not rows:
             return cls.from_columns({c: [] for c in COLUMNS})
         arr = np.asarray(rows, dtype=np.float64).reshape(len(rows), len(COLUMNS))

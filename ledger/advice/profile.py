@@ -35,7 +35,7 @@ import numpy as np
 
 from engine_hooks import events as ev
 from ledger.advice.advisor import Advisor
-from ledger.advice.fit import COLUMNS, FitError, StepData, fit_step_time
+from ledger.advice.fit import FitError, StepData, fit_step_time
 
 
 class ProfileError(RuntimeError):
@@ -142,7 +142,7 @@ class ProfileResult:
     sent: dict[str, Any] = field(default_factory=dict)
 
     def data(self) -> StepData:
-        return StepData.from_columns({c: [getattr(s, c) for s in self.steps] for c in COLUMNS})
+        return StepData.from_steps(self.steps)
 
     def chunk_table(self) -> list[dict[str, Any]]:
         """Per (chunk, decode batch): step time at depth 0 and per 1k depth, from the long prompt's

@@ -85,6 +85,8 @@ def _load(a: dict[str, Any]) -> list[str]:
     load, dec = a["load"], a["decode_ms"]
     seen = load.get("observed_decode_only_step_ms")
     seen_txt = f"; decode-only steps seen: p50 {_ms(seen['p50'])}, p99 {_ms(seen['p99'])}" if seen else ""
+    gap = a.get("between_steps_ms") or {}
+    gap_txt = f" - gap between steps {_ms(gap['p50'])}" if gap.get("steps") and gap["p50"] >= 0.05 else ""
     return [
         f"load:     decode batch p50 {load['decode_batch_p50']}, p99 {load['decode_batch_p99']}; "
         f"prefill depth p50 {load['prefill_depth_p50']}, p99 {load['prefill_depth_p99']}; "
@@ -92,7 +94,7 @@ def _load(a: dict[str, Any]) -> list[str]:
         f"decode:   {_ms(dec['at_p50_batch'])} at batch {load['decode_batch_p50']}, "
         f"{_ms(dec['at_p99_batch'])} at batch {load['decode_batch_p99']}{seen_txt}",
         f"budget:   {_ms(a['prefill_budget_ms'])} of prefill per step (target {a['itl_target_ms']:g} ms - "
-        f"decode {_ms(dec['at_p99_batch'])}); margin {_ms(a['margin_ms'])} ({a['margin_from']})",
+        f"decode {_ms(dec['at_p99_batch'])}{gap_txt}); margin {_ms(a['margin_ms'])} ({a['margin_from']})",
     ]
 
 

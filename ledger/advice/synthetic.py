@@ -103,10 +103,12 @@ def synthetic_steps(
     t0: float = 1_700_000_000.0,
     first_seq: int = 1,
     kv_usage: float = 0.3,
+    gap_s: float = 0.0,
 ) -> list[ev.Step]:
     """``n`` step events: a ``prefill_share`` of them run one chunk (a size from ``chunk_sizes`` at a
     depth that is a multiple of it, up to ``max_depth``) next to a decode batch from ``decode_batches``;
-    the rest are decode-only. Durations are ``cost`` * log-normal noise, and a rare stall doubles one."""
+    the rest are decode-only. Durations are ``cost`` * log-normal noise, and a rare stall doubles one.
+    Steps run back to back, ``gap_s`` apart."""
     rng = random.Random(seed)
     out: list[ev.Step] = []
     ts = t0
@@ -120,7 +122,6 @@ def synthetic_steps(
         duration = cost.cost_s(tokens, depth, decodes) * rng.lognormvariate(0.0, noise_sigma)
         if rng.random() < stall_p:
             duration *= 2.0
-        ts += duration
         out.append(
             ev.Step(
                 seq=first_seq + i,
@@ -139,4 +140,5 @@ def synthetic_steps(
                 max_prefill_depth=depth,
             )
         )
+        ts += duration + gap_s  # the next step starts gap_s after this one ends (host work between)
     return out

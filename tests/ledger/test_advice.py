@@ -12,7 +12,7 @@ import pytest
 
 from engine_hooks import events as ev
 from ledger.advice import AdviceError, Advisor, FitError, chunk_size_advice, fit_step_time
-from ledger.advice.fit import COLUMNS, StepData
+from ledger.advice.fit import StepData
 from ledger.advice.synthetic import MEASURED_CPU, WORKED_EXAMPLE, LinearCost, MeasuredCost, synthetic_steps
 from ledger.store import Store, open_store
 
@@ -24,7 +24,7 @@ NOISE_P99 = float(np.exp(2.326 * 0.03))  # the generator's log-normal noise (sig
 
 
 def as_data(steps: list[ev.Step]) -> StepData:
-    return StepData.from_columns({c: [getattr(s, c) for s in steps] for c in COLUMNS})
+    return StepData.from_steps(steps)
 
 
 def measured_steps(n: int = 3000, seed: int = 0, **kw) -> list[ev.Step]:
@@ -231,6 +231,18 @@ def test_worked_example_target_50_with_decode_10_gives_a_40_ms_budget(ledger_sto
     assert a["predicted"]["itl_p99_at_depth_0_ms"] < a["predicted"]["itl_p99_ms"]
     assert 0 < a["throughput"]["cost"] < 0.5
     assert a["fit"]["steps_used"] == 3000
+
+
+def test_the_gap_between_steps_counts_against_the_target(ledger_store):
+    write_steps(ledger_store, WORKED_SOURCE, worked_steps(gap_s=0.003))
+    a = chunk_size_advice(ledger_store.engine, itl_target_ms=50)
+    assert a["between_steps_ms"]["p50"] == pytest.approx(3.0, abs=0.01)
+    assert a["between_steps_ms"]["steps"] > 2500
+    assert a["prefill_budget_ms"] == pytest.approx(37.0, abs=0.3)  # 50 - decode 10 - gap 3
+    c = WORKED_EXAMPLE
+    want = (37.0 - a["margin_ms"]) / (c.b_ms_per_token + c.c_ms_per_token_depth * a["depth"])
+    assert a["prefill_tokens_per_step"] == pytest.approx(want, rel=0.03)
+    assert a["predicted"]["itl_p99_ms"] <= 50.0
 
 
 def test_measured_model_advice_differs_by_depth_as_the_figures_say(ledger_store):
