@@ -870,6 +870,13 @@ def fail(r: Any) -> NoReturn:
         reason = payload.get("reason") if isinstance(payload, dict) else None
     except ValueError:
         detail, reason = r.text.strip() or r.reason_phrase, None
+    if isinstance(detail, list):  # FastAPI validation errors: "field: message" each
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', [])[1:])}: {e.get('msg')}"
+            if isinstance(e, dict)
+            else str(e)
+            for e in detail
+        )
     label = f"{r.status_code} {reason}" if reason else str(r.status_code)
     hint = " (pass --token or set CHUNKLEDGER_READ_TOKEN)" if r.status_code in (401, 403) else ""
     typer.echo(f"error ({label}): {detail}{hint}", err=True)

@@ -559,6 +559,12 @@ def test_real_server_keeps_ingesting_during_and_after_bad_queries_and_loses_noth
         res = cli.invoke(cli_app, ["query", "DELETE FROM events", "--ledger", url])
         assert res.exit_code == 1
         assert "error (400 not_read_only): DELETE refused" in res.output
+        res = cli.invoke(cli_app, ["query", "SELECT 1", "--ledger", url, "--max-rows", "5000000"])
+        assert res.exit_code == 1 and "max_rows: 5000000 is above this ledger's limit" in res.output
+        res = cli.invoke(cli_app, ["query", "", "--ledger", url])
+        assert (
+            res.exit_code == 1 and "error (422): sql: String should have at least 1 character" in res.output
+        )
     finally:
         server.stop()
     res = CliRunner().invoke(cli_app, ["query", "SELECT 1", "--ledger", url])
