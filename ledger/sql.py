@@ -14,14 +14,18 @@ service's own instance):
 3. ``enable_external_access = false`` on the instance (one-way: DuckDB cannot turn it back on while
    running): no file, network or extension access from any SQL (read_csv, read_parquet, glob, URLs).
 4. ``python_enable_replacements = false`` on the connection: SQL cannot scan Python objects.
-5. A timer calls ``interrupt()`` after ``sql_timeout_s``; rows come from ``fetchmany`` (streamed).
+5. DuckDB has no per-table privileges, so the statement's syntax tree (``json_serialize_sql``) may
+   not name a table in ``HIDDEN_TABLES`` (credentials) nor call a table function outside
+   ``TABLE_FUNCTIONS`` (``query()`` and ``query_table()`` would run SQL no tree shows).
+6. A timer calls ``interrupt()`` after ``sql_timeout_s``; rows come from ``fetchmany`` (streamed).
 
 PostgreSQL:
 
 1. The query runs as a dedicated role (``sql_reader_url``; ``grant_reader_role`` creates it with
-   SELECT on the ledger tables and nothing else). A role that is a superuser or may read, write or
-   execute server files is refused: a read-only transaction alone does not stop ``pg_read_file``,
-   ``lo_import`` or ``COPY TO`` for such a role.
+   SELECT on the ledger tables except ``HIDDEN_TABLES``, and nothing else; the service re-syncs
+   those grants at start). A role that is a superuser, may read, write or execute server files, or
+   can read a hidden table is refused: a read-only transaction alone does not stop
+   ``pg_read_file``, ``lo_import`` or ``COPY TO`` for such a role.
 2. ``SET TRANSACTION READ ONLY`` plus ``SET LOCAL statement_timeout``; the transaction is always
    rolled back, so ``set_config`` and friends cannot outlive the query.
 3. The query is declared as a server-side cursor (``DECLARE ... CURSOR FOR``), which PostgreSQL only
