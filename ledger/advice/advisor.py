@@ -37,6 +37,7 @@ import numpy as np
 
 from ledger.advice.fit import StepData, StepTimeFit, check_data, fit_step_time
 
+NOISY_FIT = 0.25  # cross-validated relative error above which the advice says the fit is poor
 MARGIN_MIN_STEPS = 50  # steps near the target needed to use their residual p99 as the margin
 DEFAULT_ARRIVAL_SHARE = 0.25
 SETTING_MULTIPLE = 16  # engine settings are rounded down to a multiple of this (vLLM's KV block size)
@@ -272,6 +273,12 @@ class Advisor:
             )
         if settings["max_num_batched_tokens"] < 256:
             notes.append("vLLM requires max_num_seqs <= max_num_batched_tokens: lower max_num_seqs too")
+        if self.fit.cv_rel_error > NOISY_FIT:
+            notes.append(
+                f"the fit explains step time poorly (cross-validated error {self.fit.cv_rel_error:.0%}): "
+                "steps vary for reasons outside the model (a busy machine, swapping, other tenants); "
+                "the margin carries it, so the advice is conservative"
+            )
         deep = by_depth[d_hi]
         if deep.status in ("below_data", "unreachable"):
             notes.append(

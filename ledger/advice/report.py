@@ -166,6 +166,11 @@ def render_profile(r: dict[str, Any]) -> str:
     lines.append("")
     if "fit" in r:
         lines += render_fit(r["fit"])
+        if r["fit"]["cv_rel_error"] > 0.25:
+            lines.append(
+                f"note:     steps vary far more than chunk size, depth and batch explain (cross-validated "
+                f"error {r['fit']['cv_rel_error']:.0%}): the machine is probably busy; profile on an idle one"
+            )
     else:
         lines.append(f"no fit ({r['fit_error']['reason']}): {r['fit_error']['detail']}")
     if "ledger" in r:

@@ -188,6 +188,14 @@ def test_advice_caps_the_chunk_at_the_largest_step_the_data_covers():
     assert any("largest prefill step in the data" in n for n in a["notes"])
 
 
+def test_advice_says_when_the_fit_explains_step_time_poorly():
+    quiet = Advisor(as_data(worked_steps())).advise(200)
+    assert not any("explains step time poorly" in n for n in quiet["notes"])
+    busy = Advisor(as_data(worked_steps(noise_sigma=0.5))).advise(200)
+    assert any("explains step time poorly" in n for n in busy["notes"])
+    assert busy["margin_ms"] > 5 * quiet["margin_ms"]  # the noise goes into the margin
+
+
 def test_arrival_share_sets_the_long_prefill_threshold_below_the_prefill_share():
     advisor = Advisor(as_data(worked_steps()))
     chunk = advisor.advise(50, arrival_share=0.0)["prefill_tokens_per_step"]
