@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -61,7 +61,7 @@ def gateway(
         raise typer.Exit(2) from None
     exporter_config = None
     if ledger or os.environ.get("CHUNKLEDGER_URL"):
-        overrides: dict[str, object] = {"source_kind": "gateway"}
+        overrides: dict[str, Any] = {"source_kind": "gateway"}
         if ledger:
             overrides["url"] = ledger
         if source_id or not os.environ.get("CHUNKLEDGER_SOURCE_ID"):

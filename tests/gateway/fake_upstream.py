@@ -237,6 +237,7 @@ class FakeUpstream:
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
                     (b"x-upstream", b"fake"),
+                    (b"set-cookie", b"fake-session=1; Path=/"),
                 ],
             }
         )

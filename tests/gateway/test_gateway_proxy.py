@@ -307,3 +307,12 @@ def test_config_errors_name_the_setting():
         GatewayConfig.create(upstream="localhost:8000")
     with pytest.raises(GatewayConfigError, match="unknown gateway setting"):
         GatewayConfig.create(upstream="http://x", max_inflight=3)
+
+
+def test_upstream_cookies_reach_the_client_and_are_not_replayed_to_the_upstream(upstream, make_gateway):
+    gw = make_gateway(upstream.url)
+    with httpx.Client() as first, httpx.Client() as second:
+        r = first.post(gw.url + "/v1/completions", json={"model": "m", "max_tokens": 1})
+        assert r.headers["set-cookie"] == "fake-session=1; Path=/"
+        second.post(gw.url + "/v1/completions", json={"model": "m", "max_tokens": 1})
+    assert "cookie" not in upstream.app.requests[-1].headers  # the gateway keeps no cookie jar
