@@ -82,9 +82,10 @@ def _sources(
             )
         return model, ids
     if len({r[1] for r in rows}) > 1:
+        named = models + (["(no model: pass source_id)"] if any(r[1] is None for r in rows) else [])
         raise AdviceError(
             "several_models",
-            f"engines of several models sent steps in the window ({', '.join(map(str, models))}); "
+            f"engines of several models sent steps in the window ({', '.join(named)}); "
             "step time differs by model: pass model (or source_id)",
             status=422,
             models=models,

@@ -98,6 +98,14 @@ def test_advice_publishes_the_advised_chunk_to_the_metrics_gauge(client, monkeyp
     assert published == [("worked-example", a["prefill_tokens_per_step"])]
 
 
+def test_the_advised_chunk_is_the_prometheus_gauge_on_metrics(client):
+    write_steps(client.store, WORKED_SOURCE, worked_steps())
+    a = client.get(URL, params={"itl_target_ms": 50}, headers=RD).json()
+    text = client.get("/metrics", headers=RD).text
+    line = f'chunkledger_advised_chunk_tokens{{model="worked-example"}} {float(a["prefill_tokens_per_step"])}'
+    assert line in text
+
+
 # -- the CLI -------------------------------------------------------------------------------------------
 
 
