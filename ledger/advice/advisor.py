@@ -10,8 +10,9 @@ steps it decodes in. Given a target:
    residual p99 (the margin) plus the median gap between steps (``interval_s - duration_s`` of
    steps with decodes: host work a decode also waits for) stays within the target, where D is the
    deepest chunk start seen at p99 (``max_prefill_depth`` over prefill steps) unless the caller
-   names a depth. Every prefill token of
-   a step is costed at depth D, so the bound holds for any mix of chunks no deeper than D;
+   names a depth. The step is costed as one chunk with every prefill token at depth D: the
+   depth term (Σ tokens·depth) of any mix of chunks no deeper than D is at most that; per-chunk
+   terms, when the fit keeps them, are costed for one chunk;
 4. as vLLM settings: ``max_num_batched_tokens`` = T + p99 decode batch (decodes share the budget);
    ``long_prefill_token_threshold`` = (1 - arrival_share)·T, so that a long prompt being chunked
    leaves part of every step's prefill budget to new arrivals (vLLM schedules running requests
