@@ -6,7 +6,7 @@ The base model (ARCHITECTURE.md, "Chunk-size advice") is
 
 where ``prefill_depth_tokens`` = Σ tokens·computed_before over the step's chunks: attention makes a
 chunk's cost grow with how deep into its prompt it starts. Candidate terms are added one at a time
-(forward selection) when they lower the cross-validated RMSE by at least ``MIN_CV_GAIN``; every
+(forward selection) when they lower the cross-validated relative error by ``MIN_CV_GAIN``; every
 candidate's figures are kept in ``StepTimeFit.selection`` so the choice can be checked:
 
 * ``num_prefill_reqs``  a fixed cost per prefill chunk (kernel launches, metadata, sampling setup);
