@@ -524,7 +524,9 @@ class Gateway:
         headers = _upstream_headers(scope["headers"], self._request_id_header, rid, stream)
         request = httpx.Request(
             "POST",
-            self._urls[scope["path"]],
+            self._urls[scope["path"]].copy_with(query=query)
+            if (query := scope.get("query_string"))
+            else self._urls[scope["path"]],
             headers=headers,
             content=body,
             extensions={"timeout": self._timeouts},

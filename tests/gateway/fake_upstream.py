@@ -33,8 +33,9 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class Recorded:
-    def __init__(self, path: str, headers: dict[str, str], body: Any):
+    def __init__(self, path: str, headers: dict[str, str], body: Any, query: str = ""):
         self.path = path
+        self.query = query
         self.headers = headers
         self.body = body
 
@@ -128,7 +129,7 @@ class FakeUpstream:
             parsed = json.loads(body) if body else None
         except ValueError:
             parsed = None
-        self.requests.append(Recorded(path, headers, parsed))
+        self.requests.append(Recorded(path, headers, parsed, scope.get("query_string", b"").decode()))
         if path == "/v1/models":
             await self._json(send, 200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
             return

@@ -316,3 +316,10 @@ def test_upstream_cookies_reach_the_client_and_are_not_replayed_to_the_upstream(
         assert r.headers["set-cookie"] == "fake-session=1; Path=/"
         second.post(gw.url + "/v1/completions", json={"model": "m", "max_tokens": 1})
     assert "cookie" not in upstream.app.requests[-1].headers  # the gateway keeps no cookie jar
+
+
+def test_query_string_goes_upstream(upstream, make_gateway):
+    gw = make_gateway(upstream.url)
+    with httpx.Client() as client:
+        assert client.post(gw.url + "/v1/completions?api-version=2", json={"model": "m"}).status_code == 200
+    assert upstream.app.requests[-1].query == "api-version=2"
