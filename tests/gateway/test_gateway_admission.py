@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 from fake_ledger import wait_until
+from gateway_helpers import kinds_of
 
 from engine_hooks.events import AdmissionEnqueued, Admitted, Completed
 from engine_hooks.gateway.admission import AdmissionQueue, QueueFull, QueueTimeout
@@ -206,3 +207,30 @@ def test_priority_header_orders_the_waiting_requests(upstream, make_gateway):
     for t in [holder, *threads]:
         t.join(10)
     assert [r.request_id for r in upstream.app.requests] == ["holder", "interactive", "batch"]
+
+
+def test_a_client_that_leaves_while_queued_gives_its_place_back(upstream, make_gateway, fake_ledger):
+    import json
+    import socket
+
+    gw = make_gateway(upstream.url, ledger_url=fake_ledger.url, max_in_flight=1)
+    results: dict[str, httpx.Response] = {}
+    holder = threading.Thread(
+        target=_post, args=(gw.url, "holder", results), kwargs={"x-fake-delay-ms": "60"}
+    )
+    holder.start()
+    assert wait_until(lambda: gw.gateway.queue.in_flight == 1)
+    body = json.dumps({"model": "m", "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", gw.server.port)) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"x-request-id: impatient\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        assert wait_until(lambda: gw.gateway.queue.depth == 1)
+    assert wait_until(lambda: gw.gateway.queue.depth == 0)
+    holder.join(10)
+    assert results["holder"].status_code == 200
+    assert [r.request_id for r in upstream.app.requests] == ["holder"]
+    gw.flush()
+    assert kinds_of(fake_ledger, "impatient") == ["arrived", "admission_enqueued", "client_disconnected"]
+    assert gw.gateway.queue.in_flight == 0
