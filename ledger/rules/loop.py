@@ -17,9 +17,11 @@ update, one dict lookup and at most ``MAX_CANDIDATES`` comparisons — constant 
 rebuilt from the ring when it outgrows ``4 * (max_period + 3)`` entries: amortised O(1)). Memory per
 request: a ring of ``max_period + 3`` tokens and that bounded bigram map.
 
-A candidate is found once its bigram repeats, so ``run`` starts at 2 (the bigram) and then counts exactly;
-the detector therefore fires on the very token that completes ``min_repeats`` periods (or the span),
-never later.
+A candidate starts with ``run = 2`` (the repeated bigram) and then counts exactly, so the detector never
+fires early, and it fires on the token that completes ``min_repeats`` periods (and the span) when the
+candidate was found at once. It can be later by about a period when the block repeats bigrams of its
+own (the distance-``p`` candidate is found after a shorter, wrong one dies); tests bound this against a
+brute-force reference.
 """
 
 from __future__ import annotations
