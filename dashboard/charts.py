@@ -47,7 +47,9 @@ TIME_AXIS = alt.X("time:T", title="time (UTC)", axis=alt.Axis(format="%H:%M:%S")
 P99_SELECTION = "p99_point"
 
 
-def latency_tails(df: pd.DataFrame, title: str, *, selectable: bool = True) -> alt.LayerChart:
+def latency_tails(
+    df: pd.DataFrame, title: str, *, selectable: bool = True
+) -> alt.LayerChart | alt.FacetChart:
     """p50/p90/p99 (and max, dashed) of one latency over time, in ms; p99 points are clickable."""
     base = alt.Chart(df).encode(
         x=TIME_AXIS,
@@ -148,7 +150,7 @@ def rate(df: pd.DataFrame, field: str, title: str, unit: str) -> alt.Chart:
     )
 
 
-def gantt(df: pd.DataFrame) -> alt.LayerChart:
+def gantt(df: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
     """Bars per lane from start_s to end_s (seconds since arrival); zero-width bars become ticks."""
     lanes = ["layers", "steps", "engine", "sat out", "cutoff"]
     y = alt.Y("lane:N", title=None, sort=lanes)
@@ -193,7 +195,7 @@ def bars(df: pd.DataFrame, x: str, y: str, x_title: str, y_title: str, color: st
     return alt.Chart(df).mark_bar().encode(**enc).properties(height=max(120, 18 * len(df)))
 
 
-def step_fit(points: pd.DataFrame, curves: pd.DataFrame) -> alt.LayerChart:
+def step_fit(points: pd.DataFrame, curves: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
     """Observed step times (points) against the fitted model's curves at a few depths (lines), in ms."""
     dots = (
         alt.Chart(points)

@@ -145,6 +145,7 @@ class LedgerData:
         params = {k: v for k, v in (params or {}).items() if v is not None and v != ""}
         key = (self.url, self.token, method, path, json.dumps(params, sort_keys=True), json.dumps(body))
         cacheable = method == "GET" or path == "/v1/sql"
+        value: Any
         if cacheable:
             hit, value = CACHE.get(key, self.ttl_s)
             if hit:
@@ -152,7 +153,7 @@ class LedgerData:
         client = _client(self.url, self.token)
         try:
             if method == "GET":
-                value: Any = client.get(path, **params)
+                value = client.get(path, **params)
             else:
                 value = client.request(method, path, params=params, json=body)
         except LedgerError as exc:

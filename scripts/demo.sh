@@ -116,7 +116,8 @@ PY
 else
   # -- model, gateway ------------------------------------------------------------------------------
   if [ -z "$MODEL" ]; then
-    MODEL=$(.venv/bin/python -m engine_hooks.vllm.tiny_model "$WORK/tiny-llama-4l" --layers 4)
+    MODEL=$(.venv/bin/python -m engine_hooks.vllm.tiny_model "$WORK/tiny-llama-4l" --layers 4 2>>"$WORK/model.log")
+    echo "model:     $MODEL (random weights, 4 layers, built locally)"
   fi
   VLLM_ENV=$(.venv/bin/python -c "from engine_hooks.vllm.tiny_model import vllm_env; print(' '.join(f'{k}={v}' for k, v in vllm_env('$WORK/vllm').items()))")
   setsid .venv/bin/chunkledger gateway --upstream "http://127.0.0.1:$VLLM_PORT" --port "$GW_PORT" \

@@ -1,0 +1,53 @@
+"""The README's first command, in its short CI mode: ``scripts/demo.sh --short`` starts the ledger, the
+dashboard, the gateway and vLLM (CPU, tiny 4-layer model) three times, replays the scene and checks the
+comparison it prints (``demo_scene.py report --check``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.mark.timeout(1800)
+def test_demo_reproduces_the_long_prompt_scene_and_its_fix(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    env = {
+        **os.environ,
+        "CHUNKLEDGER_PORT": str(free_port()),
+        "DEMO_DASHBOARD_PORT": str(free_port()),
+        "DEMO_GATEWAY_PORT": str(free_port()),
+        "DEMO_VLLM_PORT": str(free_port()),
+        "DEMO_DIR": str(tmp_path / "demo"),
+        "CHUNKLEDGER_DB_URL": f"duckdb:///{tmp_path / 'demo.duckdb'}",
+        "DEMO_KEEP": "0",
+    }
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "demo.sh"), "--short"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1700,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "check: the comparison has the expected shape" in out.stdout
+    assert re.search(r"^dashboard: http://127\.0\.0\.1:\d+", out.stdout, re.M)
+    rows = {m[1]: m for m in re.finditer(r"^([ABC]) \((.*?)\)\s+([\d,]+) ms\s+([\d,]+) ms", out.stdout, re.M)}
+    assert set(rows) == {"A", "B", "C"}, out.stdout
+    p99 = {k: int(m[4].replace(",", "")) for k, m in rows.items()}
+    assert p99["C"] < p99["A"] / 3, p99
+    (report,) = (tmp_path / "demo").glob("*.phases.report.json")
+    phases = {p["phase"]: p for p in json.loads(report.read_text())}
+    assert phases["A"]["culprit"]["prefill_tokens"] > 1000  # the long prompt, named by the ledger
+    assert all(p["cutoffs"] for p in phases.values())  # the runaway was cut in every phase
