@@ -5,7 +5,9 @@
 # replays the scene three times, one vLLM start per phase:
 #   A  no chunking                          (--no-enable-chunked-prefill)
 #   B  vLLM's chunking alone                (--max-num-batched-tokens 256)
-#   C  the ledger's advised settings        (from GET /v1/advice/chunk-size over phase B's steps)
+#   C  the ledger's advised settings        (GET /v1/advice/chunk-size over phases A and B's steps,
+#                                            for the first ITL target of 50, 100, 200, 400 ms it can meet
+#                                            with a budget vLLM accepts: >= max_num_seqs, 64)
 #      plus the plugin's admission reserve  (CHUNKLEDGER_VLLM_ADMISSION_RESERVE=0.25)
 # The scene: a stream of short requests, a long prompt arriving at the head of the queue, and a runaway
 # request that never stops (the ledger's token cap cuts it). At the end it prints a comparison from the
@@ -47,7 +49,8 @@ else
   DURATION=${DEMO_DURATION:-30}; LONG=${DEMO_LONG_TOKENS:-20000}; MAXLEN=24576; CHECK=""
 fi
 mkdir -p "$WORK"
-RUN="demo-$(date +%s)"
+STARTED=$(date +%s)
+RUN="demo-$STARTED"
 PIDS=()
 
 stop() { # stop one process group we started, politely then firmly
@@ -148,9 +151,9 @@ else
 
   phase A "no chunking" "" --no-enable-chunked-prefill --max-num-batched-tokens "$MAXLEN"
   phase B "chunked, budget 256" "" --enable-chunked-prefill --max-num-batched-tokens 256
-  ADVICE=$(.venv/bin/python scripts/demo_scene.py advise --ledger "$URL" --engine-source "$RUN-vllm-B" \
-    --itl-target-ms "${DEMO_ITL_TARGET_MS:-50}")
-  echo "advice for a ${DEMO_ITL_TARGET_MS:-50} ms ITL target from phase B's steps: $ADVICE"
+  ADVICE=$(.venv/bin/python scripts/demo_scene.py advise --ledger "$URL" --since "$STARTED" \
+    --itl-targets-ms "${DEMO_ITL_TARGETS_MS:-50,100,200,400}" --min-budget 64)
+  echo "advice from phases A and B's steps: $ADVICE"
   BUDGET=$(.venv/bin/python -c "import json,sys; print(json.loads(sys.argv[1])['max_num_batched_tokens'])" "$ADVICE")
   THRESHOLD=$(.venv/bin/python -c "import json,sys; print(json.loads(sys.argv[1])['long_prefill_token_threshold'])" "$ADVICE")
   phase C "advised $BUDGET/$THRESHOLD + reserve" "CHUNKLEDGER_VLLM_ADMISSION_RESERVE=0.25" \

@@ -141,32 +141,44 @@ def _ledger(url: str) -> httpx.Client:
 
 
 def advise(args: argparse.Namespace) -> None:
-    """Print the advised settings as JSON (or the refusal, and the fallback used)."""
+    """Print the advised settings as JSON: for the first ITL target (in the order given) the ledger can
+    advise for from the earlier phases' steps; or the refusals and the fallback used."""
+    refusals = []
     with _ledger(args.ledger) as c:
-        r = c.get(
-            "/v1/advice/chunk-size",
-            params={"itl_target_ms": args.itl_target_ms, "source_id": args.engine_source},
-        )
-    if r.status_code == 200:
-        a = r.json()
-        s = a["settings"]
-        out = {
-            "max_num_batched_tokens": s["max_num_batched_tokens"],
-            "long_prefill_token_threshold": s["long_prefill_token_threshold"],
-            "predicted_itl_p99_ms": a["predicted"]["itl_p99_ms"],
-            "source": "advice",
-        }
-    else:
-        detail = (
-            r.json().get("detail", r.text)
-            if r.headers.get("content-type", "").startswith("application/json")
-            else r.text
-        )
-        out = {
-            "max_num_batched_tokens": args.fallback_budget,
-            "long_prefill_token_threshold": args.fallback_threshold,
-            "source": f"fallback (no advice: {detail})",
-        }
+        for target in (float(t) for t in args.itl_targets_ms.split(",")):
+            r = c.get(
+                "/v1/advice/chunk-size",
+                params={"itl_target_ms": target, "model": args.model, "since": args.since},
+            )
+            if r.status_code == 200 and r.json()["settings"]["max_num_batched_tokens"] < args.min_budget:
+                budget = r.json()["settings"]["max_num_batched_tokens"]
+                refusals.append(f"{target:g} ms: budget {budget} is below max_num_seqs ({args.min_budget})")
+            elif r.status_code == 200:
+                a = r.json()
+                s = a["settings"]
+                print(
+                    json.dumps(
+                        {
+                            "max_num_batched_tokens": s["max_num_batched_tokens"],
+                            "long_prefill_token_threshold": s["long_prefill_token_threshold"],
+                            "itl_target_ms": target,
+                            "predicted_itl_p99_ms": round(a["predicted"]["itl_p99_ms"], 1),
+                            "fit_r2": round(a["fit"]["r2"], 3),
+                            "steps": a["fit"]["steps_used"],
+                            "source": "advice",
+                        }
+                    )
+                )
+                return
+            try:
+                refusals.append(f"{target:g} ms: {r.json().get('detail', r.text)}")
+            except ValueError:
+                refusals.append(f"{target:g} ms: {r.status_code} {r.text[:200]}")
+    out = {
+        "max_num_batched_tokens": args.fallback_budget,
+        "long_prefill_token_threshold": args.fallback_threshold,
+        "source": "fallback, no advice: " + " | ".join(refusals),
+    }
     print(json.dumps(out))
 
 
@@ -308,8 +320,12 @@ def main() -> int:
     r.add_argument("--out", required=True)
     a = sub.add_parser("advise")
     a.add_argument("--ledger", required=True)
-    a.add_argument("--engine-source", required=True)
-    a.add_argument("--itl-target-ms", type=float, default=50.0)
+    a.add_argument("--model", default="tiny")
+    a.add_argument("--since", required=True, help="unix seconds: the start of the demo's first phase")
+    a.add_argument("--itl-targets-ms", default="50,100,200,400", help="tried in order")
+    a.add_argument(
+        "--min-budget", type=int, default=64, help="vLLM's max_num_seqs: a smaller budget cannot run"
+    )
     a.add_argument("--fallback-budget", type=int, default=512)
     a.add_argument("--fallback-threshold", type=int, default=256)
     p = sub.add_parser("report")
