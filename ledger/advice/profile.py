@@ -259,7 +259,8 @@ def run_profile(
     """
     plan.check()
     name = served_model_name or os.path.basename(os.path.normpath(model)) or model
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "CHUNKLEDGER_URL": None}  # the scheduler in this process
+    # in-process engine: the plugin's scheduler is reachable; no ledger unless asked for
+    env: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "CHUNKLEDGER_URL": None}
     if ledger_url:
         env.update(
             CHUNKLEDGER_URL=ledger_url,
@@ -268,6 +269,9 @@ def run_profile(
             CHUNKLEDGER_INGEST_TOKEN=ingest_token,
             CHUNKLEDGER_SPOOL_MAX_BYTES="0",  # a profile that cannot reach its ledger fails loudly
         )
+    # The plugin's optional policies (admission reserve, victim choice) would change what runs:
+    # the profile measures plain vLLM scheduling, so their variables are cleared while it runs.
+    env.update({k: None for k in os.environ if k.startswith("CHUNKLEDGER_VLLM_")})
     saved = {k: os.environ.get(k) for k in env}
     _set_env(env)
     try:
@@ -276,7 +280,7 @@ def run_profile(
         _set_env(saved)
 
 
-def _set_env(values: dict[str, str | None]) -> None:
+def _set_env(values: dict[str, Any]) -> None:
     for key, value in values.items():
         if value is None:
             os.environ.pop(key, None)
@@ -327,6 +331,11 @@ def _run(
                 "is VLLM_ENABLE_V1_MULTIPROCESSING=0 honoured by this vLLM?"
             )
         scheduler: Any = schedulers[0]
+        if scheduler.options.reorders:
+            raise ProfileError(
+                "the engine runs chunkledger scheduling policies (additional_config); "
+                "profile without them so plain chunking is measured"
+            )
         # The threshold changes between runs: on a private copy of the config, not the engine's.
         scheduler.scheduler_config = copy.copy(scheduler.scheduler_config)
         scheduler.adaptive_long_prefill_threshold = False

@@ -82,6 +82,7 @@ def test_profile_drives_vllm_through_the_plugin_and_sends_the_steps_to_a_ledger(
     model = build_tiny_model(tmp_path / "tiny", hidden=128, layers=1, max_pos=1024)
     saved = dict(os.environ)
     os.environ.update(vllm_env(tmp_path / "vllm"))
+    os.environ["CHUNKLEDGER_VLLM_ADMISSION_RESERVE"] = "0.5"  # a policy the profile must switch off
     try:
         result = runner.invoke(
             cli_app,
