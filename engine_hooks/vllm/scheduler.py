@@ -199,9 +199,8 @@ class _LedgerHooks(_Base):
         self._cl_slow_running = False  # a slow_pool request is in the running queue
         self._cl_current: Any = None  # the request being allocated (victim choice)
         self._cl_blocks = self._block_counter()
-        if self.options.admission_reserve:
-            # The reserve sets long_prefill_token_threshold per step: on a private copy of the config.
-            self.scheduler_config = copy.copy(self.scheduler_config)
+        # The reserve and the commands set long_prefill_token_threshold per step: on a private copy.
+        self.scheduler_config = copy.copy(self.scheduler_config)
         manager = self.kv_cache_manager
         allocate = manager.allocate_slots
 

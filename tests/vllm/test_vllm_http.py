@@ -1,0 +1,134 @@
+"""Through vLLM's OpenAI HTTP server (multiprocess engine): the scheduler class loads in the engine
+process, reports to the ledger, and a ledger abort reaches the HTTP client as finish_reason abort."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fake_ledger import FakeLedger, wait_until
+
+from engine_hooks.events import Command, CutoffApplied, Finished, Queued
+from engine_hooks.vllm.tiny_model import vllm_env
+
+pytestmark = pytest.mark.vllm
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def server(tiny_model: str, tmp_path: Path):
+    ledger = FakeLedger()
+    port = _free_port()
+    env = {
+        **os.environ,
+        **vllm_env(tmp_path / "env"),
+        "CHUNKLEDGER_URL": ledger.url,
+        "CHUNKLEDGER_SOURCE_ID": "vllm-http-test",
+        "CHUNKLEDGER_SPOOL_DIR": str(tmp_path / "spool"),
+        "CHUNKLEDGER_SPOOL_FSYNC": "0",
+        "CHUNKLEDGER_FLUSH_INTERVAL_S": "0.01",
+    }
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            "tiny",
+            "--port",
+            str(port),
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            "--max-num-batched-tokens",
+            "128",
+            "--max-model-len",
+            "4096",
+            "--scheduler-cls",
+            "engine_hooks.vllm.LedgerScheduler",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited: {(tmp_path / 'server.log').read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        else:
+            raise AssertionError(f"server not ready: {(tmp_path / 'server.log').read_text()[-3000:]}")
+        yield url, ledger
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log.close()
+        ledger.stop()
+
+
+def test_abort_command_reaches_the_http_client_as_finish_reason_abort(server):
+    url, ledger = server
+    rid = "http-runaway-1"
+    body = {
+        "model": "tiny",
+        "prompt": "the engine token prefill decode chunk budget",
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+        "vllm_xargs": {"chunkledger_request_id": rid},
+    }
+    finish = stop = None
+    pieces = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            pieces += 1
+            if pieces == 5:  # the ledger decides to cut it off
+                ledger.commands = [Command(id="http-cmd-1", request_id=rid, action="abort", rule="loop")]
+            if choice.get("finish_reason"):
+                finish, stop = choice["finish_reason"], choice.get("stop_reason")
+    assert finish == "abort"
+    assert stop == "chunkledger:loop"
+    assert pieces < 3000
+
+    def seen(kind: type) -> list:
+        return [e for e in ledger.store.events if isinstance(e, kind) and e.request_id == rid]
+
+    assert wait_until(lambda: bool(seen(Finished)), 15.0)
+    assert len(seen(Queued)) == 1 and len(seen(CutoffApplied)) == 1
+    (fin,) = seen(Finished)
+    assert fin.reason == "cutoff" and fin.stop_reason == "chunkledger:loop"
+    assert {sid for sid, _, _ in ledger.rows} == {"vllm-http-test"}
