@@ -49,5 +49,5 @@ def test_demo_reproduces_the_long_prompt_scene_and_its_fix(tmp_path: Path) -> No
     assert p99["C"] < p99["A"] / 3, p99
     (report,) = (tmp_path / "demo").glob("*.phases.report.json")
     phases = {p["phase"]: p for p in json.loads(report.read_text())}
-    assert phases["A"]["culprit"]["prefill_tokens"] > 1000  # the long prompt, named by the ledger
+    assert phases["B"]["culprit"]["prefill_tokens"] > 1000  # the long prompt, named by the ledger
     assert all(p["cutoffs"] for p in phases.values())  # the runaway was cut in every phase
