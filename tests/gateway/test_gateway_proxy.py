@@ -183,7 +183,7 @@ def test_upstream_hang_mid_stream_ends_with_an_error_chunk_after_the_read_timeou
             headers={"x-fake": "hang-after-2", "x-request-id": "hang"},
         )
     elapsed = time.monotonic() - started
-    assert 0.5 <= elapsed < 3
+    assert 0.5 <= elapsed < 8  # the read timeout, plus slack for a loaded machine
     events = sse_events(r.content)
     assert events[-1] == b"data: [DONE]"
     assert [data_of(e)["choices"][0]["delta"]["content"] for e in events[:2]] == ["tok0 ", "tok1 "]
