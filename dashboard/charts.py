@@ -166,7 +166,7 @@ def gantt(df: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
     bars = (
         alt.Chart(df)
         .transform_filter(alt.datum.end_s > alt.datum.start_s)
-        .mark_bar(height=14)
+        .mark_bar()
         .encode(
             x=alt.X("start_s:Q", title="seconds since arrival (s)"),
             x2="end_s:Q",
@@ -178,10 +178,10 @@ def gantt(df: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
     ticks = (
         alt.Chart(df)
         .transform_filter(alt.datum.end_s <= alt.datum.start_s)
-        .mark_tick(thickness=2, size=18)
+        .mark_tick(thickness=2)
         .encode(x=alt.X("start_s:Q", title="seconds since arrival (s)"), y=y, color=color, tooltip=tooltip)
     )
-    return alt.layer(bars, ticks).properties(height=40 + 36 * max(1, df["lane"].nunique()))
+    return alt.layer(bars, ticks).properties(height=alt.Step(34))
 
 
 def bars(df: pd.DataFrame, x: str, y: str, x_title: str, y_title: str, color: str | None = None) -> alt.Chart:

@@ -98,9 +98,9 @@ def render(data: LedgerData, request_id: str) -> None:
     c[0].metric("TTFT", ui.fmt_ms(r.get("ttft_s")))
     c[1].metric("end to end", ui.fmt_ms(r.get("e2e_s")) if r.get("e2e_s") is not None else "live")
     c[2].metric(
-        "prompt", f"{r.get('prompt_tokens') or 0:,} tokens", help=f"{r.get('cached_tokens') or 0} cached"
+        "prompt (tokens)", f"{r.get('prompt_tokens') or 0:,}", help=f"{r.get('cached_tokens') or 0} cached"
     )
-    c[3].metric("output", f"{r.get('output_tokens') or 0:,} tokens")
+    c[3].metric("output (tokens)", f"{r.get('output_tokens') or 0:,}")
     c[4].metric("chunks / preemptions", f"{r.get('chunks') or 0} / {r.get('preemptions') or 0}")
     c[5].metric("finish", str(r.get("finish_reason") or "live"), help=r.get("stop_reason") or None)
     if r.get("cut_rule"):

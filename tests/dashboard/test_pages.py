@@ -141,7 +141,7 @@ def test_request_page_draws_the_timeline_and_the_why_list(recorded_ledger, run_p
     at = run_page(recorded_ledger.url, "request", {"id": r["request_id"]})
     no_exceptions(at)
     assert metric(at, "TTFT") == ui.fmt_ms(r["ttft_s"])
-    assert metric(at, "prompt") == f"{r['prompt_tokens']:,} tokens"
+    assert metric(at, "prompt (tokens)") == f"{r['prompt_tokens']:,}"
     (gantt,) = [c for c in charts(at) if "lane" in json.dumps(c)]
     data = pd.DataFrame(gantt["rows"])
     assert {"layers", "steps", "engine"} <= set(data["lane"])
