@@ -103,6 +103,11 @@ def observed_steps(data: LedgerData, advice: dict[str, Any]) -> pd.DataFrame | N
 
 
 def show(data: LedgerData, advice: dict[str, Any]) -> None:
+    settings_(advice)
+    fit_(data, advice)
+
+
+def settings_(advice: dict[str, Any]) -> None:
     s, p = advice["settings"], advice["predicted"]
     c = st.columns(4)
     c[0].metric("max_num_batched_tokens", f"{s['max_num_batched_tokens']:,}")
@@ -118,6 +123,10 @@ def show(data: LedgerData, advice: dict[str, Any]) -> None:
     )
     for note in advice.get("notes", []):
         st.warning(note)
+
+
+def fit_(data: LedgerData, advice: dict[str, Any]) -> None:
+    """The fitted step-time model over the steps it used (it does not depend on the ITL target)."""
     fit = advice["fit"]
     st.subheader("Fitted step time")
     st.markdown(
@@ -155,6 +164,19 @@ def show(data: LedgerData, advice: dict[str, Any]) -> None:
         st.json({"covers": fit["covers"], "load": advice["load"], "window": advice["window"]})
 
 
+def fit_for_refused(ctx: ui.Context, target: float, model: str | None, share: float) -> None:
+    """Without advice for the target, still show the fitted model: the fit is the same for any target,
+    so ask for looser ones until one is answered."""
+    for looser in (target * 4, 1000.0, 10_000.0):
+        try:
+            advice = ctx.data.advice(looser, model=model, since=ctx.since, arrival_share=share)
+        except (Refused, LedgerError):
+            continue
+        st.caption(f"the fitted model below comes from the advice for a {looser:g} ms target (same fit)")
+        fit_(ctx.data, advice)
+        return
+
+
 def body() -> None:
     ctx = ui.context()
     c = st.columns([1, 1, 2])
@@ -171,7 +193,8 @@ def body() -> None:
         st.info("chunk advice: not available in this ledger (no /v1/advice/chunk-size yet).")
         return
     except Refused as exc:
-        st.warning(f"no advice: {exc.detail}")
+        st.warning(f"no advice for {target:g} ms: {exc.detail}")
+        fit_for_refused(ctx, target, model, share)
         return
     except LedgerError as exc:
         st.error(f"chunk advice: {exc}")

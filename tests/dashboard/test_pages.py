@@ -219,6 +219,17 @@ def test_advice_page_shows_the_advised_settings_and_the_fit(recorded_ledger, run
     assert looser["settings"]["max_num_batched_tokens"] >= advice["settings"]["max_num_batched_tokens"]
 
 
+def test_advice_page_still_draws_the_fit_when_the_target_cannot_be_met(recorded_ledger, run_page) -> None:
+    at = run_page(recorded_ledger.url, "advice")
+    at.number_input(key="itl_target").set_value(2.0).run()
+    assert not at.exception
+    shown = texts(at)
+    assert "no advice for 2 ms" in shown
+    assert "max_num_batched_tokens" not in [m.label for m in at.metric]
+    assert "Fitted step time" in shown
+    assert len(charts(at)) == 2
+
+
 def test_sql_console_runs_a_read_only_query_and_offers_csv(recorded_ledger, run_page, api) -> None:
     at = run_page(recorded_ledger.url, "sql")
     at.text_area(key="sql_text").input(
