@@ -38,6 +38,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+import httpcore
 import httpx
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -58,6 +59,7 @@ from engine_hooks.exporter import Exporter
 from engine_hooks.gateway.admission import AdmissionQueue, AdmissionRefused
 from engine_hooks.gateway.config import GatewayConfig
 from engine_hooks.gateway.metrics import GatewayMetrics
+from engine_hooks.gateway.network import AsyncioBackend
 from engine_hooks.gateway.responses import (
     error_body,
     error_object,
@@ -216,7 +218,7 @@ class Gateway:
         # no cookie jar (a proxy must not keep one client's cookies for the next), no auth or redirect
         # handling, about a quarter less CPU per request than AsyncClient.send. /v1/models uses the
         # client on top of the same pool.
-        self._pool = self._transport or httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+        self._pool = self._transport or _upstream_transport(self.config.upstream_base, limits)
         self._client = httpx.AsyncClient(transport=self._pool, timeout=timeout, trust_env=False)
         self._timeouts = timeout.as_dict()
         self._urls = {path: httpx.URL(self.config.upstream_base + path) for path in _ENDPOINTS}
@@ -827,6 +829,20 @@ class Gateway:
 
 
 # -- helpers --------------------------------------------------------------------------------------
+
+
+def _upstream_transport(upstream: str, limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
+    """httpx's pooled transport; for an http:// upstream its httpcore pool runs on the asyncio
+    backend (``network.py``: no anyio cancel scope per read, request headers and body in one send)."""
+    transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+    if upstream.startswith("http://") and hasattr(transport, "_pool"):
+        transport._pool = httpcore.AsyncConnectionPool(
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+            network_backend=AsyncioBackend(),
+        )
+    return transport
 
 
 def _raw(response: httpx.Response) -> httpx.AsyncByteStream:

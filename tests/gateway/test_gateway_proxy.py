@@ -323,3 +323,22 @@ def test_query_string_goes_upstream(upstream, make_gateway):
     with httpx.Client() as client:
         assert client.post(gw.url + "/v1/completions?api-version=2", json={"model": "m"}).status_code == 200
     assert upstream.app.requests[-1].query == "api-version=2"
+
+
+def test_a_pooled_connection_the_upstream_closed_is_not_reused(make_gateway):
+    from fake_upstream import FakeUpstream
+
+    from engine_hooks.gateway.server import ServerThread
+
+    quick = ServerThread(FakeUpstream(), timeout_keep_alive=0.2).start()  # closes idle connections fast
+    try:
+        gw = make_gateway(quick.url)
+        with httpx.Client() as client:
+            for _ in range(3):
+                r = client.post(
+                    gw.url + "/v1/completions", json={"model": "m", "stream": True, "max_tokens": 2}
+                )
+                assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
+                time.sleep(0.5)  # the upstream has closed the pooled connection by now
+    finally:
+        quick.stop()
