@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ledger.analytics.queries import METRICS
 from ledger.client import LedgerClient, LedgerError
 
 LedgerOpt = Annotated[
@@ -22,18 +23,6 @@ LedgerOpt = Annotated[
 TokenOpt = Annotated[str | None, typer.Option("--token", help="read token (env CHUNKLEDGER_READ_TOKEN)")]
 FormatOpt = Annotated[str, typer.Option("--format", help="table or json")]
 SinceOpt = Annotated[str | None, typer.Option(help="unix seconds, ISO 8601, or an age: 15m, 2h, 1d")]
-
-LAYER_ROWS = (
-    "entry_s",
-    "admission_s",
-    "backend_wait_s",
-    "prefill_s",
-    "decode_s",
-    "ttft_s",
-    "e2e_s",
-    "kv_idle_s",
-)
-
 
 def _call(ledger: str | None, token: str | None, path: str, **params: Any) -> Any:
     try:
@@ -98,7 +87,7 @@ def attribution(
             f"{g['preemptions']} preemptions"
         )
         rows = []
-        for layer in LAYER_ROWS:
+        for layer in METRICS:
             s = g["layers"][layer]
             rows.append(
                 [layer.removesuffix("_s"), s["n"], *(_ms(s[k]) for k in ("p50", "p90", "p99", "max", "mean"))]
