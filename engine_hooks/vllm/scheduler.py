@@ -178,7 +178,8 @@ class _LedgerHooks(_Base):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.hook_errors = 0
+        self.hook_errors = 0  # exceptions caught in the hooks (each place is logged once)
+        self.hook_seconds = 0.0  # engine-thread time spent in the hooks (schedule and update)
         self._cl_logged: set[str] = set()
         self._cl_active = False
         self._cl_exporter: Exporter | None = None
@@ -364,6 +365,7 @@ class _LedgerHooks(_Base):
                 restore = self._cl_before_schedule(now, ts)
             except Exception:
                 self._cl_fail("before_schedule")
+            self.hook_seconds += time.monotonic() - now
         try:
             output = super().schedule(*args, **kwargs)
         finally:
@@ -371,19 +373,23 @@ class _LedgerHooks(_Base):
             if restore is not None:
                 self.scheduler_config.long_prefill_token_threshold = restore
         if self._cl_active:
+            t0 = time.monotonic()
             try:
                 self._cl_after_schedule(output, now, ts)
             except Exception:
                 self._cl_fail("after_schedule")
+            self.hook_seconds += time.monotonic() - t0
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._cl_active:
+            t0 = time.monotonic()
             try:
                 self._cl_after_update(scheduler_output, outputs)
             except Exception:
                 self._cl_fail("update_from_output")
+            self.hook_seconds += time.monotonic() - t0
         return outputs
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
