@@ -10,8 +10,8 @@ library), so that its own cost is small and identical on both paths.
   "added" is p50(proxy) - p50(direct) (and the median of the paired differences).
 * throughput: ``--streams`` concurrent streams of ``--tokens`` tokens each, all at once, alternating
   direct and proxy rounds; tokens/s over the round's wall time. Run twice: with the upstream pacing
-  tokens (``--itl-ms`` per stream, like an engine) and unpaced (the upstream writes as fast as it can,
-  so the three processes compete for the CPU).
+  tokens (``--itl-ms`` per stream on a fixed timeline, like an engine decoding) and unpaced (the
+  upstream writes as fast as it can, so the three processes compete for the CPU).
 
 Run: ``python bench/gateway.py`` (about a minute). Prints a table and one JSON line.
 """
@@ -131,8 +131,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=400, help="latency samples per path")
     parser.add_argument("--tokens-latency", type=int, default=16)
     parser.add_argument("--streams", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=1000)
-    parser.add_argument("--itl-ms", type=float, default=5.0, help="upstream token spacing, paced rounds")
+    parser.add_argument("--tokens", type=int, default=300)
+    parser.add_argument("--itl-ms", type=float, default=20.0, help="upstream token spacing, paced rounds")
     parser.add_argument("--rounds", type=int, default=3, help="throughput rounds per path and mode")
     args = parser.parse_args()
 

@@ -11,7 +11,8 @@ chunks ending with ``data: [DONE]``, or one JSON body) and ``/v1/models``. The r
 * ``slow-headers-S``: wait S seconds before the response headers;
 * ``close-after-N``: stream N chunks, then drop the connection without ending the stream.
 
-``x-fake-delay-ms`` spaces the chunks. ``max_tokens`` in the body sets how many chunks (default 5).
+``x-fake-delay-ms`` spaces the chunks (on a fixed timeline: chunk i is due i x delay after the
+first). ``max_tokens`` in the body sets how many chunks (default 5).
 Every request is recorded (path, headers, parsed body), and so is every request whose client went away
 before its response was complete (``disconnected``, by X-Request-Id), so tests can check that the
 gateway aborted the upstream. Run standalone: ``python fake_upstream.py --port P``.
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -205,6 +205,8 @@ class FakeUpstream:
         hang_after = (
             int(fault.rsplit("-", 1)[1]) if fault.startswith(("hang-after-", "close-after-")) else None
         )
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             for i, data in enumerate(writes):
                 if gone.is_set():
@@ -215,9 +217,8 @@ class FakeUpstream:
                     await asyncio.wait_for(gone.wait(), timeout=120)
                     break
                 await send({"type": "http.response.body", "body": data, "more_body": True})
-                if delay:
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(gone.wait(), timeout=delay)
+                if delay:  # chunk i+1 is due at start + (i+1) x delay: late wake-ups do not add up
+                    await asyncio.sleep(max(0.0, started + (i + 1) * delay - loop.time()))
             else:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 self.completed.append(rid)
