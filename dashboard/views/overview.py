@@ -24,7 +24,7 @@ from dashboard.data import (
     throughput,
 )
 
-MAX_ITL_BUCKETS = 24
+MAX_ITL_BUCKETS = 12  # one /v1/itl call each
 
 
 def requests_behind(bucket_ts: float, bucket_s: float, metric: str) -> dict[str, str]:
@@ -151,15 +151,13 @@ def body() -> None:
                         query_params=requests_behind(float(picked[0]["bucket_ts"]), bucket_s, metric),
                     )
             with ui.ledger_errors("ITL"):
-                itl_df = itl_over_time(
-                    ctx.data, ctx.since_s or (now - bucket_s * MAX_ITL_BUCKETS), bucket_s, now
-                )
+                itl_bucket_s = bucket_for(hi - lo, MAX_ITL_BUCKETS)
+                itl_df = itl_over_time(ctx.data, lo, itl_bucket_s, hi)
                 if itl_df.empty:
                     st.caption("no decode steps in this window")
                 else:
                     st.altair_chart(charts.itl_tails(itl_df))
-                    if itl_df["time"].nunique() >= MAX_ITL_BUCKETS:
-                        st.caption(f"ITL: the newest {MAX_ITL_BUCKETS} buckets")
+                    st.caption(f"decode ITL per {int(itl_bucket_s)} s, from the engines' steps")
             st.subheader("Where the time went")
             layers = layers_long(groups)
             left, right = st.columns(2)

@@ -152,9 +152,12 @@ class Browser:
             raise RuntimeError(f"page script failed: {out['exceptionDetails']}")
         return out["result"].get("value")
 
-    def load(self, url: str, *, settle_s: float = 1.5, timeout: float = 60.0) -> PageState:
-        """Navigate and wait until Streamlit has finished running the page and the DOM stopped changing
-        for ``settle_s`` (charts render after the script run ends)."""
+    def load(
+        self, url: str, *, settle_s: float = 1.5, timeout: float = 90.0, min_charts: int = 0
+    ) -> PageState:
+        """Navigate and wait until Streamlit has finished running the page, at least ``min_charts``
+        charts are there, and the DOM stopped changing for ``settle_s`` (charts render after the script
+        run ends)."""
         self.send("Page.navigate", url=url)
         deadline = time.monotonic() + timeout
         last: tuple[Any, ...] | None = None
@@ -174,7 +177,11 @@ class Browser:
             )
             if sig != last:
                 last, stable_since = sig, time.monotonic()
-            elif state.ready and time.monotonic() - stable_since >= settle_s:
+            elif (
+                state.ready
+                and (len(state.charts) >= min_charts or state.exceptions)
+                and time.monotonic() - stable_since >= settle_s
+            ):
                 return state
         return state
 

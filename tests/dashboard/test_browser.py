@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import httpx
 import pytest
@@ -112,7 +113,7 @@ def test_every_page_renders_in_chromium_without_errors_or_empty_charts(
     longest = api.get("/v1/requests", sort="backend_wait_s", order="desc", limit=1, live=False)["rows"][0]
     pages = {**PAGES, f"request?id={longest['request_id']}": 1}
     for page, min_charts in pages.items():
-        state = browser.load(f"{dashboard_url}/{page}")
+        state = browser.load(f"{dashboard_url}/{page}", min_charts=min_charts)
         name = (page.split("?")[0] or "overview") + ".png"
         browser.screenshot(shots / name)
         assert state.ready, f"{page or 'overview'}: still running after the timeout"
@@ -124,6 +125,34 @@ def test_every_page_renders_in_chromium_without_errors_or_empty_charts(
             f"{page or 'overview'}: empty charts {state.empty_charts}: {state.charts}"
         )
         assert (shots / name).stat().st_size > 10_000
+
+
+P99_POINTS_JS = """(() => {
+  const chart = document.querySelectorAll('[data-testid="stVegaLiteChart"]')[0];
+  return Array.from(chart.querySelectorAll('.mark-symbol path')).map(p => {
+    const r = p.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; });
+})()"""
+
+
+def test_one_click_on_a_p99_point_opens_the_requests_behind_it(dashboard_url: str, browser: Browser) -> None:
+    state = browser.load(f"{dashboard_url}/?window=all", min_charts=PAGES[""])
+    assert state.ready and not state.exceptions
+    points = browser.evaluate(P99_POINTS_JS)  # the TTFT chart's p99 points
+    assert len(points) >= 5
+    x, y = points[len(points) // 2]
+    for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+        browser.send("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "/requests" not in browser.evaluate("location.href"):
+        time.sleep(0.2)
+    url = urlparse(browser.evaluate("location.href"))
+    assert url.path == "/requests", url
+    q = parse_qs(url.query)
+    assert q["sort"] == ["ttft_s"] and q["order"] == ["desc"]
+    assert float(q["ended_until"][0]) > float(q["ended_since"][0])
+    state = browser.load(url.geturl())
+    assert not state.exceptions
+    assert "finished between" in state.text
 
 
 def test_the_page_check_catches_an_exception_box_and_an_empty_chart(browser: Browser, tmp_path: Path) -> None:
