@@ -7,6 +7,7 @@ Chromium runs with --headless --no-sandbox --disable-gpu --disable-background-ne
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import os
@@ -110,7 +111,10 @@ class Browser:
         port = self._devtools_port()
         tabs = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=5).json()
         page = next(t for t in tabs if t.get("type") == "page")
-        self._ws = connect(page["webSocketDebuggerUrl"], max_size=64 * 1024 * 1024, open_timeout=10)
+        self._stack = contextlib.ExitStack()
+        self._ws = self._stack.enter_context(
+            connect(page["webSocketDebuggerUrl"], max_size=64 * 1024 * 1024, open_timeout=10)
+        )
         self._ids = itertools.count(1)
         self.send("Page.enable")
         self.send("Runtime.enable")
@@ -191,7 +195,7 @@ class Browser:
 
     def close(self) -> None:
         try:
-            self._ws.close()
+            self._stack.close()
         finally:
             self.proc.terminate()
             try:
