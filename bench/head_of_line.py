@@ -1,0 +1,332 @@
+"""Head-of-line blocking by one long prompt, under vLLM's chunking options and the plugin's reserve.
+
+The scene (fixed by ``--seed``): short requests (32-64 prompt tokens, ``--short-output`` output tokens)
+arrive every 20-50 ms for ``--duration`` seconds; one ``--long-tokens`` prompt arrives at ``--long-at``
+seconds. The engine (tiny random-weight Llama on CPU, vLLM in-process) is driven step by step by this
+script, which adds each request when its arrival time has come. Each configuration runs in its own
+engine process with ``LedgerScheduler`` reporting to a real ledger (``chunkledger serve``, DuckDB), so
+the ledger's own view of the same run is printed beside the client-side figures:
+
+* no-long: the shorts alone (the baseline for short-request TTFT), budget 2048;
+* unchunked: chunked prefill off (the long prompt is one step);
+* chunk-N: vLLM chunked prefill with ``max_num_batched_tokens`` N;
+* chunk-2048+thr256: plus vLLM's ``long_prefill_token_threshold=256``;
+* reserve: the plugin's admission reserve (``admission_reserve`` share of the budget kept for waiting
+  requests, shortest first, with the depth cap ``admission_depth_tokens``).
+
+Printed per configuration: short TTFT p50/p99/max, ITL p99/max of the shorts decoding while the long
+prefill runs, the long request's TTFT, step time p50/p99, and from the ledger: the shorts' TTFT p99 and
+the share of it attributed to backend wait.
+
+    .venv/bin/python bench/head_of_line.py                                   # the issue's scene
+    .venv/bin/python bench/head_of_line.py --long-tokens 8000 --hidden 256 --only no-long,chunk-256,reserve
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "no-long": {"budget": 2048, "long": False},
+    "unchunked": {"budget": 0, "chunked": False},
+    "chunk-256": {"budget": 256},
+    "chunk-512": {"budget": 512},
+    "chunk-2048": {"budget": 2048},
+    "chunk-2048+thr256": {"budget": 2048, "threshold": 256},
+    "reserve": {"budget": 2048, "plugin": {"admission_reserve": 0.25, "admission_depth_tokens": 1024}},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def scene(args: argparse.Namespace) -> list[tuple[float, str, int, int]]:
+    """(arrival s, kind, prompt tokens, output tokens), sorted; the same for every configuration."""
+    rng = random.Random(args.seed)
+    out = []
+    t = 0.0
+    while t < args.duration:
+        t += rng.uniform(0.02, 0.05)
+        out.append((t, "short", rng.randint(32, 64), args.short_output))
+    out.append((args.long_at, "long", args.long_tokens, 4))
+    return sorted(out)
+
+
+# -- worker: one configuration in one engine ---------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> None:
+    from engine_hooks.vllm.tiny_model import vllm_env
+
+    os.environ.update(vllm_env(args.workdir))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import logging
+
+    logging.disable(logging.WARNING)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = CONFIGS[args.config]
+    max_len = args.long_tokens + 256
+    chunked = cfg.get("chunked", True)
+    llm = LLM(
+        args.model,
+        enforce_eager=True,
+        kv_cache_memory_bytes=args.kv_mib << 20,
+        max_num_batched_tokens=cfg["budget"] if chunked else max_len,
+        enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=cfg.get("threshold", 0),
+        max_model_len=max_len,
+        max_num_seqs=128,
+        enable_prefix_caching=False,
+        scheduler_cls="engine_hooks.vllm.LedgerScheduler",
+        additional_config={"chunkledger": cfg.get("plugin", {})},
+    )
+    engine = llm.llm_engine
+    rng = random.Random(args.seed + 1)
+    warm = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request(
+        "warmup", TokensPrompt(prompt_token_ids=[rng.randrange(10, 1300) for _ in range(64)]), warm
+    )
+    while engine.has_unfinished_requests():
+        engine.step()
+    arrivals = [a for a in scene(args) if cfg.get("long", True) or a[1] != "long"]
+    prefix = f"{args.tag}-{args.config}"
+    arrived: dict[str, float] = {}
+    first: dict[str, float] = {}
+    last: dict[str, tuple[float, int]] = {}
+    gaps: list[tuple[float, float]] = []  # (end time, gap) of each short's inter-token gap
+    steps: list[float] = []
+    start = time.monotonic()
+    i = 0
+    while i < len(arrivals) or engine.has_unfinished_requests():
+        now = time.monotonic() - start
+        while i < len(arrivals) and arrivals[i][0] <= now:
+            _, kind, n_prompt, n_out = arrivals[i]
+            rid = f"{prefix}-long" if kind == "long" else f"{prefix}-s{i}"
+            params = SamplingParams(
+                max_tokens=n_out, ignore_eos=True, temperature=0.0, extra_args={"chunkledger_request_id": rid}
+            )
+            tokens = [rng.randrange(10, 1300) for _ in range(n_prompt)]
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens), params)
+            arrived[rid] = now
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, arrivals[i][0] - (time.monotonic() - start)))
+            continue
+        t0 = time.monotonic()
+        outs = engine.step()
+        t1 = time.monotonic()
+        steps.append(t1 - t0)
+        t = t1 - start
+        for out in outs:
+            n = len(out.outputs[0].token_ids) if out.outputs else 0
+            rid = out.request_id
+            if not n:
+                continue
+            if rid not in first:
+                first[rid] = t
+            prev = last.get(rid)
+            if prev is not None and n > prev[1] and not rid.endswith("-long"):
+                gaps.append((t, t - prev[0]))
+            if prev is None or n > prev[1]:
+                last[rid] = (t, n)
+    long_id = f"{prefix}-long"
+    long_start = arrived.get(long_id)
+    long_end = first.get(long_id)
+    shorts = [r for r in arrived if r != long_id]
+    ttft = [first[r] - arrived[r] for r in shorts if r in first]
+    window = [
+        g
+        for end, g in gaps
+        if long_start is not None and long_end is not None and long_start <= end <= long_end
+    ]
+    result = {
+        "config": args.config,
+        "shorts": len(shorts),
+        "ttft_p50": _pct(ttft, 0.5),
+        "ttft_p99": _pct(ttft, 0.99),
+        "ttft_max": max(ttft) if ttft else float("nan"),
+        "itl_p99": _pct(window or [g for _, g in gaps], 0.99),
+        "itl_max": max(window or [g for _, g in gaps] or [float("nan")]),
+        "long_ttft": (long_end - long_start) if long_start is not None and long_end is not None else None,
+        "step_p50": _pct(steps, 0.5),
+        "step_p99": _pct(steps, 0.99),
+        "hook_errors": sum(getattr(s, "hook_errors", 0) for s in _schedulers(llm)),
+    }
+    for s in _schedulers(llm):
+        if s.exporter is not None:
+            s.exporter.force_flush(30.0)
+    print(json.dumps(result), flush=True)
+
+
+def _schedulers(llm: Any) -> list[Any]:
+    from engine_hooks.vllm.scheduler import iter_schedulers
+
+    return list(iter_schedulers(llm))
+
+
+# -- parent --------------------------------------------------------------------------------------
+
+
+def _ledger_view(url: str, prefix: str) -> dict[str, Any]:
+    import httpx
+
+    sql = (
+        "SELECT count(*) AS n, quantile_cont(ttft_s, 0.99) AS ttft_p99, "
+        "quantile_cont(backend_wait_ttft_s, 0.99) AS wait_p99, "
+        "sum(backend_wait_ttft_s) / nullif(sum(ttft_s), 0) AS wait_share "
+        "FROM requests WHERE request_id LIKE $p AND ttft_s IS NOT NULL"
+    )
+    try:
+        r = httpx.post(f"{url}/v1/sql", json={"sql": sql, "params": {"p": f"{prefix}-s%"}}, timeout=30)
+        body = r.json()
+        row = body["rows"][0]
+        return dict(zip(body["columns"], row, strict=False))
+    except Exception as exc:  # the ledger view is a bonus: print the bench figures anyway
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--long-tokens", type=int, default=16000)
+    parser.add_argument("--long-at", type=float, default=2.0, help="arrival of the long prompt (s)")
+    parser.add_argument("--duration", type=float, default=0.0, help="arrivals window (s); 0: long-at + 6")
+    parser.add_argument("--short-output", type=int, default=16, help="output tokens of each short request")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--kv-mib", type=int, default=512, help="KV cache size (MiB)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", default="", help="comma-separated configurations: " + ", ".join(CONFIGS))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--tag", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not args.duration:
+        args.duration = args.long_at + 6.0
+    if args.worker:
+        worker(args)
+        return
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(CONFIGS)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"--only: unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+
+    from engine_hooks.vllm.tiny_model import build_tiny_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="chunkledger-hol-"))
+    model = build_tiny_model(
+        tmp / "model", hidden=args.hidden, layers=args.layers, heads=4, max_pos=args.long_tokens + 512
+    )
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    ledger_log = open(tmp / "ledger.log", "wb")  # noqa: SIM115 - closed at the end
+    ledger = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ledger.cli",
+            "serve",
+            "--db",
+            f"duckdb:///{tmp / 'ledger.duckdb'}",
+            "--port",
+            str(port),
+        ],
+        stdout=ledger_log,
+        stderr=subprocess.STDOUT,
+    )
+    tag = f"hol{int(time.time())}"
+    results = []
+    try:
+        for name in names:
+            cmd = [sys.executable, __file__, "--worker", "--config", name, "--model", model, "--tag", tag]
+            cmd += ["--workdir", str(tmp / name), "--seed", str(args.seed), "--kv-mib", str(args.kv_mib)]
+            cmd += ["--long-tokens", str(args.long_tokens), "--long-at", str(args.long_at)]
+            cmd += ["--duration", str(args.duration), "--short-output", str(args.short_output)]
+            env = {
+                **os.environ,
+                "CHUNKLEDGER_URL": url,
+                "CHUNKLEDGER_SOURCE_ID": f"{tag}-{name}",
+                "CHUNKLEDGER_SPOOL_DIR": str(tmp / "spool"),
+            }
+            with open(tmp / f"{name}.log", "w") as log:
+                proc = subprocess.run(
+                    cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, timeout=1800
+                )
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            if proc.returncode or not lines:
+                print(f"{name}: failed (exit {proc.returncode}); see {tmp / (name + '.log')}", flush=True)
+                continue
+            result = json.loads(lines[-1])
+            result["ledger"] = _ledger_view(url, f"{tag}-{name}")
+            results.append(result)
+            print(f"  done: {name}", file=sys.stderr, flush=True)
+    finally:
+        ledger.terminate()
+        ledger.wait(30)
+        ledger_log.close()
+
+    ms = 1e3
+    print(
+        f"head_of_line: tiny Llama hidden {args.hidden} x {args.layers} layers (CPU); shorts of 32-64 tokens "
+        f"every 20-50 ms for {args.duration:.0f} s, {args.short_output} output tokens; one "
+        f"{args.long_tokens}-token prompt at t={args.long_at:.0f} s; seed {args.seed}"
+    )
+    head = (
+        f"  {'config':19} {'shorts':>6} {'TTFT p50':>9} {'p99':>8} {'max':>8} {'ITL p99':>8} {'max':>8} "
+        f"{'long TTFT':>10} {'step p50':>9} {'p99':>8} | {'ledger TTFT p99':>15} {'backend wait':>12}"
+    )
+    print(head)
+    print("  " + "-" * (len(head) - 2))
+    for r in results:
+        led = r["ledger"]
+        long_ttft = f"{r['long_ttft'] * ms:10.0f}" if r["long_ttft"] is not None else f"{'-':>10}"
+        ledger_p99 = led.get("ttft_p99")
+        share = led.get("wait_share")
+        print(
+            f"  {r['config']:19} {r['shorts']:6d} {r['ttft_p50'] * ms:9.0f} {r['ttft_p99'] * ms:8.0f} "
+            f"{r['ttft_max'] * ms:8.0f} {r['itl_p99'] * ms:8.0f} {r['itl_max'] * ms:8.0f} {long_ttft} "
+            f"{r['step_p50'] * ms:9.1f} {r['step_p99'] * ms:8.1f} | "
+            f"{(ledger_p99 or float('nan')) * ms:15.0f} {(share or float('nan')):12.0%}"
+        )
+    print("  (ms; ITL: gaps of short requests decoding while the long prefill ran; ledger: requests view)")
+    base = next((r for r in results if r["config"] == "no-long"), None)
+    unchunked = next((r for r in results if r["config"] == "unchunked"), None)
+    if base is not None:
+        for r in results:
+            if r["config"] == "no-long":
+                continue
+            line = f"  {r['config']:19} short TTFT p99 = {r['ttft_p99'] / base['ttft_p99']:6.1f}x baseline"
+            if unchunked is not None and r["long_ttft"] and unchunked["long_ttft"]:
+                line += f", long TTFT = {r['long_ttft'] / unchunked['long_ttft']:5.2f}x unchunked"
+            print(line)
+        print("  goal (issue 4): short TTFT p99 <= 3x baseline with long TTFT <= 1.2x unchunked")
+
+
+if __name__ == "__main__":
+    main()
