@@ -130,6 +130,7 @@ PG_ONLY_INDEXES = (
     sa.Index("events_source_seq_key", events.c.source_id, events.c.seq, unique=True),
     sa.Index("events_request_id_idx", events.c.request_id),
     sa.Index("steps_source_step_idx", steps.c.source_id, steps.c.step),
+    sa.Index("steps_ts_idx", steps.c.ts),  # windows over steps (ITL, the chunk-size fit); migration 0002
 )
 
 # -- Runaway rules, commands and webhooks (migration 0003) ------------------------------------------

@@ -98,9 +98,13 @@ def upgrade() -> None:
     op.add_column("steps", sa.Column("stalled_request_ids", sa.ARRAY(sa.Text()), nullable=True))
     op.add_column("steps", sa.Column("interval_s", sa.Double(), nullable=True))
     op.execute(_view_sql())
+    if op.get_bind().dialect.name == "postgresql":  # DuckDB scans steps by ts with zone maps
+        op.create_index("steps_ts_idx", "steps", ["ts"])
 
 
 def downgrade() -> None:
+    if op.get_bind().dialect.name == "postgresql":
+        op.drop_index("steps_ts_idx", "steps")
     op.execute("DROP VIEW requests")
     for name in ("interval_s", "stalled_request_ids", "max_prefill_depth", "prefill_depth_tokens"):
         op.drop_column("steps", name)
