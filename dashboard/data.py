@@ -55,13 +55,11 @@ class NotFound(LookupError):
 
 
 class Refused(RuntimeError):
-    """The ledger understood the question and declined it (409/422): ``reason`` and ``detail`` say why."""
+    """The ledger understood the question and declined it (400/409/422); ``detail`` says why."""
 
-    def __init__(self, detail: str, reason: str = "", body: dict[str, Any] | None = None) -> None:
+    def __init__(self, detail: str) -> None:
         super().__init__(detail)
         self.detail = detail
-        self.reason = reason
-        self.body = body or {}
 
 
 def _route_missing(status: int | None, detail: Any) -> bool:
@@ -241,23 +239,21 @@ class _Error:
     kind: str  # unavailable | not_found | refused | down | error
     message: str
     status: int | None
-    body: dict[str, Any]
 
 
 def _error_value(exc: LedgerError) -> _Error:
     status = exc.status_code
     text = str(exc)
     detail: Any = text.split(": ", 1)[1] if ": " in text and status is not None else text
-    body: dict[str, Any] = {}
     if status is None:
-        return _Error("down", text, None, body)
+        return _Error("down", text, None)
     if _route_missing(status, detail):
-        return _Error("unavailable", text, status, body)
+        return _Error("unavailable", text, status)
     if status == 404:
-        return _Error("not_found", str(detail), status, body)
+        return _Error("not_found", str(detail), status)
     if status in (400, 409, 422):
-        return _Error("refused", str(detail), status, body)
-    return _Error("error", text, status, body)
+        return _Error("refused", str(detail), status)
+    return _Error("error", text, status)
 
 
 def _raise_cached(value: Any) -> Any:
@@ -268,9 +264,7 @@ def _raise_cached(value: Any) -> Any:
     if value.kind == "not_found":
         raise NotFound(value.message)
     if value.kind == "refused":
-        reason = ""
-        detail = value.message
-        raise Refused(detail, reason, value.body)
+        raise Refused(value.message)
     raise LedgerError(value.message, value.status)
 
 

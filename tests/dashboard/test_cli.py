@@ -1,0 +1,31 @@
+"""``chunkledger dashboard``: options and refusals (serving is covered by test_browser.py)."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from dashboard.cli import streamlit_command
+from ledger.cli import app
+
+runner = CliRunner()
+
+
+def test_dashboard_command_is_registered_with_its_options() -> None:
+    out = runner.invoke(app, ["dashboard", "--help"])
+    assert out.exit_code == 0
+    for option in ("--ledger", "--port", "--read-token", "--refresh-s"):
+        assert option in out.output
+
+
+def test_dashboard_refuses_a_ledger_that_is_not_an_http_url() -> None:
+    out = runner.invoke(app, ["dashboard", "--ledger", "127.0.0.1:8321"])
+    assert out.exit_code == 2
+    assert "--ledger" in out.output and "not an http(s) URL" in out.output
+
+
+def test_dashboard_runs_streamlit_headless_on_the_port_asked() -> None:
+    cmd = streamlit_command(8600, "127.0.0.1")
+    assert cmd[1:4] == ["-m", "streamlit", "run"]
+    assert cmd[4].endswith("dashboard/app.py")
+    assert cmd[cmd.index("--server.port") + 1] == "8600"
+    assert cmd[cmd.index("--server.headless") + 1] == "true"
