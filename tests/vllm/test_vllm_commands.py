@@ -97,7 +97,7 @@ def test_non_preemptible_request_is_never_the_victim(engine, attach, ledger):
     exporter = attach(ledger.url)
     ids = [rid(f"np{i}") for i in range(8)]
     for r in ids:
-        engine.add(r, prompt(200), max_tokens=300)
+        engine.add(r, prompt(350), max_tokens=150)
     protected = ids[-1]  # vLLM's FCFS victim is the last running request: this one
     engine.scheduler.submit_command(
         Command(id="c-" + protected, request_id=protected, action="non_preemptible", rule="sla")

@@ -104,12 +104,12 @@ def test_request_id_is_the_gateways_from_extra_args_else_vllms_without_suffix(en
 def test_kv_pressure_preemptions_are_reported_with_resume_and_recomputed_tokens(engine, attach, ledger):
     exporter = attach(ledger.url)
     ids = [rid(f"kv{i}") for i in range(8)]
-    for r in ids:  # 8 x (200 + 300) tokens against a 3072-token KV cache
-        engine.add(r, prompt(200), max_tokens=300)
+    for r in ids:  # 8 x (350 + 150) tokens against a 3072-token KV cache
+        engine.add(r, prompt(350), max_tokens=150)
     outs = engine.run()
     events = _events(ledger, exporter)
 
-    assert all(len(outs[r].outputs[0].token_ids) == 300 for r in ids)
+    assert all(len(outs[r].outputs[0].token_ids) == 150 for r in ids)
     preempted = events_of(events, Preempted)
     assert preempted, "a 3072-token KV cache must preempt 4000 tokens of work"
     resumed = events_of(events, Resumed)
@@ -127,9 +127,9 @@ def test_kv_pressure_preemptions_are_reported_with_resume_and_recomputed_tokens(
     for r in ids:
         chunks = events_of(events, Chunk, r)
         new = sum(c.tokens - c.recomputed_tokens for c in chunks)
-        assert new >= 200  # every prompt token once (plus output positions never computed before)
+        assert new >= 350  # every prompt token once (plus output positions never computed before)
         (fin,) = events_of(events, Finished, r)
-        assert fin.output_tokens == 300
+        assert fin.output_tokens == 150
     stalled = [s for s in events_of(events, Step) if s.stalled_request_ids]
     for s in stalled:
         assert len(s.stalled_request_ids) == len(s.stalled_kv_blocks)
