@@ -59,7 +59,11 @@ stop() { # stop one process group we started, politely then firmly
   for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.2; done
   kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
 }
-cleanup() { for pid in "${PIDS[@]}"; do stop "$pid"; done; }
+VLLM_DIR=""
+cleanup() {
+  for pid in "${PIDS[@]}"; do stop "$pid"; done
+  if [ -n "$VLLM_DIR" ]; then rm -rf "$VLLM_DIR"; fi
+}
 trap cleanup EXIT
 
 wait_http() { # url pid log [tries of 0.5 s]
@@ -122,7 +126,9 @@ else
     MODEL=$(.venv/bin/python -m engine_hooks.vllm.tiny_model "$WORK/tiny-llama-4l" --layers 4 2>>"$WORK/model.log")
     echo "model:     $MODEL (random weights, 4 layers, built locally)"
   fi
-  VLLM_ENV=$(.venv/bin/python -c "from engine_hooks.vllm.tiny_model import vllm_env; print(' '.join(f'{k}={v}' for k, v in vllm_env('$WORK/vllm').items()))")
+  # vLLM's IPC sockets must have short paths (107 bytes), so its runtime folder lives directly in /tmp.
+  VLLM_DIR=$(mktemp -d /tmp/chunkledger-vllm.XXXXXX)
+  VLLM_ENV=$(.venv/bin/python -c "from engine_hooks.vllm.tiny_model import vllm_env; print(' '.join(f'{k}={v}' for k, v in vllm_env('$VLLM_DIR').items()))")
   setsid .venv/bin/chunkledger gateway --upstream "http://127.0.0.1:$VLLM_PORT" --port "$GW_PORT" \
     --ledger "$URL" --source-id "$RUN-gateway" > "$WORK/gateway.log" 2>&1 &
   PIDS+=($!)
