@@ -6,13 +6,14 @@ One ledger and one vLLM server for the module (vLLM takes about 20-80 s to start
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,11 +138,63 @@ def _row(ledger: str, request_id: str) -> dict[str, Any] | None:
     return answer.json()["request"] if answer.status_code == 200 else None
 
 
-def _normalise(stream: bytes) -> list[Any]:
-    """The events of a stream with the per-request fields (id, created) blanked out."""
-    text = re.sub(rb'"id":"[^"]*"', b'"id":""', stream)
-    text = re.sub(rb'"created":\d+', b'"created":0', text)
-    return [e for e in text.split(b"\n\n") if e]
+class RecordingRelay:
+    """A TCP relay in a thread between the gateway and vLLM that keeps every byte vLLM sent back."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.received = bytearray()
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._pipe, args=(client, upstream, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, self.received), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, record: bytearray | None) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if record is not None:
+                    record.extend(data)
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _dechunk(raw: bytes) -> bytes:
+    """The body of one HTTP/1.1 response with chunked transfer encoding."""
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower(), head
+    body = bytearray()
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return bytes(body)
+        body.extend(rest[:size])
+        rest = rest[size + 2 :]
+
+
+def _content(stream: bytes) -> tuple[str, list[Any]]:
+    """The text a chat stream carried and its finish reasons (chunking into events varies by timing)."""
+    text, reasons = "", []
+    for event in stream.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            for choice in json.loads(event[6:])["choices"]:
+                text += choice["delta"].get("content") or ""
+                reasons.append(choice["finish_reason"])
+    return text, [r for r in reasons if r]
 
 
 CHAT = {
@@ -151,19 +204,26 @@ CHAT = {
 }
 
 
-def test_vllm_stream_through_the_gateway_matches_the_direct_stream(stack, make_gateway):
-    gw = make_gateway(stack["vllm"], ledger_url=stack["ledger"])
-    body = {**CHAT, "stream": True, "max_tokens": 12}
-    with httpx.Client(timeout=60) as client:
-        via = client.post(gw.url + "/v1/chat/completions", json=body, headers={"x-request-id": "vllm-via-1"})
-        direct = client.post(
-            stack["vllm"] + "/v1/chat/completions", json=body, headers={"x-request-id": "vllm-dir-1"}
-        )
+def test_vllm_stream_passes_through_byte_for_byte_and_matches_the_direct_stream(stack, make_gateway):
+    relay = RecordingRelay(int(stack["vllm"].rsplit(":", 1)[1]))
+    try:
+        gw = make_gateway(f"http://127.0.0.1:{relay.port}", ledger_url=stack["ledger"])
+        body = {**CHAT, "stream": True, "max_tokens": 12}
+        with httpx.Client(timeout=60) as client:
+            via = client.post(
+                gw.url + "/v1/chat/completions", json=body, headers={"x-request-id": "vllm-via-1"}
+            )
+            direct = client.post(
+                stack["vllm"] + "/v1/chat/completions", json=body, headers={"x-request-id": "vllm-dir-1"}
+            )
+    finally:
+        relay.close()
     assert via.status_code == direct.status_code == 200
     assert via.headers["x-request-id"] == "vllm-via-1"
     assert b'"id":"chatcmpl-vllm-via-1"' in via.content  # vLLM took the gateway's request id
-    assert _normalise(via.content) == _normalise(direct.content)  # greedy: same tokens, same bytes
+    assert via.content == _dechunk(bytes(relay.received))  # exactly the bytes vLLM sent the gateway
     assert via.content.endswith(b"data: [DONE]\n\n")
+    assert _content(via.content) == _content(direct.content)  # greedy: the same text, the same ending
 
 
 def test_vllm_ledger_row_joins_gateway_and_engine_layers(stack, make_gateway):
