@@ -88,12 +88,13 @@ def test_request_id_from_the_client_goes_upstream_in_header_and_vllm_xargs(upstr
         r = client.post(
             gw.url + "/v1/chat/completions",
             json={"model": "m", "max_tokens": 1, "vllm_xargs": {"session_id": "s1"}, "extra": [1, 2.5, None]},
-            headers={"X-Request-Id": "client-chosen-1"},
+            headers={"X-Request-Id": "client-chosen-1", "Authorization": "Bearer upstream-key"},
         )
     assert r.status_code == 200
     assert r.headers["x-request-id"] == "client-chosen-1"
     seen = upstream.app.requests[-1]
     assert seen.headers["x-request-id"] == "client-chosen-1"
+    assert seen.headers["authorization"] == "Bearer upstream-key"  # vLLM's --api-key checks it
     assert seen.body["vllm_xargs"] == {"session_id": "s1", "chunkledger_request_id": "client-chosen-1"}
     assert seen.body["extra"] == [1, 2.5, None]
     assert seen.body["model"] == "m"
