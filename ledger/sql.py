@@ -221,7 +221,10 @@ def check_duckdb_access(conn: Any, sql: str) -> None:
     """Refuse a SELECT whose syntax tree (DuckDB's ``json_serialize_sql``) reads a hidden table or
     calls a table function outside ``TABLE_FUNCTIONS``. Fails closed: a tree DuckDB cannot give is
     a refusal."""
-    tree = json.loads(conn.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
+    try:
+        tree = json.loads(conn.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
+    except (duckdb.Error, ValueError) as exc:
+        tree = {"error": True, "error_message": _first_line(exc)}
     if tree.get("error"):
         raise SqlError(
             "permission_denied",
@@ -465,6 +468,8 @@ class DuckDBRunner(SqlRunner):
                 raw = cur.fetchmany(max_rows + 1) if desc else []
             except duckdb.Error as exc:
                 raise _duckdb_error(exc, timeout_s) from None
+            except (ValueError, OverflowError, TypeError) as exc:  # a value Python cannot hold
+                raise SqlError("query_error", f"a result value could not be read: {exc}") from None
             finally:
                 timer.cancel()
             elapsed = time.perf_counter() - t0
@@ -589,6 +594,8 @@ class PostgresRunner(SqlRunner):
                 raw = cur.fetchmany(max_rows + 1) if desc else []
             except psycopg.Error as exc:
                 raise _pg_error(exc, timeout_s) from None
+            except (ValueError, OverflowError, TypeError) as exc:  # a value Python cannot hold
+                raise SqlError("query_error", f"a result value could not be read: {exc}") from None
             elapsed = time.perf_counter() - t0
         natives = [d.type_display for d in desc]
         types = [type_name(n) for n in natives]
