@@ -385,12 +385,27 @@ def type_name(native: str) -> str:
 
 
 class SqlRunner:
-    """Runs one read-only statement with a time limit and a row cap."""
+    """Runs one read-only statement with a time limit and a row cap; at most ``max_concurrent`` at
+    once (each may keep a server thread busy up to the time limit; ingest never waits on them)."""
 
     dialect = ""
+    max_concurrent = 4
 
-    def run(
-        self, sql: str, params: Params = None, *, max_rows: int, timeout_s: float
+    def __init__(self) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_concurrent)
+
+    def run(self, sql: str, params: Params = None, *, max_rows: int, timeout_s: float) -> SqlResult:
+        if not self._slots.acquire(timeout=1.0):
+            raise SqlError(
+                "busy", f"{self.max_concurrent} SQL queries are already running; retry shortly", 503
+            )
+        try:
+            return self._run(sql, params, max_rows=max_rows, timeout_s=timeout_s)
+        finally:
+            self._slots.release()
+
+    def _run(
+        self, sql: str, params: Params, *, max_rows: int, timeout_s: float
     ) -> SqlResult:  # pragma: no cover - interface
         raise NotImplementedError
 
@@ -402,9 +417,10 @@ class UnavailableRunner(SqlRunner):
     """A store without SQL (the null:// store): every query is a 503 saying why."""
 
     def __init__(self, why: str) -> None:
+        super().__init__()
         self.why = why
 
-    def run(self, sql: str, params: Params = None, *, max_rows: int, timeout_s: float) -> SqlResult:
+    def _run(self, sql: str, params: Params, *, max_rows: int, timeout_s: float) -> SqlResult:
         raise SqlError("unavailable", self.why, status=503)
 
 
@@ -429,6 +445,7 @@ class DuckDBRunner(SqlRunner):
 
     def __init__(self, parent: Any) -> None:
         # ``parent`` is a connection of the store's instance, used only to make per-query connections.
+        super().__init__()
         self._parent = parent
         self._lock = threading.Lock()
         disable_external_access(parent)
@@ -452,7 +469,7 @@ class DuckDBRunner(SqlRunner):
                 cur.execute("ROLLBACK")
             cur.close()
 
-    def run(self, sql: str, params: Params = None, *, max_rows: int, timeout_s: float) -> SqlResult:
+    def _run(self, sql: str, params: Params, *, max_rows: int, timeout_s: float) -> SqlResult:
         bound = _check_params(params)
         with self.read_transaction() as cur:
             inner = sql if classify(sql, cur) == "SELECT" else explained_statement(sql)
@@ -515,6 +532,7 @@ class PostgresRunner(SqlRunner):
     dialect = "postgresql"
 
     def __init__(self, url: str, *, configured: bool) -> None:
+        super().__init__()
         self.engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
         self.configured = configured  # False: falling back to the ledger's own role
 
@@ -574,7 +592,7 @@ class PostgresRunner(SqlRunner):
                 503,
             )
 
-    def run(self, sql: str, params: Params = None, *, max_rows: int, timeout_s: float) -> SqlResult:
+    def _run(self, sql: str, params: Params, *, max_rows: int, timeout_s: float) -> SqlResult:
         import psycopg
 
         bound = _check_params(params)

@@ -648,3 +648,30 @@ def test_param_option_reads_json_values_else_strings():
     assert sql.parse_param("f=1.5") == ("f", 1.5)
     with pytest.raises(ValueError, match="name=value"):
         sql.parse_param("nothing")
+
+
+def test_more_concurrent_queries_than_the_limit_get_a_503_busy():
+    release = threading.Event()
+
+    class Blocking(sql.SqlRunner):
+        max_concurrent = 2
+
+        def _run(self, query, params, *, max_rows, timeout_s):
+            release.wait(10)
+            return sql.SqlResult(["x"], ["integer"], [[1]], False, 0.0)
+
+    runner = Blocking()
+    workers = [
+        threading.Thread(target=runner.run, args=("SELECT 1",), kwargs={"max_rows": 1, "timeout_s": 1})
+        for _ in range(2)
+    ]
+    for w in workers:
+        w.start()
+    time.sleep(0.1)
+    with pytest.raises(sql.SqlError) as err:
+        runner.run("SELECT 1", max_rows=1, timeout_s=1)
+    assert (err.value.reason, err.value.status) == ("busy", 503)
+    release.set()
+    for w in workers:
+        w.join()
+    assert runner.run("SELECT 1", max_rows=1, timeout_s=1).rows == [[1]]  # slots come back
