@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -33,6 +34,8 @@ from ledger.rules.engine import Decision
 
 log = logging.getLogger(__name__)
 
+MAX_PER_RESPONSE = 256  # commands in one ingest response or poll answer (the rest follow in later ones)
+
 _INSERT = sa.text(
     "INSERT INTO cutoffs (command_id, request_id, rule, action, detail, model, source_id, gateway_source_id, "
     "decided_ts, deliveries, state) VALUES (:command_id, :request_id, :rule, :action, :detail, :model, "
@@ -47,6 +50,8 @@ class Pending:
     decided_ts: float
     targets: dict[str, str]  # source id -> "engine" | "gateway", still to confirm
     delivered: set[str] = field(default_factory=set)
+    sends: int = 0  # deliveries so far (ingest responses and polls, re-sends included)
+    stored_sends: int = 0  # what ``cutoffs.deliveries`` holds
 
 
 class CommandBook:
@@ -58,7 +63,7 @@ class CommandBook:
         *,
         ttl_s: Callable[[], float] = lambda: 600.0,
         clock: Callable[[], float] = time.time,
-        on_delivered: Callable[[Pending, str, str], None] | None = None,
+        on_delivered: Callable[[int, str], None] | None = None,
         on_applied: Callable[[Pending, str, float], None] | None = None,
     ) -> None:
         self.engine = engine  # None: memory only (a null store)
@@ -99,7 +104,8 @@ class CommandBook:
                 sa.text(
                     "SELECT command_id, request_id, rule, action, detail, model, source_id, "
                     "gateway_source_id, "
-                    "decided_ts, applied_ts, gateway_applied_ts, delivered_ts, gateway_delivered_ts "
+                    "decided_ts, applied_ts, gateway_applied_ts, delivered_ts, gateway_delivered_ts, "
+                    "deliveries "
                     "FROM cutoffs WHERE state = 'pending'"
                 )
             ).all()
@@ -116,6 +122,7 @@ class CommandBook:
                     id=r.command_id, request_id=r.request_id, action=r.action, rule=r.rule, detail=r.detail
                 )
                 p = Pending(command=cmd, model=r.model, decided_ts=r.decided_ts, targets=targets)
+                p.sends = p.stored_sends = int(r.deliveries)
                 if r.delivered_ts is not None and r.source_id:
                     p.delivered.add(r.source_id)
                 if r.gateway_delivered_ts is not None and r.gateway_source_id:
@@ -150,32 +157,46 @@ class CommandBook:
 
     # -- decisions ---------------------------------------------------------------------------------
     def record(self, decisions: Sequence[Decision]) -> list[tuple[Decision, Pending]]:
-        """Store new decisions and queue their commands; a decision already stored is skipped."""
-        out = []
-        for d in decisions:
-            cid = uuid.uuid4().hex
-            if self.engine is not None:
-                with self._db_lock, self.engine.begin() as conn:
-                    conn.execute(
-                        _INSERT,
-                        {
-                            "command_id": cid,
-                            "request_id": d.request_id,
-                            "rule": d.rule,
-                            "action": d.action,
-                            "detail": d.detail,
-                            "model": d.model,
-                            "source_id": d.engine_source_id,
-                            "gateway_source_id": d.gateway_source_id,
-                            "decided_ts": d.decided_ts,
-                        },
+        """Store new decisions (one transaction) and queue their commands.
+
+        A decision already stored for the same request and rule (before a restart, or by another
+        replica) is skipped: it is stored and delivered once."""
+        if not decisions:
+            return []
+        ids = [uuid.uuid4().hex for _ in decisions]
+        if self.engine is not None:
+            rows = [
+                {
+                    "command_id": cid,
+                    "request_id": d.request_id,
+                    "rule": d.rule,
+                    "action": d.action,
+                    "detail": d.detail,
+                    "model": d.model,
+                    "source_id": d.engine_source_id,
+                    "gateway_source_id": d.gateway_source_id,
+                    "decided_ts": d.decided_ts,
+                }
+                for cid, d in zip(ids, decisions, strict=True)
+            ]
+            with self._db_lock, self.engine.begin() as conn:
+                conn.execute(_INSERT, rows)
+                stored = {
+                    (r.request_id, r.rule): r.command_id
+                    for r in conn.execute(
+                        sa.text(
+                            "SELECT request_id, rule, command_id FROM cutoffs WHERE command_id IN :ids"
+                        ).bindparams(sa.bindparam("ids", expanding=True)),
+                        {"ids": ids},
                     )
-                    stored = conn.execute(
-                        sa.text("SELECT command_id FROM cutoffs WHERE request_id = :r AND rule = :rule"),
-                        {"r": d.request_id, "rule": d.rule},
-                    ).scalar_one()
-                if stored != cid:
-                    continue  # decided before (a restart, another replica): stored and delivered once
+                }
+        else:
+            stored = {(d.request_id, d.rule): cid for cid, d in zip(ids, decisions, strict=True)}
+        out = []
+        woken: set[str] = set()
+        for cid, d in zip(ids, decisions, strict=True):
+            if stored.get((d.request_id, d.rule)) != cid:
+                continue  # decided before (a restart, another replica): stored and delivered once
             targets = {}
             if d.engine_source_id:
                 targets[d.engine_source_id] = "engine"
@@ -186,38 +207,68 @@ class CommandBook:
             if targets:
                 with self._lock:
                     self._index(p)
-                self._wake(list(targets))
+                woken.update(targets)
             out.append((d, p))
+        if woken:
+            self._wake(sorted(woken))
         return out
 
     # -- delivery ----------------------------------------------------------------------------------
     def for_source(self, source_id: str) -> list[ev.Command]:
+        """The source's unconfirmed commands, oldest first, at most ``MAX_PER_RESPONSE``."""
         with self._lock:
             per = self.by_source.get(source_id)
-            return [p.command for p in per.values()] if per else []
+            if not per:
+                return []
+            return [p.command for p in itertools.islice(per.values(), MAX_PER_RESPONSE)]
 
     def has_pending(self, source_id: str) -> bool:
         return source_id in self.by_source
 
     def mark_delivered(self, source_id: str, commands: Sequence[ev.Command], channel: str) -> None:
-        """Count a delivery; the first one to each target sets its delivered timestamp."""
+        """Count a delivery. Only the first one to each target is written at once (its delivered
+        timestamp); re-send counts reach ``cutoffs.deliveries`` on the ticker (``flush``) and at close."""
         now = self._clock()
-        for c in commands:
-            with self._lock:
+        first: list[dict[str, Any]] = []
+        with self._lock:
+            for c in commands:
                 p = self.by_id.get(c.id)
                 if p is None:
                     continue
-                role = p.targets.get(source_id)
-                first = source_id not in p.delivered
-                p.delivered.add(source_id)
-            col = "gateway_delivered_ts" if role == "gateway" else "delivered_ts"
-            self._exec(
-                f"UPDATE cutoffs SET deliveries = deliveries + 1, {col} = COALESCE({col}, :now) "
-                "WHERE command_id = :id",
-                {"now": now, "id": c.id},
-            )
-            if self._on_delivered is not None:
-                self._on_delivered(p, channel, "first" if first else "again")
+                p.sends += 1
+                if source_id not in p.delivered:
+                    p.delivered.add(source_id)
+                    first.append(
+                        {"now": now, "id": c.id, "n": p.sends, "gw": p.targets.get(source_id) == "gateway"}
+                    )
+                    p.stored_sends = p.sends
+        if first and self.engine is not None:
+            with self._db_lock, self.engine.begin() as conn:
+                for gw in (False, True):
+                    rows = [r for r in first if r["gw"] is gw]
+                    if rows:
+                        col = "gateway_delivered_ts" if gw else "delivered_ts"
+                        conn.execute(
+                            sa.text(
+                                f"UPDATE cutoffs SET {col} = COALESCE({col}, :now), deliveries = :n "
+                                "WHERE command_id = :id"
+                            ),
+                            rows,
+                        )
+        if self._on_delivered is not None:
+            self._on_delivered(len(commands), channel)
+
+    def flush(self) -> None:
+        """Write re-send counts that changed since they were last stored (one transaction)."""
+        with self._lock:
+            rows = [
+                {"n": p.sends, "id": p.command.id} for p in self.by_id.values() if p.sends != p.stored_sends
+            ]
+            for p in self.by_id.values():
+                p.stored_sends = p.sends
+        if rows and self.engine is not None:
+            with self._db_lock, self.engine.begin() as conn:
+                conn.execute(sa.text("UPDATE cutoffs SET deliveries = :n WHERE command_id = :id"), rows)
 
     async def wait(self, source_id: str, timeout_s: float) -> list[ev.Command]:
         """The source's pending commands; when there are none, wait up to ``timeout_s`` for one."""
@@ -278,10 +329,10 @@ class CommandBook:
                 "applied_source_id = COALESCE(applied_source_id, :sid)"
             )
         if closed:
-            sets += ", state = 'applied', closed_ts = :now"
+            sets += ", state = 'applied', closed_ts = :now, deliveries = :n"
         self._exec(
             f"UPDATE cutoffs SET {sets} WHERE command_id = :id",
-            {"now": now, "sid": source_id, "id": command_id},
+            {"now": now, "sid": source_id, "id": command_id, "n": p.sends},
         )
         if self._on_applied is not None:
             self._on_applied(p, role or "engine", now - p.decided_ts)
@@ -292,14 +343,17 @@ class CommandBook:
         with self._lock:
             lst = list(self.by_request.get(request_id, ()))
             closed = [p for p in lst if source_id in p.targets and self._unindex_target(p, source_id)]
-        if closed:
+        if closed and self.engine is not None:
             now = self._clock()
-            for p in closed:
-                self._exec(
-                    "UPDATE cutoffs SET state = CASE WHEN applied_ts IS NULL AND gateway_applied_ts IS NULL "
-                    "THEN 'moot' ELSE 'applied' END, closed_ts = :now WHERE command_id = :id AND "
-                    "state = 'pending'",
-                    {"now": now, "id": p.command.id},
+            with self._db_lock, self.engine.begin() as conn:
+                conn.execute(
+                    sa.text(
+                        "UPDATE cutoffs SET state = CASE WHEN applied_ts IS NULL AND "
+                        "gateway_applied_ts IS NULL THEN 'moot' ELSE 'applied' END, closed_ts = :now, "
+                        "deliveries = :n "
+                        "WHERE command_id = :id AND state = 'pending'"
+                    ),
+                    [{"now": now, "id": p.command.id, "n": p.sends} for p in closed],
                 )
 
     def expire(self, now: float | None = None) -> int:
@@ -310,18 +364,23 @@ class CommandBook:
             for p in old:
                 for sid in list(p.targets):
                     self._unindex_target(p, sid)
-        for p in old:
+        if old:
             log.warning(
-                "command %s (%s on %s) expired unconfirmed",
-                p.command.id,
-                p.command.rule,
-                p.command.request_id,
+                "%d commands expired unconfirmed, e.g. %s (%s on %s)",
+                len(old),
+                old[0].command.id,
+                old[0].command.rule,
+                old[0].command.request_id,
             )
-            self._exec(
-                "UPDATE cutoffs SET state = 'expired', closed_ts = :now WHERE command_id = :id "
-                "AND state = 'pending'",
-                {"now": now, "id": p.command.id},
-            )
+            if self.engine is not None:
+                with self._db_lock, self.engine.begin() as conn:
+                    conn.execute(
+                        sa.text(
+                            "UPDATE cutoffs SET state = 'expired', closed_ts = :now, deliveries = :n "
+                            "WHERE command_id = :id AND state = 'pending'"
+                        ),
+                        [{"now": now, "id": p.command.id, "n": p.sends} for p in old],
+                    )
         return len(old)
 
     # -- reads -------------------------------------------------------------------------------------

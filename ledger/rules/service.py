@@ -152,6 +152,10 @@ class RunawayService:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10)
+        try:
+            self.book.flush()
+        except Exception:
+            log.exception("could not store the last delivery counts")
         if self.webhooks is not None:
             self.webhooks.stop()
 
@@ -168,6 +172,7 @@ class RunawayService:
         expired = self.book.expire(now)
         if expired:
             self.metrics.commands_expired.inc(expired)
+        self.book.flush()
         self._observe_finished(now)
         policy = self.policies.get()
         if now - self._last_slo >= policy.alerts.slo_check_interval_s:
@@ -202,11 +207,11 @@ class RunawayService:
 
     # -- rule engine hooks ---------------------------------------------------------------------------
     def decided(self, decisions: list[Decision]) -> None:
+        alerts = []
         for d, p in self.book.record(decisions):
             self.metrics.cutoffs.labels(d.rule, d.action).inc()
             log.info("cutoff %s: %s -> %s on %s (%s)", p.command.id, d.rule, d.action, d.request_id, d.detail)
-            self._alert(
-                "cutoff",
+            alerts.append(
                 {
                     "command_id": p.command.id,
                     "request_id": d.request_id,
@@ -217,9 +222,13 @@ class RunawayService:
                     "source_id": d.engine_source_id,
                     "gateway_source_id": d.gateway_source_id,
                     "decided_ts": d.decided_ts,
-                },
-                count=False,
+                }
             )
+        if alerts and self.webhooks is not None:
+            try:
+                self.webhooks.emit_many("cutoff", alerts)
+            except Exception:
+                log.exception("could not queue the cutoff webhooks")
 
     def confirmed(self, source_id: str, command_id: str, ts: float) -> None:
         self.book.confirm(source_id, command_id, ts)
@@ -254,8 +263,8 @@ class RunawayService:
         )
 
     # -- command book hooks --------------------------------------------------------------------------
-    def _delivered(self, p: Pending, channel: str, first: str) -> None:
-        self.metrics.commands_delivered.labels(channel).inc()
+    def _delivered(self, n: int, channel: str) -> None:
+        self.metrics.commands_delivered.labels(channel).inc(n)
 
     def _applied(self, p: Pending, target: str, took_s: float) -> None:
         self.metrics.commands_applied.labels(p.command.rule, target).inc()

@@ -174,30 +174,35 @@ class Webhooks:
     # -- outbox ------------------------------------------------------------------------------------
     def emit(self, event_type: str, data: dict[str, Any]) -> int:
         """Queue ``data`` for every subscriber of ``event_type``; returns how many deliveries."""
+        return self.emit_many(event_type, [data])
+
+    def emit_many(self, event_type: str, items: list[dict[str, Any]]) -> int:
+        """Queue several events of one type in one transaction; returns how many deliveries."""
         subs = self.subscriptions(event_type)
-        if not subs:
+        if not subs or not items:
             return 0
         now = self._clock()
-        event_id = uuid.uuid4().hex
         rows = []
-        for s in subs:
-            if s["format"] == "text":
-                body = json.dumps({"text": render_text(event_type, data)})
-            else:
-                body = json.dumps(
-                    {"id": event_id, "type": event_type, "ts": now, "data": data}, sort_keys=True
+        for data in items:
+            event_id = uuid.uuid4().hex  # the same for every subscriber of this event
+            for s in subs:
+                if s["format"] == "text":
+                    body = json.dumps({"text": render_text(event_type, data)})
+                else:
+                    body = json.dumps(
+                        {"id": event_id, "type": event_type, "ts": now, "data": data}, sort_keys=True
+                    )
+                rows.append(
+                    {
+                        "id": uuid.uuid4().hex,
+                        "subscription_id": s["id"],
+                        "event_type": event_type,
+                        "event_id": event_id,
+                        "body": body,
+                        "created_ts": now,
+                        "next_attempt_ts": now,
+                    }
                 )
-            rows.append(
-                {
-                    "id": uuid.uuid4().hex,
-                    "subscription_id": s["id"],
-                    "event_type": event_type,
-                    "event_id": event_id,
-                    "body": body,
-                    "created_ts": now,
-                    "next_attempt_ts": now,
-                }
-            )
         with self._db_lock, self.engine.begin() as conn:
             conn.execute(
                 sa.text(

@@ -224,3 +224,18 @@ def test_a_bad_policy_file_stops_the_service_naming_the_field(tmp_path, kind):
         TestClient(app),
     ):
         pass
+
+
+def test_a_response_carries_at_most_256_commands_oldest_first():
+    from ledger.rules.commands import MAX_PER_RESPONSE, CommandBook
+    from ledger.rules.engine import Decision
+
+    book = CommandBook(None)
+    decisions = [Decision(f"r{i}", "token_cap", "abort", "d", "m", "e0", None, float(i)) for i in range(300)]
+    assert len(book.record(decisions)) == 300
+    first = book.for_source("e0")
+    assert len(first) == MAX_PER_RESPONSE == 256 and first[0].request_id == "r0"
+    book.mark_delivered("e0", first, "ingest")
+    for c in first:
+        book.confirm("e0", c.id, 0.0)
+    assert [c.request_id for c in book.for_source("e0")] == [f"r{i}" for i in range(256, 300)]
