@@ -40,8 +40,9 @@ def reader_role(pg_database: str) -> Iterator[str]:
     yield role
     eng = sa.create_engine(pg_database, isolation_level="AUTOCOMMIT")
     with eng.connect() as conn:
-        conn.exec_driver_sql(f"DROP OWNED BY {role}")
-        conn.exec_driver_sql(f"DROP ROLE IF EXISTS {role}")
+        if conn.exec_driver_sql("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).first():
+            conn.exec_driver_sql(f"DROP OWNED BY {role}")
+            conn.exec_driver_sql(f"DROP ROLE {role}")
     eng.dispose()
 
 
