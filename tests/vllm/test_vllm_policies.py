@@ -88,15 +88,19 @@ def test_admission_aging_bound_keeps_arrival_order_for_old_requests(engine, atta
 
 def test_admission_depth_cap_shrinks_deep_chunks(engine, attach, ledger):
     exporter = attach(ledger.url)
-    set_options(engine, admission_reserve=0.25, admission_depth_tokens=512, admission_min_chunk=16)
+    set_options(engine, admission_reserve=0.25, admission_depth_tokens=1024, admission_min_chunk=16)
     long, other = rid("long"), rid("decoding")
-    engine.add(other, prompt(10), max_tokens=400)  # keeps a second request in the engine
+    engine.add(other, prompt(10), max_tokens=1000)  # keeps a second request in the engine
     engine.add(long, prompt(1800), max_tokens=2)
+    while long not in engine.finished:
+        engine.step()
+    engine.core.abort_request([other])
     engine.run()
     assert exporter.force_flush(10.0)
-    for c in events_of(list(ledger.store.events), Chunk, long):
-        cap = max(16, int(96 / (1 + c.computed_before / 512)))
-        assert c.tokens <= cap
+    chunks = events_of(list(ledger.store.events), Chunk, long)
+    for c in chunks:
+        assert c.tokens <= max(16, int(96 / (1 + c.computed_before / 1024)))
+    assert chunks[0].tokens == 96 and chunks[-1].tokens < 48  # shallow chunks big, deep ones small
 
 
 # -- victim choice, without running the engine ----------------------------------------------------
