@@ -10,7 +10,7 @@ the ledger's own view of the same run is printed beside the client-side figures:
 * no-long: the shorts alone (the baseline for short-request TTFT), budget 2048;
 * unchunked: chunked prefill off (the long prompt is one step);
 * chunk-N: vLLM chunked prefill with ``max_num_batched_tokens`` N;
-* chunk-2048+thr256: plus vLLM's ``long_prefill_token_threshold=256``;
+* chunk-2048-thr256: plus vLLM's ``long_prefill_token_threshold=256``;
 * reserve: the plugin's admission reserve (``admission_reserve`` share of the budget kept for waiting
   requests, shortest first, with the depth cap ``admission_depth_tokens``).
 
@@ -45,7 +45,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "chunk-256": {"budget": 256},
     "chunk-512": {"budget": 512},
     "chunk-2048": {"budget": 2048},
-    "chunk-2048+thr256": {"budget": 2048, "threshold": 256},
+    "chunk-2048-thr256": {"budget": 2048, "threshold": 256},
     "reserve": {"budget": 2048, "plugin": {"admission_reserve": 0.25, "admission_depth_tokens": 1024}},
 }
 
@@ -67,7 +67,7 @@ def scene(args: argparse.Namespace) -> list[tuple[float, str, int, int]]:
     out = []
     t = 0.0
     while t < args.duration:
-        t += rng.uniform(0.02, 0.05)
+        t += rng.uniform(args.gap_min_s, args.gap_max_s)
         out.append((t, "short", rng.randint(32, 64), args.short_output))
     out.append((args.long_at, "long", args.long_tokens, 4))
     return sorted(out)
@@ -216,6 +216,7 @@ def main() -> None:
     parser.add_argument("--long-at", type=float, default=2.0, help="arrival of the long prompt (s)")
     parser.add_argument("--duration", type=float, default=0.0, help="arrivals window (s); 0: long-at + 6")
     parser.add_argument("--short-output", type=int, default=16, help="output tokens of each short request")
+    parser.add_argument("--gap-ms", default="20,50", help="min,max gap between short arrivals (ms)")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--kv-mib", type=int, default=512, help="KV cache size (MiB)")
@@ -229,6 +230,13 @@ def main() -> None:
     args = parser.parse_args()
     if not args.duration:
         args.duration = args.long_at + 6.0
+    try:
+        low, high = (float(x) / 1e3 for x in args.gap_ms.split(","))
+    except ValueError:
+        raise SystemExit(f"--gap-ms: expected MIN,MAX in milliseconds, got {args.gap_ms!r}") from None
+    if not 0 < low <= high:
+        raise SystemExit(f"--gap-ms: need 0 < MIN <= MAX, got {args.gap_ms!r}")
+    args.gap_min_s, args.gap_max_s = low, high
     if args.worker:
         worker(args)
         return
@@ -268,6 +276,7 @@ def main() -> None:
             cmd += ["--workdir", str(tmp / name), "--seed", str(args.seed), "--kv-mib", str(args.kv_mib)]
             cmd += ["--long-tokens", str(args.long_tokens), "--long-at", str(args.long_at)]
             cmd += ["--duration", str(args.duration), "--short-output", str(args.short_output)]
+            cmd += ["--gap-ms", args.gap_ms]
             env = {
                 **os.environ,
                 "CHUNKLEDGER_URL": url,
@@ -294,7 +303,7 @@ def main() -> None:
     ms = 1e3
     print(
         f"head_of_line: tiny Llama hidden {args.hidden} x {args.layers} layers (CPU); shorts of 32-64 tokens "
-        f"every 20-50 ms for {args.duration:.0f} s, {args.short_output} output tokens; one "
+        f"every {args.gap_ms} ms for {args.duration:.0f} s, {args.short_output} output tokens; one "
         f"{args.long_tokens}-token prompt at t={args.long_at:.0f} s; seed {args.seed}"
     )
     head = (
