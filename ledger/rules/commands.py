@@ -43,6 +43,63 @@ _INSERT = sa.text(
 )
 
 
+_INSERT_COLUMNS = (
+    "command_id",
+    "request_id",
+    "rule",
+    "action",
+    "detail",
+    "model",
+    "source_id",
+    "gateway_source_id",
+    "decided_ts",
+)
+
+
+def _insert_many(conn: Any, rows: list[dict[str, Any]]) -> None:
+    """Multi-row ``INSERT ... ON CONFLICT DO NOTHING``, 500 rows per statement."""
+    for start in range(0, len(rows), 500):
+        chunk = rows[start : start + 500]
+        params: dict[str, Any] = {}
+        tuples = []
+        for i, row in enumerate(chunk):
+            for c in _INSERT_COLUMNS:
+                params[f"{c}{i}"] = row[c]
+            tuples.append("(" + ", ".join(f":{c}{i}" for c in _INSERT_COLUMNS) + ", 0, 'pending')")
+        conn.execute(
+            sa.text(
+                f"INSERT INTO cutoffs ({', '.join(_INSERT_COLUMNS)}, deliveries, state) VALUES "
+                f"{', '.join(tuples)} ON CONFLICT DO NOTHING"
+            ),
+            params,
+        )
+
+
+def _values_update(conn: Any, sets: str, rows: list[dict[str, Any]], columns: dict[str, str]) -> None:
+    """One ``UPDATE cutoffs ... FROM (VALUES ...)`` per 500 rows: DuckDB runs an executemany as one
+    statement per row (about a millisecond each); this is one statement on both backends.
+
+    ``columns`` maps each value column to its SQL type; ``id`` (the command id) joins the rows."""
+    names = list(columns)
+    for start in range(0, len(rows), 500):
+        chunk = rows[start : start + 500]
+        params: dict[str, Any] = {}
+        tuples = []
+        for i, row in enumerate(chunk):
+            cells = []
+            for name in names:
+                params[f"{name}{i}"] = row[name]
+                cells.append(f"CAST(:{name}{i} AS {columns[name]})")
+            tuples.append(f"({', '.join(cells)})")
+        conn.execute(
+            sa.text(
+                f"UPDATE cutoffs SET {sets} FROM (VALUES {', '.join(tuples)}) AS v({', '.join(names)}) "
+                "WHERE cutoffs.command_id = v.id"
+            ),
+            params,
+        )
+
+
 @dataclass(eq=False)
 class Pending:
     command: ev.Command
@@ -180,7 +237,10 @@ class CommandBook:
                 for cid, d in zip(ids, decisions, strict=True)
             ]
             with self._db_lock, self.engine.begin() as conn:
-                conn.execute(_INSERT, rows)
+                if len(rows) == 1:
+                    conn.execute(_INSERT, rows[0])
+                else:
+                    _insert_many(conn, rows)
                 stored = {
                     (r.request_id, r.rule): r.command_id
                     for r in conn.execute(
@@ -248,12 +308,11 @@ class CommandBook:
                     rows = [r for r in first if r["gw"] is gw]
                     if rows:
                         col = "gateway_delivered_ts" if gw else "delivered_ts"
-                        conn.execute(
-                            sa.text(
-                                f"UPDATE cutoffs SET {col} = COALESCE({col}, :now), deliveries = :n "
-                                "WHERE command_id = :id"
-                            ),
+                        _values_update(
+                            conn,
+                            f"{col} = COALESCE(cutoffs.{col}, v.now), deliveries = v.n",
                             rows,
+                            {"id": "TEXT", "n": "BIGINT", "now": "DOUBLE PRECISION"},
                         )
         if self._on_delivered is not None:
             self._on_delivered(len(commands), channel)
@@ -268,7 +327,7 @@ class CommandBook:
                 p.stored_sends = p.sends
         if rows and self.engine is not None:
             with self._db_lock, self.engine.begin() as conn:
-                conn.execute(sa.text("UPDATE cutoffs SET deliveries = :n WHERE command_id = :id"), rows)
+                _values_update(conn, "deliveries = v.n", rows, {"id": "TEXT", "n": "BIGINT"})
 
     async def wait(self, source_id: str, timeout_s: float) -> list[ev.Command]:
         """The source's pending commands; when there are none, wait up to ``timeout_s`` for one."""

@@ -132,6 +132,7 @@ class RunawayService:
         self._thread: threading.Thread | None = None
         self._last_slo = 0.0
         self._last_refresh = 0.0
+        self._last_flush = 0.0
         live = metrics.live
         live.live = self.rules.live_counts
         live.stalled = self.rules.kv_stalled_counts
@@ -172,7 +173,9 @@ class RunawayService:
         expired = self.book.expire(now)
         if expired:
             self.metrics.commands_expired.inc(expired)
-        self.book.flush()
+        if now - self._last_flush >= 5.0:
+            self._last_flush = now
+            self.book.flush()
         self._observe_finished(now)
         policy = self.policies.get()
         if now - self._last_slo >= policy.alerts.slo_check_interval_s:

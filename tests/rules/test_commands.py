@@ -239,3 +239,32 @@ def test_a_response_carries_at_most_256_commands_oldest_first():
     for c in first:
         book.confirm("e0", c.id, 0.0)
     assert [c.request_id for c in book.for_source("e0")] == [f"r{i}" for i in range(256, 300)]
+
+
+def test_many_decisions_in_one_batch_are_stored_and_delivered_together(db_url):
+    with TestClient(create_app(settings(db_url))) as c:
+        c.put("/v1/policy", json={"rules": {"max_output_tokens": 10}}, headers=ADM).raise_for_status()
+        eng = Src(c, ENGINE)
+        t = time.time()
+        got = eng.send(*[ev.Tokens(seq=0, ts=t, request_id=f"r{i}", count=16, total=16) for i in range(5)])
+        assert sorted(x["request_id"] for x in got["commands"]) == [f"r{i}" for i in range(5)]
+        again = eng.send(ev.Queued(seq=0, ts=t, request_id="z", prompt_tokens=1))
+        assert [x["id"] for x in again["commands"]] == [x["id"] for x in got["commands"]]
+        for x in got["commands"][:2]:
+            eng.send(
+                ev.CutoffApplied(
+                    seq=0,
+                    ts=t,
+                    request_id=x["request_id"],
+                    command_id=x["id"],
+                    action="abort",
+                    rule="token_cap",
+                )
+            )
+    rows = {r["request_id"]: r for r in cutoff_rows(db_url)}
+    assert len(rows) == 5 and all(r["delivered_ts"] is not None for r in rows.values())
+    applied = {x["request_id"] for x in got["commands"][:2]}
+    for rid, r in rows.items():
+        assert r["state"] == ("applied" if rid in applied else "pending"), r
+        # 2 ingest responses, plus one more for each response before that command's confirming batch
+        assert r["deliveries"] >= 2
