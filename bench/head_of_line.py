@@ -11,8 +11,8 @@ the ledger's own view of the same run is printed beside the client-side figures:
 * unchunked: chunked prefill off (the long prompt is one step);
 * chunk-N: vLLM chunked prefill with ``max_num_batched_tokens`` N;
 * chunk-2048-thr256: plus vLLM's ``long_prefill_token_threshold=256``;
-* reserve: the plugin's admission reserve (``admission_reserve`` share of the budget kept for waiting
-  requests, shortest first, with the depth cap ``admission_depth_tokens``).
+* reserve: the plugin's admission reserve (a quarter of the budget kept for waiting requests,
+  shortest first); reserve-depth: plus the depth cap ``admission_depth_tokens=4096``.
 
 Printed per configuration: short TTFT p50/p99/max, ITL p99/max of the shorts decoding while the long
 prefill runs, the long request's TTFT, step time p50/p99, and from the ledger: the shorts' TTFT p99 and
@@ -46,7 +46,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "chunk-512": {"budget": 512},
     "chunk-2048": {"budget": 2048},
     "chunk-2048-thr256": {"budget": 2048, "threshold": 256},
-    "reserve": {"budget": 2048, "plugin": {"admission_reserve": 0.25, "admission_depth_tokens": 1024}},
+    "reserve": {"budget": 2048, "plugin": {"admission_reserve": 0.25}},
+    "reserve-depth": {"budget": 2048, "plugin": {"admission_reserve": 0.25, "admission_depth_tokens": 4096}},
 }
 
 
