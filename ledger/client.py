@@ -23,7 +23,9 @@ class LedgerError(RuntimeError):
 
 class LedgerClient:
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout_s: float = 30.0) -> None:
-        self.url = (url or os.environ.get("CHUNKLEDGER_LEDGER_URL") or DEFAULT_LEDGER_URL).rstrip("/")
+        # CHUNKLEDGER_URL is what the exporters read; the same ledger serves both.
+        env_url = os.environ.get("CHUNKLEDGER_LEDGER_URL") or os.environ.get("CHUNKLEDGER_URL")
+        self.url = (url or env_url or DEFAULT_LEDGER_URL).rstrip("/")
         token = token if token is not None else os.environ.get("CHUNKLEDGER_READ_TOKEN", "")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
