@@ -32,7 +32,8 @@ SCRIPT = textwrap.dedent(
               max_model_len=2048, async_scheduling=True,
               scheduler_cls="engine_hooks.vllm.AsyncLedgerScheduler")
     (sch,) = iter_schedulers(llm)
-    prompts = [TokensPrompt(prompt_token_ids=[10 + (i * 7 + j) % 1200 for j in range(300 + 50 * i)]) for i in range(3)]
+    ids = [[10 + (i * 7 + j) % 1200 for j in range(300 + 50 * i)] for i in range(3)]
+    prompts = [TokensPrompt(prompt_token_ids=t) for t in ids]
     outs = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
     sch.exporter.force_flush(10)
     ev = ledger.store.events
