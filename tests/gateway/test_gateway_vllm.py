@@ -310,7 +310,8 @@ def test_vllm_ledger_cutoff_cuts_the_stream_and_the_engine_request(stack, make_g
     events = [e for e in r.content.split(b"\n\n") if e]
     assert events[-1] == b"data: [DONE]"
     chunks = [json.loads(e[6:]) for e in events[:-1]]
-    assert len(chunks) < 1500  # cut long before 2000 tokens (the decision takes a few engine steps)
+    row = _row(stack["ledger"], "vllm-cut-1")
+    assert len(chunks) < 1500, (cutoffs, row)  # cut long before 2000 tokens (the decision takes a few steps)
     last = chunks[-1]
     # Whichever applied the command first ends the stream: the gateway (its final chunk names the rule)
     # or the engine (vLLM finishes the request with stop reason chunkledger:token_cap).
