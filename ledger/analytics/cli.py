@@ -24,6 +24,7 @@ TokenOpt = Annotated[str | None, typer.Option("--token", help="read token (env C
 FormatOpt = Annotated[str, typer.Option("--format", help="table or json")]
 SinceOpt = Annotated[str | None, typer.Option(help="unix seconds, ISO 8601, or an age: 15m, 2h, 1d")]
 
+
 def _call(ledger: str | None, token: str | None, path: str, **params: Any) -> Any:
     try:
         with LedgerClient(ledger, token) as c:
