@@ -44,9 +44,11 @@ ENGINE=${DEMO_ENGINE:-vllm}
 KEEP=${DEMO_KEEP:-$([ -t 1 ] && echo 1 || echo 0)}
 URL="http://127.0.0.1:${PORT}"
 if [ "$SHORT" = 1 ]; then
-  DURATION=${DEMO_DURATION:-12}; LONG=${DEMO_LONG_TOKENS:-6000}; MAXLEN=8192; CHECK=--check
+  # The runaway asks for 1024 tokens here: the ledger's cap (256) should cut it, and when a busy box
+  # delays the cut, streaming 8k tokens would starve the rest of the scene (see the README).
+  DURATION=${DEMO_DURATION:-12}; LONG=${DEMO_LONG_TOKENS:-6000}; MAXLEN=8192; RUNAWAY=1024; CHECK=--check
 else
-  DURATION=${DEMO_DURATION:-30}; LONG=${DEMO_LONG_TOKENS:-20000}; MAXLEN=24576; CHECK=""
+  DURATION=${DEMO_DURATION:-30}; LONG=${DEMO_LONG_TOKENS:-20000}; MAXLEN=24576; RUNAWAY=$((24576 - 64)); CHECK=""
 fi
 mkdir -p "$WORK"
 STARTED=$(date +%s)
@@ -150,7 +152,7 @@ else
     wait_http "http://127.0.0.1:$VLLM_PORT/health" "$vpid" "$WORK/vllm-$name.log" 1200
     .venv/bin/python scripts/demo_scene.py run --phase "$name" --settings "$label" --engine-source "$src" \
       --gateway "http://127.0.0.1:$GW_PORT" --duration "$DURATION" --long-tokens "$LONG" --out "$PHASES" \
-      --runaway-max-tokens $((MAXLEN - 64))
+      --runaway-max-tokens "$RUNAWAY"
     sleep 2  # the exporter's last batches
     stop "$vpid"
   }

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 from fastapi import APIRouter, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from engine_hooks import events as ev
 from ledger.api.deps import SettingsDep, WriterDep, require
 from ledger.ingest import BadBatch, WriterUnavailable, decode_batch
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 
 
@@ -32,7 +36,13 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
 
 @router.post("/v1/events", dependencies=[require("ingest")])
 async def ingest_events(request: Request, settings: SettingsDep, writer: WriterDep) -> Response:
-    body = await _read_body(request, settings.max_body_bytes)
+    try:
+        body = await _read_body(request, settings.max_body_bytes)
+    except ClientDisconnect:
+        # The source gave up mid-upload (its timeout); nothing was stored, and it will send the batch
+        # again. Not a server error: no traceback, and nobody is left to read an answer.
+        log.info("a source disconnected while sending a batch; nothing stored")
+        return Response(status_code=status.HTTP_400_BAD_REQUEST)
     runaway = getattr(request.app.state, "runaway", None)
     if body is None:
         if runaway is not None:

@@ -92,3 +92,21 @@ def test_bad_database_url_is_a_clear_configuration_error(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2 and "db_url" in proc.stderr
+
+
+def test_a_source_that_disconnects_mid_upload_is_not_a_server_error(ledger_server, tmp_path):
+    """An exporter that times out halfway through a body: nothing stored, no traceback, ingest goes on."""
+    import socket
+
+    host, port = "127.0.0.1", ledger_server.port
+    with socket.create_connection((host, port)) as s:
+        s.sendall(
+            b"POST /v1/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n" + b'{"source": {"id": "half"'
+        )
+    evs = numbered([ev.Queued(seq=0, ts=1.0, request_id="after", prompt_tokens=3)])
+    r = httpx.post(f"{ledger_server.url}/v1/events", content=body(ENGINE, evs))
+    assert r.status_code == 200 and r.json()["accepted"] == 1
+    ledger_server.stop()
+    log = ledger_server.log_path.read_text()
+    assert "Traceback" not in log and "disconnected while sending a batch" in log
