@@ -298,7 +298,8 @@ def check(figures: list[tuple[dict[str, Any], dict[str, Any]]]) -> int:
             # vs chunking alone the gap is wide; vs no chunking it depends on how long the tiny model's
             # unchunked prefill takes on the machine (0.3 s for 6k tokens on a quiet one)
             problems.append(
-                f"advised short TTFT p99 {c:.3f}s is not below unchunked {a:.3f}s and half of chunked {b:.3f}s"
+                f"advised short TTFT p99 {c:.3f}s is not below unchunked {a:.3f}s "
+                f"and half of chunked {b:.3f}s"
             )
         if not f[sorted(f)[1]]["culprit"]:
             problems.append(
