@@ -406,6 +406,22 @@ def why(conn: sa.Connection, request_id: str, *, top: int = 5) -> dict[str, Any]
                 }
             )
         first_tok = row["first_token_ts"]
+        shared = _shared_prefill(conn, request_id, steps, first_tok)
+        if shared is not None:
+            seconds, shared_steps, other_tokens = shared
+            items.append(
+                {
+                    "kind": "shared_prefill",
+                    "seconds": seconds,
+                    "start_ts": shared_steps[0].ts,
+                    "steps": [s.step for s in shared_steps],
+                    "detail": f"its prefill shared {len(shared_steps)} steps with {other_tokens} "
+                    "prefill tokens of other requests (their share of those steps)",
+                    "culprits": _prefills_in_steps(
+                        conn, src, [s.step for s in shared_steps], request_id, top
+                    ),
+                }
+            )
         decode = [
             s for s in steps if first_tok is not None and s.ts >= first_tok and request_id in s.request_ids
         ]
@@ -435,6 +451,26 @@ def why(conn: sa.Connection, request_id: str, *, top: int = 5) -> dict[str, Any]
         "layers": layers,
         "items": items,
     }
+
+
+def _shared_prefill(
+    conn: sa.Connection, request_id: str, steps: Sequence[Any], first_tok: float | None
+) -> tuple[float, list[Any], int] | None:
+    """The steps that ran the request's own prefill chunks together with other requests' chunks, and
+    the time those others took in them (each step's duration split by prefill tokens)."""
+    own = {d["step"]: d.get("tokens", 0) for d in _event_data(conn, request_id, ["chunk"]) if "step" in d}
+    seconds, shared, others = 0.0, [], 0
+    for s in steps:
+        if s.step not in own or request_id not in s.request_ids or not s.prefill_tokens:
+            continue
+        if first_tok is not None and s.ts >= first_tok:
+            continue
+        other = s.prefill_tokens - own[s.step]
+        if other > 0:
+            seconds += s.duration_s * other / s.prefill_tokens
+            shared.append(s)
+            others += other
+    return (seconds, shared, others) if shared else None
 
 
 def _prefills_between(

@@ -294,3 +294,31 @@ def test_analytics_endpoints_name_the_bad_parameter(client):
     assert r.status_code == 422 and "since/until" in r.json()["detail"]
     assert client.get("/v1/requests/nope/why", headers=RD).status_code == 404
     assert client.get("/v1/requests?limit=0", headers=RD).status_code == 422
+
+
+def test_why_blames_the_long_prefill_that_shared_a_short_requests_prefill_step(store):
+    evs = _seq(
+        [
+            ev.Queued(ts=T0, seq=0, request_id="big", prompt_tokens=1000),
+            ev.Queued(ts=T0, seq=0, request_id="small", prompt_tokens=10),
+            ev.Chunk(ts=T0, seq=0, request_id="big", step=0, tokens=1000, computed_before=0, wait_s=0.0),
+            ev.Chunk(ts=T0, seq=0, request_id="small", step=0, tokens=10, computed_before=0, wait_s=0.0),
+            ev.Step(
+                ts=T0,
+                seq=0,
+                step=0,
+                duration_s=0.101,
+                prefill_tokens=1010,
+                num_prefill_reqs=2,
+                request_ids=["big", "small"],
+            ),
+            ev.Tokens(ts=T0 + 0.101, seq=0, request_id="small", count=1, total=1),
+            ev.Finished(ts=T0 + 0.101, seq=0, request_id="small", reason="stop", output_tokens=1),
+        ]
+    )
+    store.write([batch(ENGINE, evs)])
+    with _conn(store) as conn:
+        out = q.why(conn, "small")
+    item = next(i for i in out["items"] if i["kind"] == "shared_prefill")
+    assert item["seconds"] == pytest.approx(0.1)
+    assert item["steps"] == [0] and item["culprits"][0]["request_id"] == "big"
