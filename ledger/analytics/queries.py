@@ -202,7 +202,13 @@ def decode_itl(
     gap = S.c.interval_s
     key = sa.func.round(sa.func.ln(sa.func.greatest(gap, 1e-9)) * _ITL_BINS_PER_E).label("k")
     stmt = (
-        sa.select(model, key, sa.func.sum(S.c.num_decode_reqs).label("w"), sa.func.max(gap).label("top"))
+        sa.select(
+            model,
+            key,
+            sa.func.sum(S.c.num_decode_reqs).label("w"),
+            sa.func.sum(gap * S.c.num_decode_reqs).label("gw"),
+            sa.func.max(gap).label("top"),
+        )
         .select_from(S.outerjoin(src, src.c.source_id == S.c.source_id))
         .where(gap.is_not(None), S.c.num_decode_reqs > 0)
         .group_by(model, key)
@@ -211,36 +217,23 @@ def decode_itl(
     part = [bins.c.model] if group_by_model else []
     cum = sa.func.sum(bins.c.w).over(partition_by=part or None, order_by=bins.c.k)
     tot = sa.func.sum(bins.c.w).over(partition_by=part or None)
-    ranked = sa.select(bins.c.model, bins.c.top, bins.c.w, (cum / tot).label("cdf")).subquery()
+    ranked = sa.select(bins.c.model, bins.c.top, bins.c.w, bins.c.gw, (cum / tot).label("cdf")).subquery()
     cols: list[sa.ColumnElement[Any]] = [
         sa.func.sum(ranked.c.w).label("n"),
         *(sa.func.min(sa.case((ranked.c.cdf >= q, ranked.c.top))).label(k) for k, q in QUANTILES.items()),
         sa.func.max(ranked.c.top).label("max"),
+        # the mean (shown only beside the tails), exact: summed per bin, not read off the bins
+        (sa.func.sum(ranked.c.gw) / sa.func.sum(ranked.c.w)).label("mean"),
     ]
     out_stmt = sa.select(*([ranked.c.model] if group_by_model else []), *cols)
     if group_by_model:
         out_stmt = out_stmt.group_by(ranked.c.model).order_by(ranked.c.model)
-    # The mean (shown only beside the tails) straight from the steps, weighted the same way.
-    mean_stmt = _window(
-        sa.select(
-            *([model] if group_by_model else []),
-            (sa.func.sum(gap * S.c.num_decode_reqs) / sa.func.sum(S.c.num_decode_reqs)).label("mean"),
-        )
-        .select_from(S.outerjoin(src, src.c.source_id == S.c.source_id))
-        .where(gap.is_not(None), S.c.num_decode_reqs > 0),
-        window,
-        S.c.ts,
-    )
-    if group_by_model:
-        mean_stmt = mean_stmt.group_by(model)
-    means = {(r[0] if group_by_model else None): r[-1] for r in conn.execute(mean_stmt).all()}
     out = []
     for row in conn.execute(out_stmt).mappings():
         if not row["n"]:
             continue
         m = row["model"] if group_by_model else None
-        entry: dict[str, Any] = {k: row[k] for k in (*QUANTILES, "max")}
-        entry = {"n": int(row["n"]), **entry, "mean": means.get(m)}
+        entry: dict[str, Any] = {"n": int(row["n"]), **{k: row[k] for k in (*QUANTILES, "max", "mean")}}
         if group_by_model:
             entry = {"model": m or None, **entry}
         out.append(entry)
@@ -359,7 +352,8 @@ def why(conn: sa.Connection, request_id: str, *, top: int = 5) -> dict[str, Any]
                     "culprits": _prefills_between(conn, src, row["queued_ts"], first_sched, request_id, top),
                 }
             )
-    life = _event_data(conn, request_id, ["preempted", "resumed"])
+    life = _event_data(conn, request_id, ["preempted", "resumed", "chunk"])
+    own_chunks = {d["step"]: d.get("tokens", 0) for d in life if d["kind"] == "chunk" and "step" in d}
     pending: dict[str, Any] | None = None
     for d in life:
         if d["kind"] == "preempted":
@@ -402,11 +396,11 @@ def why(conn: sa.Connection, request_id: str, *, top: int = 5) -> dict[str, Any]
                     "start_ts": sat_out[0].ts,
                     "steps": [s.step for s in sat_out],
                     "detail": f"held its KV blocks through {len(sat_out)} steps it was left out of",
-                    "culprits": _prefills_in_steps(conn, src, [s.step for s in sat_out], request_id, top),
+                    "culprits": _prefills_in_steps(conn, src, sat_out, request_id, top),
                 }
             )
         first_tok = row["first_token_ts"]
-        shared = _shared_prefill(conn, request_id, steps, first_tok)
+        shared = _shared_prefill(request_id, own_chunks, steps, first_tok)
         if shared is not None:
             seconds, shared_steps, other_tokens = shared
             items.append(
@@ -417,9 +411,7 @@ def why(conn: sa.Connection, request_id: str, *, top: int = 5) -> dict[str, Any]
                     "steps": [s.step for s in shared_steps],
                     "detail": f"its prefill shared {len(shared_steps)} steps with {other_tokens} "
                     "prefill tokens of other requests (their share of those steps)",
-                    "culprits": _prefills_in_steps(
-                        conn, src, [s.step for s in shared_steps], request_id, top
-                    ),
+                    "culprits": _prefills_in_steps(conn, src, shared_steps, request_id, top),
                 }
             )
         decode = [
@@ -439,7 +431,7 @@ def why(conn: sa.Connection, request_id: str, *, top: int = 5) -> dict[str, Any]
                         "detail": f"{len(slow)} decode steps shared with prefill chunks ran "
                         f"{max(s.duration_s for s in slow) / typical:.1f}x its typical step "
                         f"({typical * 1e3:.1f} ms)",
-                        "culprits": _prefills_in_steps(conn, src, [s.step for s in slow], request_id, top),
+                        "culprits": _prefills_in_steps(conn, src, slow, request_id, top),
                     }
                 )
     items.sort(key=lambda i: -(i["seconds"] or 0))
@@ -454,11 +446,10 @@ def why(conn: sa.Connection, request_id: str, *, top: int = 5) -> dict[str, Any]
 
 
 def _shared_prefill(
-    conn: sa.Connection, request_id: str, steps: Sequence[Any], first_tok: float | None
+    request_id: str, own: dict[int, int], steps: Sequence[Any], first_tok: float | None
 ) -> tuple[float, list[Any], int] | None:
-    """The steps that ran the request's own prefill chunks together with other requests' chunks, and
-    the time those others took in them (each step's duration split by prefill tokens)."""
-    own = {d["step"]: d.get("tokens", 0) for d in _event_data(conn, request_id, ["chunk"]) if "step" in d}
+    """The steps that ran the request's own prefill chunks (``own``: step -> tokens) together with
+    other requests' chunks, and the time those others took in them (duration split by tokens)."""
     seconds, shared, others = 0.0, [], 0
     for s in steps:
         if s.step not in own or request_id not in s.request_ids or not s.prefill_tokens:
@@ -486,8 +477,9 @@ def _prefills_between(
 
 
 def _prefills_in_steps(
-    conn: sa.Connection, source_id: str, steps: list[int], exclude: str, top: int
+    conn: sa.Connection, source_id: str, steps: Sequence[Any], exclude: str, top: int
 ) -> list[dict[str, Any]]:
+    """The requests whose prefill chunks ran in these step rows (they carry ``step`` and ``ts``)."""
     if not steps:
         return []
     rows = conn.execute(
@@ -495,27 +487,21 @@ def _prefills_in_steps(
             E.c.source_id == source_id,
             E.c.kind == "chunk",
             E.c.request_id != exclude,
-            E.c.ts >= _step_ts(conn, source_id, min(steps)),
-            E.c.ts <= _step_ts(conn, source_id, max(steps)),
+            E.c.ts >= min(s.ts for s in steps),
+            E.c.ts <= max(s.ts for s in steps),
         )
     ).all()
-    wanted = set(steps)
-    return _rank_chunks(
-        [(rid, data) for rid, data in rows if msgspec.json.decode(data).get("step") in wanted], top
-    )
+    return _rank_chunks(rows, top, only_steps={s.step for s in steps})
 
 
-def _step_ts(conn: sa.Connection, source_id: str, step: int) -> float:
-    ts = conn.execute(sa.select(S.c.ts).where(S.c.source_id == source_id, S.c.step == step)).scalar()
-    return float(ts) if ts is not None else 0.0
-
-
-def _rank_chunks(rows: Sequence[Any], top: int) -> list[dict[str, Any]]:
+def _rank_chunks(rows: Sequence[Any], top: int, only_steps: set[int] | None = None) -> list[dict[str, Any]]:
     tokens: dict[str, int] = defaultdict(int)
     chunks: dict[str, int] = defaultdict(int)
     depth: dict[str, int] = defaultdict(int)
     for rid, data in rows:
         d = msgspec.json.decode(data)
+        if only_steps is not None and d.get("step") not in only_steps:
+            continue
         tokens[rid] += d.get("tokens", 0)
         chunks[rid] += 1
         depth[rid] = max(depth[rid], d.get("computed_before", 0) + d.get("tokens", 0))
