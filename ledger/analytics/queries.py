@@ -341,15 +341,18 @@ def why(conn: sa.Connection, request_id: str, *, top: int = 5) -> dict[str, Any]
             }
         )
     if src is not None and row["queued_ts"] is not None:
+        # From the engine's own arrival (its front end), not the scheduler's queue: a busy engine also
+        # delays the hand-over to the scheduler, and both are the backend wait (one clock).
+        arrived = row["engine_arrival_ts"] or row["queued_ts"]
         first_sched = row["first_scheduled_ts"] or row["end_ts"]
-        if first_sched is not None and first_sched > row["queued_ts"]:
+        if first_sched is not None and first_sched > arrived:
             items.append(
                 {
                     "kind": "engine_queue",
-                    "seconds": first_sched - row["queued_ts"],
-                    "start_ts": row["queued_ts"],
-                    "detail": "waited in the engine queue before its first chunk",
-                    "culprits": _prefills_between(conn, src, row["queued_ts"], first_sched, request_id, top),
+                    "seconds": first_sched - arrived,
+                    "start_ts": arrived,
+                    "detail": "waited in the engine (front end and queue) before its first chunk",
+                    "culprits": _prefills_between(conn, src, arrived, first_sched, request_id, top),
                 }
             )
     life = _event_data(conn, request_id, ["preempted", "resumed", "chunk"])

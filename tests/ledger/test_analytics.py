@@ -322,3 +322,18 @@ def test_why_blames_the_long_prefill_that_shared_a_short_requests_prefill_step(s
     item = next(i for i in out["items"] if i["kind"] == "shared_prefill")
     assert item["seconds"] == pytest.approx(0.1)
     assert item["steps"] == [0] and item["culprits"][0]["request_id"] == "big"
+
+
+def test_why_counts_the_engine_wait_from_its_front_end_arrival(store):
+    evs = _seq(
+        [
+            ev.Chunk(ts=T0 + 0.1, seq=0, request_id="big", step=0, tokens=512, computed_before=0, wait_s=0.0),
+            ev.Queued(ts=T0 + 0.8, seq=0, request_id="late", prompt_tokens=8, arrival_ts=T0),
+            ev.Chunk(ts=T0 + 0.9, seq=0, request_id="late", step=1, tokens=8, computed_before=0, wait_s=0.1),
+        ]
+    )
+    store.write([batch(ENGINE, evs)])
+    with _conn(store) as conn:
+        item = next(i for i in q.why(conn, "late")["items"] if i["kind"] == "engine_queue")
+    assert item["seconds"] == pytest.approx(0.9)
+    assert item["culprits"][0]["request_id"] == "big"
