@@ -4,7 +4,7 @@ Per generation request (``POST /v1/completions``, ``POST /v1/chat/completions``)
 
     arrived ── read + parse body, assign the request id ── admission_enqueued (entry_s)
             ── wait for one of max_in_flight upstream slots ── admitted (wait_s)
-            ── forward (one pooled httpx.AsyncClient) ── first_byte ── relay ── completed
+            ── forward (httpx's pooled transport, upstream.py) ── first_byte ── relay ── completed
 
 The request id is the client's ``X-Request-Id`` or a new one; it goes upstream in that header (vLLM's
 OpenAI server uses it for its own request id) and in the body as
@@ -12,9 +12,10 @@ OpenAI server uses it for its own request id) and in the body as
 engine hook reads it, so gateway and engine rows of the ledger join. Durations in events are measured
 with the monotonic clock; ``ts`` is the wall clock.
 
-Streams (``text/event-stream``) are relayed as the upstream's bytes arrive, unchanged; only a partial
-SSE event at the end of a read is held until its blank line arrives, so the gateway can always end a
-stream on an event boundary. Other responses are read whole and relayed with their status, headers and
+Streams (``text/event-stream``) are relayed as the upstream's bytes arrive, unchanged, one write to
+the client per socket read from the upstream (events that arrived together go out together); only a
+partial SSE event at the end of a read is held until its blank line arrives, so the gateway can always
+end a stream on an event boundary. Other responses are read whole and relayed with their status, headers and
 raw (still encoded) body.
 
 Interruptions: a cutoff command from the ledger (``on_command``, on the exporter's thread, handed to
@@ -38,7 +39,6 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import httpcore
 import httpx
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -59,7 +59,6 @@ from engine_hooks.exporter import Exporter
 from engine_hooks.gateway.admission import AdmissionQueue, AdmissionRefused
 from engine_hooks.gateway.config import GatewayConfig
 from engine_hooks.gateway.metrics import GatewayMetrics
-from engine_hooks.gateway.network import AsyncioBackend
 from engine_hooks.gateway.responses import (
     error_body,
     error_object,
@@ -67,6 +66,7 @@ from engine_hooks.gateway.responses import (
     final_chunk,
     last_finish_reason,
 )
+from engine_hooks.gateway.upstream import upstream_transport
 
 log = logging.getLogger(__name__)
 
@@ -216,9 +216,10 @@ class Gateway:
         )
         # One connection pool for everything upstream. Generation requests go to the transport directly:
         # no cookie jar (a proxy must not keep one client's cookies for the next), no auth or redirect
-        # handling, about a quarter less CPU per request than AsyncClient.send. /v1/models uses the
-        # client on top of the same pool.
-        self._pool = self._transport or _upstream_transport(self.config.upstream_base, limits)
+        # handling, about a quarter less CPU per request than AsyncClient.send. For an http:// upstream
+        # the pool's connections parse with httptools (upstream.py). /v1/models uses the client on top
+        # of the same pool.
+        self._pool = self._transport or upstream_transport(self.config.upstream_base, limits)
         self._client = httpx.AsyncClient(transport=self._pool, timeout=timeout, trust_env=False)
         self._timeouts = timeout.as_dict()
         self._urls = {path: httpx.URL(self.config.upstream_base + path) for path in _ENDPOINTS}
@@ -831,22 +832,8 @@ class Gateway:
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def _upstream_transport(upstream: str, limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
-    """httpx's pooled transport; for an http:// upstream its httpcore pool runs on the asyncio
-    backend (``network.py``: no anyio cancel scope per read, request headers and body in one send)."""
-    transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
-    if upstream.startswith("http://") and hasattr(transport, "_pool"):
-        transport._pool = httpcore.AsyncConnectionPool(
-            max_connections=limits.max_connections,
-            max_keepalive_connections=limits.max_keepalive_connections,
-            keepalive_expiry=limits.keepalive_expiry,
-            network_backend=AsyncioBackend(),
-        )
-    return transport
-
-
 def _raw(response: httpx.Response) -> httpx.AsyncByteStream:
-    """The transport's stream: the body as read, still content-encoded, in the chunks it arrived in."""
+    """The transport's stream: the body as read, still content-encoded, a piece per socket read."""
     stream = response.stream
     assert isinstance(stream, httpx.AsyncByteStream)
     return stream

@@ -33,8 +33,9 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class Recorded:
-    def __init__(self, path: str, headers: dict[str, str], body: Any, query: str = ""):
+    def __init__(self, path: str, headers: dict[str, str], body: Any, query: str = "", client: Any = None):
         self.path = path
+        self.client = client  # (host, port) of the connection it came on
         self.query = query
         self.headers = headers
         self.body = body
@@ -129,7 +130,9 @@ class FakeUpstream:
             parsed = json.loads(body) if body else None
         except ValueError:
             parsed = None
-        self.requests.append(Recorded(path, headers, parsed, scope.get("query_string", b"").decode()))
+        self.requests.append(
+            Recorded(path, headers, parsed, scope.get("query_string", b"").decode(), scope.get("client"))
+        )
         if path == "/v1/models":
             await self._json(send, 200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
             return

@@ -343,3 +343,12 @@ def test_a_pooled_connection_the_upstream_closed_is_not_reused(make_gateway):
                 time.sleep(0.5)  # the upstream has closed the pooled connection by now
     finally:
         quick.stop()
+
+
+def test_sequential_requests_reuse_one_upstream_connection(upstream, make_gateway):
+    gw = make_gateway(upstream.url)
+    with httpx.Client() as client:
+        for stream in (True, False, True):
+            body = {"model": "m", "stream": stream, "max_tokens": 3}
+            assert client.post(gw.url + "/v1/completions", json=body).status_code == 200
+    assert len({seen.client for seen in upstream.app.requests}) == 1  # one keep-alive connection upstream
