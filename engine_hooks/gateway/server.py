@@ -14,7 +14,8 @@ from engine_hooks.gateway.app import Gateway
 
 def uvicorn_config(gateway: Gateway, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
     """uvicorn settings for a proxy: no Server/Date headers of its own (the upstream's pass through),
-    no access log, httptools and uvloop when installed."""
+    no access log, no X-Forwarded-* rewriting of the client address (the gateway does not use it),
+    httptools and uvloop when installed."""
     return uvicorn.Config(
         gateway,
         host=host,
@@ -23,6 +24,7 @@ def uvicorn_config(gateway: Gateway, host: str, port: int, log_level: str = "war
         access_log=False,
         server_header=False,
         date_header=False,
+        proxy_headers=False,
         lifespan="on",
         loop="auto",
         http="auto",
