@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -32,16 +32,20 @@ class LedgerOptions(msgspec.Struct, kw_only=True, frozen=True):
     kv_idle_victim: bool = False  # preempt the request whose KV has sat idle longest (among those
     # not yet scheduled this step) instead of vLLM's last-in-running; FCFS policy only
     preempt_escape_after: NonNegInt = 0  # after this many preemptions a request is not chosen as a
-    # victim again until it finishes (0: off)
+    # victim (0: off), for as long as preempt_escape_for says
+    preempt_escape_for: Literal["finish", "predicted"] = "finish"  # "finish": until it finishes;
+    # "predicted": for its predicted remaining output (engine_hooks.vllm.predict.OutputLengths),
+    # then it is preemptible again, and protected again after another preempt_escape_after preemptions
 
     # -- admission reserve ------------------------------------------------------------------------
-    admission_reserve: Share = 0.0  # share of the token budget kept for waiting requests in every
-    # step that has some: running prefill chunks are capped at (1 - share) * budget (0: off)
+    admission_reserve: Share = 0.0  # most of the token budget kept, in every step, for the other
+    # requests that can run in it (waiting ones that fit the free KV and slots, running decodes):
+    # running prefill chunks leave min(share * budget, what those can take) (0: off)
     admission_aging_s: NonNegFloat = 2.0  # waiting requests queued longer than this go first, in
     # arrival order; the rest are admitted shortest prompt first
-    admission_depth_tokens: NonNegInt = 0  # with the reserve on and other requests in the engine,
-    # a running prefill chunk at depth d is also capped at (1 - share) * budget / (1 + d / this), so a
-    # deep chunk (whose attention cost grows with d) does not make the step long (0: no depth cap)
+    admission_depth_tokens: NonNegInt = 0  # with the reserve on and other requests running in the
+    # step, a running prefill chunk at depth d is also capped at (1 - share) * budget / (1 + d / this),
+    # so a deep chunk (whose attention cost grows with d) does not make their step long (0: no depth cap)
     admission_min_chunk: Annotated[int, msgspec.Meta(ge=1)] = 64  # the caps never go below this
 
     # -- commands ---------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ import socket
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, SupportsIndex, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, SupportsIndex, cast
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -64,6 +64,7 @@ from engine_hooks.events import (
 )
 from engine_hooks.exporter import Emitter, Exporter
 from engine_hooks.vllm.options import LedgerOptions
+from engine_hooks.vllm.predict import OutputLengths
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class _ReqState:
         "client",
         "computed",
         "cutoff",
+        "escape_next",
+        "escape_until",
         "ext",
         "hw",
         "last_active",
@@ -139,6 +142,8 @@ class _ReqState:
         self.pending_first_ts = 0.0
         self.sat_out = 0  # consecutive steps it held KV (or waited, for slow_pool) without running
         self.cutoff: str | None = None  # stop reason of an abort command being applied
+        self.escape_next = 0  # preemptions at which the escape valve ("predicted") next protects it
+        self.escape_until: int | None = None  # protected by it until this many output tokens
         self.non_preemptible = self.slow = self.promoted = False
 
 
@@ -165,6 +170,15 @@ class _RunningList(list):  # type: ignore[type-arg]
                     if self[i] is victim:
                         return super().pop(i)
         return super().pop(index)
+
+
+class EscapeGrant(NamedTuple):
+    """One protection by the escape valve in ``"predicted"`` mode (``scheduler.escape_grants``)."""
+
+    request_id: str  # external id
+    preemptions: int  # its preemptions when protected
+    output_tokens: int  # output tokens it had then
+    until: int  # protected until it has this many output tokens
 
 
 if TYPE_CHECKING:
@@ -199,6 +213,9 @@ class _LedgerHooks(_Base):
         self._cl_protected = 0  # requests marked non_preemptible
         self._cl_slow_running = False  # a slow_pool request is in the running queue
         self._cl_current: Any = None  # the request being allocated (victim choice)
+        self.output_lengths = OutputLengths()  # finished output lengths: the escape valve's predictor
+        self.escape_grants: deque[EscapeGrant] = deque(maxlen=1024)  # "predicted" protections, newest last
+        self.escape_lapses = 0  # "predicted" protections that ran out before the request finished
         self._cl_blocks = self._block_counter()
         # The reserve and the commands set long_prefill_token_threshold per step: on a private copy.
         self.scheduler_config = copy.copy(self.scheduler_config)
@@ -516,23 +533,31 @@ class _LedgerHooks(_Base):
 
         Running: protected requests (non_preemptible, past the escape valve) first, so that a victim
         can always be found after them; then promoted ones and slow_pool ones that starved for
-        ``slow_pool_every`` steps; then the rest; other slow_pool ones last. Waiting: promoted first,
-        slow_pool last (unless starved).
+        ``slow_pool_every`` steps; then the rest; then those whose escape-valve protection ran out this
+        step (back at the end, where vLLM put them when they resumed, so FCFS picks them again); other
+        slow_pool ones last. Waiting: promoted first, slow_pool last (unless starved).
         """
         states = self._cl_states
         every = self.options.slow_pool_every
-        escape = self.options.preempt_escape_after
+        predicted = self.options.preempt_escape_for == "predicted"
         ranked: list[tuple[int, Any]] = []
         moved = slow_running = False
         for req in self.running:
             st = states.get(req.request_id)
             rank = 2
             if st is not None:
-                if st.non_preemptible or (escape and req.num_preemptions >= escape):
+                lapsed = False
+                if predicted and st.escape_until is not None and req.num_output_tokens >= st.escape_until:
+                    st.escape_until = None
+                    self.escape_lapses += 1
+                    lapsed = True
+                if st.non_preemptible or self._cl_escaped(req, st):
                     rank = 0
                 elif st.promoted or (st.slow and st.sat_out >= every):
                     rank = 1
                 elif st.slow:
+                    rank = 4
+                elif lapsed:
                     rank = 3
                 slow_running = slow_running or st.slow
             moved = moved or (bool(ranked) and rank < ranked[-1][0])
@@ -561,12 +586,31 @@ class _LedgerHooks(_Base):
                 waiting.clear()
                 waiting.extend(first + normal + last)
 
+    def _cl_escaped(self, req: Any, st: _ReqState | None) -> bool:
+        """Whether the escape valve protects ``req`` now."""
+        n = self.options.preempt_escape_after
+        if not n:
+            return False
+        if self.options.preempt_escape_for == "predicted":
+            return st is not None and st.escape_until is not None
+        return bool(req.num_preemptions >= n)
+
+    def _cl_escape_grant(self, req: Any, st: _ReqState, n: int) -> None:
+        """``"predicted"`` mode, at a preemption: protect it once it has been preempted ``n`` more
+        times since the last protection, for its predicted remaining output."""
+        if req.num_preemptions < max(st.escape_next, n):
+            return
+        produced = req.num_output_tokens
+        until = produced + self.output_lengths.remaining(produced, req.max_tokens)
+        st.escape_until = until
+        st.escape_next = req.num_preemptions + n
+        self.escape_grants.append(EscapeGrant(st.ext, req.num_preemptions, produced, until))
+
     def _cl_protected_req(self, req: Any) -> bool:
         st = self._cl_states.get(req.request_id)
         if st is not None and st.non_preemptible:
             return True
-        n = self.options.preempt_escape_after
-        return bool(n) and req.num_preemptions >= n
+        return self._cl_escaped(req, st)
 
     def _cl_choose_victim(self, running: list[Any]) -> Any:
         """The request vLLM's FCFS loop should preempt, or None for vLLM's own choice (the last).
@@ -622,42 +666,94 @@ class _LedgerHooks(_Base):
     def _cl_admission_cap(self, now: float) -> int | None:
         """This step's cap on prefill chunks (applied as long_prefill_token_threshold), None for none.
 
-        Also orders the waiting queue: aged and preempted requests first (arrival order), then the
-        shortest prompt first.
+        Orders the waiting queue first: aged and preempted requests first (arrival order), then the
+        shortest prompt first. Then the reserve is what the other requests can take in this step,
+        at most ``admission_reserve * budget`` (:meth:`_cl_others_demand`); the cap is the budget
+        minus that, so a long running prefill gives up only tokens somebody will use. With
+        ``admission_depth_tokens`` and a reserve in use, the cap is also divided by
+        ``1 + depth / admission_depth_tokens`` at the deepest running prefill.
         """
         opts = self.options
         waiting = self.waiting
-        n_wait = len(waiting) + len(self.kv_holding_waiting)
         running = self.running
-        if n_wait + len(running) <= 1:
+        if len(waiting) + len(self.kv_holding_waiting) + len(running) <= 1:
             return None
+        if isinstance(waiting, deque) and len(waiting) > 1:
+            aging = opts.admission_aging_s
+            states = self._cl_states
+
+            def key(req: Any) -> tuple[int, float]:
+                st = states.get(req.request_id)
+                aged = st is None or req.status != RequestStatus.WAITING or now - st.queued_t >= aging
+                return (0, st.queued_t if st is not None else 0.0) if aged else (1, req.num_tokens)
+
+            ordered = sorted(waiting, key=key)
+            waiting.clear()
+            waiting.extend(ordered)
         budget = self.max_num_scheduled_tokens
-        share = budget * (1.0 - opts.admission_reserve)
-        cap = float("inf")
-        if n_wait:
-            cap = share
-            if isinstance(waiting, deque) and len(waiting) > 1:
-                aging = opts.admission_aging_s
-                states = self._cl_states
-
-                def key(req: Any) -> tuple[int, float]:
-                    st = states.get(req.request_id)
-                    aged = st is None or req.status != RequestStatus.WAITING or now - st.queued_t >= aging
-                    return (0, st.queued_t if st is not None else 0.0) if aged else (1, req.num_tokens)
-
-                ordered = sorted(waiting, key=key)
-                waiting.clear()
-                waiting.extend(ordered)
-        if opts.admission_depth_tokens:
-            deepest = -1
-            for req in running:
-                if req.is_prefill_chunk and req.num_computed_tokens > deepest:
-                    deepest = req.num_computed_tokens
-            if deepest >= 0:
-                cap = min(cap, share / (1.0 + deepest / opts.admission_depth_tokens))
-        if cap == float("inf"):
-            return None
+        demand, deepest = self._cl_others_demand(int(budget * opts.admission_reserve))
+        if demand <= 0:
+            return None  # nobody else can run this step: the prefill keeps the whole budget
+        cap = float(budget - demand)
+        if opts.admission_depth_tokens and deepest > 0:
+            cap = cap / (1.0 + deepest / opts.admission_depth_tokens)
         return max(opts.admission_min_chunk, int(cap))
+
+    def _cl_others_demand(self, most: int) -> tuple[int, int]:
+        """(tokens that the requests other than the largest prefill can take this step, at most
+        ``most``; the depth of the deepest running prefill, -1 for none).
+
+        Walked in vLLM's order: running requests (a decode's one token plus speculative ones, another
+        prefill's remaining chunk), then waiting requests (those holding KV first, then the queue as
+        ordered) while a running slot is free and their next chunk fits the free KV cache left after
+        the running requests' allocations; vLLM stops at the first waiting request that does not
+        fit, so the walk does too. The largest prefill among them (running or waiting) is the one the
+        cap is for, and is not counted.
+        """
+        budget = self.max_num_scheduled_tokens
+        needs: list[int] = []
+        big = big_at = -1
+        deepest = -1
+        for req in self.running:
+            need = req.num_tokens_with_spec + req.num_output_placeholders - req.num_computed_tokens
+            if need <= 0:
+                continue
+            if req.is_prefill_chunk:
+                deepest = max(deepest, req.num_computed_tokens)
+                if need > big:
+                    big, big_at = need, len(needs)
+            needs.append(need)
+        slots = getattr(self, "max_num_active_reqs", self.max_num_running_reqs) - len(self.running)
+        slots -= getattr(self, "num_waiting_for_streaming_input", 0)
+        if slots > 0 and (self.waiting or self.kv_holding_waiting):
+            try:
+                free = self.kv_cache_manager.block_pool.get_num_free_blocks() * int(self.block_size)
+            except AttributeError:
+                free = 1 << 62
+            free -= min(sum(needs), budget)  # what the running requests allocate first
+            room = budget + most  # enough of the queue to fill the reserve
+            for req in (*self.kv_holding_waiting, *self.waiting):
+                if slots <= 0 or room <= 0:
+                    break
+                need = req.num_tokens - req.num_computed_tokens
+                if need <= 0:
+                    continue
+                chunk = min(need, budget)
+                if chunk > free:
+                    break
+                free -= chunk
+                slots -= 1
+                room -= chunk
+                if need > big:
+                    big, big_at = need, len(needs)
+                needs.append(need)
+        demand = 0
+        for i, need in enumerate(needs):
+            if i != big_at:
+                demand += need
+                if demand >= most:
+                    return most, deepest
+        return demand, deepest
 
     # -- after schedule: what the step runs --------------------------------------------------------
 
@@ -665,6 +761,8 @@ class _LedgerHooks(_Base):
         states = self._cl_states
         step = self._cl_step
         self._cl_step = step + 1
+        escape = self.options.preempt_escape_after
+        predicted = self.options.preempt_escape_for == "predicted"
         for rid in output.preempted_req_ids:
             st = states.get(rid)
             if st is None or st.state == _PREEMPTED:
@@ -677,6 +775,8 @@ class _LedgerHooks(_Base):
             st.waiting_since = now
             st.out_at_preempt = req.num_output_tokens if req is not None else st.output
             st.blocks = 0
+            if req is not None and escape and predicted:
+                self._cl_escape_grant(req, st, escape)
         scheduled = output.num_scheduled_tokens
         if not scheduled:
             self._cl_steps[id(output)] = ()
@@ -851,6 +951,8 @@ class _LedgerHooks(_Base):
             self._cl_protected -= 1
         if st.slow or st.promoted:
             self._cl_marked -= 1
+        if reason in ("stop", "length") and st.output > 0:
+            self.output_lengths.add(st.output)
         wait_s = now - st.waiting_since if st.state != _RUNNING else None
         self._e_finished(ts, st.ext, reason, st.output, stop, wait_s)
 

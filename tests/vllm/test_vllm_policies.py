@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,7 @@ from fake_ledger import FakeLedger
 from vllm_helpers import events_of, prompt, rid, set_options
 
 from engine_hooks.config import ConfigError
-from engine_hooks.events import Chunk, Queued
+from engine_hooks.events import Chunk, Preempted, Queued
 from engine_hooks.vllm.options import LedgerOptions
 
 pytestmark = pytest.mark.vllm
@@ -86,6 +87,29 @@ def test_admission_aging_bound_keeps_arrival_order_for_old_requests(engine, atta
     assert len(events_of(events, Queued)) == 3
 
 
+def test_admission_reserve_holds_back_only_what_waiting_requests_take(engine, attach, ledger):
+    exporter = attach(ledger.url)
+    set_options(engine, admission_reserve=0.25)
+    long, short = rid("long"), rid("short")
+    engine.add(long, prompt(1800), max_tokens=2)
+    engine.step()
+    engine.step()
+    engine.add(short, prompt(20), max_tokens=3)
+    engine.run()
+    assert exporter.force_flush(10.0)
+    events = list(ledger.store.events)
+    long_chunks = {c.step: c.tokens for c in events_of(events, Chunk, long)}
+    short_chunks = events_of(events, Chunk, short)
+    first = short_chunks[0]
+    assert first.tokens == 20  # the whole short prompt in one step
+    assert long_chunks[first.step] == 128 - 20  # not 96: the reserve is what the short can take
+    decoding = set(range(first.step + 1, first.step + 3))  # the short's two decode steps
+    for step, tokens in sorted(long_chunks.items())[:-1]:  # (the last chunk is the prompt's rest)
+        if step == first.step:
+            continue
+        assert tokens == (127 if step in decoding else 128), (step, tokens)
+
+
 def test_admission_depth_cap_shrinks_deep_chunks(engine, attach, ledger):
     exporter = attach(ledger.url)
     set_options(engine, admission_reserve=0.25, admission_depth_tokens=1024, admission_min_chunk=16)
@@ -98,9 +122,22 @@ def test_admission_depth_cap_shrinks_deep_chunks(engine, attach, ledger):
     engine.run()
     assert exporter.force_flush(10.0)
     chunks = events_of(list(ledger.store.events), Chunk, long)
-    for c in chunks:
-        assert c.tokens <= max(16, int(96 / (1 + c.computed_before / 1024)))
-    assert chunks[0].tokens == 96 and chunks[-1].tokens < 48  # shallow chunks big, deep ones small
+    assert chunks[0].tokens == 128 - 10  # depth 0, next to the other's 10-token prompt
+    for c in chunks[1:-1]:  # the other decodes one token a step: the cap is 127 / (1 + depth / 1024)
+        assert c.tokens == max(16, int(127 / (1 + c.computed_before / 1024))), c
+    assert chunks[-1].tokens <= max(16, int(127 / (1 + chunks[-1].computed_before / 1024)))
+    assert chunks[-1].tokens < 48  # deep chunks small
+
+
+def test_depth_cap_is_off_while_nobody_else_can_run(engine, attach, ledger):
+    exporter = attach(ledger.url)
+    set_options(engine, admission_reserve=0.25, admission_depth_tokens=256)
+    long = rid("long")
+    engine.add(long, prompt(1800), max_tokens=2)
+    engine.run()
+    assert exporter.force_flush(10.0)
+    chunks = events_of(list(ledger.store.events), Chunk, long)
+    assert [c.tokens for c in chunks[:-1]] == [128] * (len(chunks) - 1)
 
 
 # -- victim choice, without running the engine ----------------------------------------------------
@@ -187,3 +224,209 @@ def test_options_come_from_env_and_additional_config_wins():
 def test_bad_option_names_the_variable_or_key(env, extra, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         LedgerOptions.from_sources(environ=env, extra=extra)
+
+
+def test_bad_escape_mode_names_the_option():
+    with pytest.raises(ConfigError, match=r"additional_config\.chunkledger\.preempt_escape_for"):
+        LedgerOptions.from_sources(environ={}, extra={"preempt_escape_for": "forever"})
+    with pytest.raises(ConfigError, match="CHUNKLEDGER_VLLM_PREEMPT_ESCAPE_FOR"):
+        LedgerOptions.from_sources(environ={"CHUNKLEDGER_VLLM_PREEMPT_ESCAPE_FOR": "never"})
+    env = {"CHUNKLEDGER_VLLM_PREEMPT_ESCAPE_FOR": "predicted"}
+    assert LedgerOptions.from_sources(environ=env).preempt_escape_for == "predicted"
+    assert LedgerOptions().preempt_escape_for == "finish"
+
+
+# -- the reserve's demand walk, on a stand-in scheduler ------------------------------------------------
+
+
+def _req(name: str, *, prompt: int, computed: int = 0, output: int = 0) -> SimpleNamespace:
+    total = prompt + output
+    return SimpleNamespace(
+        request_id=name,
+        num_tokens=total,
+        num_tokens_with_spec=total,
+        num_output_placeholders=0,
+        num_computed_tokens=computed,
+        is_prefill_chunk=computed < total and computed < prompt,
+    )
+
+
+def _demand_scheduler(running, waiting, *, free_blocks=1000, max_seqs=16):
+    from engine_hooks.vllm.scheduler import LedgerScheduler
+
+    sch = LedgerScheduler.__new__(LedgerScheduler)
+    sch.running = running
+    sch.waiting = waiting
+    sch.kv_holding_waiting = []
+    sch.max_num_scheduled_tokens = 2048
+    sch.max_num_running_reqs = sch.max_num_active_reqs = max_seqs
+    sch.num_waiting_for_streaming_input = 0
+    sch.block_size = 16
+    pool = SimpleNamespace(get_num_free_blocks=lambda: free_blocks)
+    sch.kv_cache_manager = SimpleNamespace(block_pool=pool)
+    return sch
+
+
+def test_reserve_demand_counts_what_others_can_take():
+    long = _req("long", prompt=8000, computed=4000)
+    decode = _req("dec", prompt=40, computed=40, output=1)  # needs one token
+    shorts = [_req("s1", prompt=30), _req("s2", prompt=50)]
+    sch = _demand_scheduler([long, decode], shorts)
+    assert sch._cl_others_demand(512) == (1 + 30 + 50, 4000)  # the long prefill itself is not counted
+    assert sch._cl_others_demand(60) == (60, 4000)  # at most the reserve
+    sch = _demand_scheduler([long], [])
+    assert sch._cl_others_demand(512) == (0, 4000)  # nobody else: no reserve
+    sch = _demand_scheduler([decode], [_req("s", prompt=30), _req("long", prompt=8000)])
+    assert sch._cl_others_demand(512) == (1 + 30, -1)  # the largest prefill may still be waiting
+
+
+def test_reserve_demand_skips_waiting_requests_that_cannot_be_admitted():
+    long = _req("long", prompt=8000, computed=4000)
+    shorts = [_req("s1", prompt=30), _req("s2", prompt=50)]
+    sch = _demand_scheduler([long], shorts, max_seqs=2)  # one free slot
+    assert sch._cl_others_demand(512)[0] == 30
+    sch = _demand_scheduler([long], shorts, max_seqs=1)  # no free slot
+    assert sch._cl_others_demand(512)[0] == 0
+    # 130 free blocks of 16 = 2080 tokens: the long chunk (2048) leaves 32: s1 fits, s2 does not.
+    sch = _demand_scheduler([long], shorts, free_blocks=130)
+    assert sch._cl_others_demand(512)[0] == 30
+    # vLLM stops at the first waiting request that does not fit: so does the walk.
+    sch = _demand_scheduler([long], [_req("s2", prompt=50), _req("s1", prompt=30)], free_blocks=130)
+    assert sch._cl_others_demand(512)[0] == 0
+
+
+# -- the escape valve's predictor ------------------------------------------------------------------
+
+
+def test_output_length_predictor_is_the_conditional_p90_bounded_by_max_tokens():
+    from engine_hooks.vllm.predict import OutputLengths
+
+    lengths = OutputLengths(window=100, quantile=0.9, min_samples=8)
+    for n in range(10, 110, 10):  # 10, 20, ..., 100
+        lengths.add(n)
+    assert lengths.remaining(0, 1000) == 90  # p90 of all ten lengths is 90
+    assert lengths.remaining(55, 1000) == 100 - 55  # of those longer than 55 (60..100): 100
+    assert lengths.remaining(55, 80) == 80 - 55  # never past its max_tokens
+    assert lengths.remaining(100, 1000) == 1  # longer than anything seen: no protection but progress
+    few = OutputLengths(min_samples=8)
+    for n in (5, 6, 7):
+        few.add(n)
+    assert few.remaining(3, 500) == 497  # too little history: until it finishes
+
+
+def test_output_length_predictor_forgets_the_oldest():
+    from engine_hooks.vllm.predict import OutputLengths
+
+    lengths = OutputLengths(window=8, quantile=1.0, min_samples=8)
+    for _ in range(8):
+        lengths.add(1000)
+    assert lengths.remaining(0, 5000) == 1000
+    for _ in range(8):
+        lengths.add(10)
+    assert len(lengths) == 8 and lengths.remaining(0, 5000) == 10
+
+
+# -- the escape valve's "predicted" mode -----------------------------------------------------------
+
+
+def test_predicted_escape_protects_only_while_granted():
+    marks = {"cur": {}, "b": {"preemptions": 3}, "c": {"preemptions": 3}}
+    sch = _scheduler(LedgerOptions(preempt_escape_after=2, preempt_escape_for="predicted"), marks)
+    running = _reqs(marks)
+    sch._cl_current = running[0]
+    sch._cl_states["b"].escape_until = 50  # granted; c's protection has lapsed (None)
+    assert sch._cl_choose_victim(running).request_id == "c"
+    sch._cl_states["b"].escape_until = None
+    assert sch._cl_choose_victim(running).request_id == "c"  # the last one again, b is not protected
+    sch._cl_states["c"].escape_until = 80
+    assert sch._cl_choose_victim(running).request_id == "b"
+
+
+def test_lapsed_escape_goes_back_to_the_end_of_the_running_queue():
+    marks = {"a": {}, "b": {}, "c": {}}
+    sch = _scheduler(LedgerOptions(preempt_escape_after=1, preempt_escape_for="predicted"), marks)
+    sch._cl_marked = 0
+    sch.escape_lapses = 0
+    running = [
+        SimpleNamespace(request_id=n, num_preemptions=1, num_output_tokens=out)
+        for n, out in (("a", 40), ("b", 10), ("c", 5))
+    ]
+    sch.running = list(running)
+    sch._cl_states["a"].escape_until = 40  # reached: lapses now
+    sch._cl_states["c"].escape_until = 30  # still protected
+    sch._cl_reorder()
+    assert [r.request_id for r in sch.running] == ["c", "b", "a"]
+    assert sch._cl_states["a"].escape_until is None and sch.escape_lapses == 1
+
+
+def _escape_run(engine, attach, ledger, after: int) -> tuple[list, dict[str, int]]:
+    """History: ten finished 30-token requests; then 12 x (300 prompt + 250 output) tokens against
+    the 3072-token KV cache, with the escape valve in "predicted" mode after ``after`` preemptions.
+    Returns the grants and every request's preemptions. Checks, step by step, that a request under
+    protection is preempted only in a step where every running request was protected."""
+    from engine_hooks.vllm.predict import OutputLengths
+
+    exporter = attach(ledger.url)
+    sch = engine.scheduler
+    sch.output_lengths = OutputLengths()
+    sch.escape_grants.clear()
+    sch.escape_lapses = 0
+    for _ in range(10):
+        engine.add(rid("hist"), prompt(20), max_tokens=30)
+    engine.run()
+    assert len(sch.output_lengths) == 10
+    set_options(engine, preempt_escape_after=after, preempt_escape_for="predicted")
+    ids = [rid(f"kv{i}") for i in range(12)]
+    for r in ids:
+        engine.add(r, prompt(300), max_tokens=250)
+
+    def protected(req) -> bool:
+        st = sch._cl_states[req.request_id]
+        return st.escape_until is not None and req.num_output_tokens < st.escape_until
+
+    steps = 0
+    while engine.core.has_unfinished_requests():
+        before = {req.request_id: (req.num_preemptions, protected(req)) for req in sch.running}
+        engine.step()
+        for req in sch.waiting:
+            n, was_protected = before.get(req.request_id, (req.num_preemptions, False))
+            if req.num_preemptions > n and was_protected:
+                assert all(p for _, p in before.values()), "preempted under protection"
+        steps += 1
+        assert steps < 20_000
+    outs = engine.finished
+    assert all(len(outs[r].outputs[0].token_ids) == 250 for r in ids)
+    assert exporter.force_flush(10.0)
+    preempted: dict[str, int] = {}
+    for p in events_of(list(ledger.store.events), Preempted):
+        preempted[p.request_id] = preempted.get(p.request_id, 0) + 1
+    return list(sch.escape_grants), preempted
+
+
+def test_predicted_escape_protects_for_the_predicted_length_then_lapses(engine, attach, ledger):
+    grants, preempted = _escape_run(engine, attach, ledger, after=1)
+    assert grants, "the workload must preempt someone"
+    for g in grants:
+        # Predicted from the history (30-token requests, then 250-token ones once two have finished):
+        # to 30 tokens, or one more token past anything seen; or to its max_tokens.
+        assert g.until in (max(30, g.output_tokens + 1), 250), g
+    assert engine.scheduler.escape_lapses >= 1
+    by_request: dict[str, list] = {}
+    for g in grants:
+        by_request.setdefault(g.request_id, []).append(g)
+    lapsed_then_preempted = sum(
+        later.output_tokens >= earlier.until
+        for mine in by_request.values()
+        for earlier, later in itertools.pairwise(mine)
+    )
+    assert lapsed_then_preempted >= 1  # its protection ran out and it was a victim again
+    assert sum(len(m) for m in by_request.values()) == sum(preempted.get(r, 0) for r in by_request)
+
+
+def test_predicted_escape_waits_for_n_preemptions(engine, attach, ledger):
+    grants, preempted = _escape_run(engine, attach, ledger, after=2)
+    assert any(n == 1 for n in preempted.values())  # preempted once: not protected
+    assert grants
+    for g in grants:
+        assert g.preemptions % 2 == 0  # after 2 preemptions, and after 2 more once it lapsed
+        assert preempted[g.request_id] >= g.preemptions
