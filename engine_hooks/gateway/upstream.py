@@ -32,6 +32,9 @@ import httpx
 from engine_hooks.gateway.network import AsyncioBackend
 
 _READ_BYTES = 1 << 16
+# Response extension: a function telling whether the whole body has been read from the upstream (after
+# the last piece, before the iterator says so), so a relay can end its own response with that piece.
+BODY_COMPLETE = "chunkledger.body_complete"
 
 
 class _State(enum.Enum):
@@ -79,6 +82,9 @@ class _Response:
         if self.headers_done:
             self.complete = True
             self.keep_alive = self.parser.should_keep_alive()  # only valid inside the callback
+
+    def is_complete(self) -> bool:
+        return self.complete
 
     def take_body(self) -> bytes:
         """The body bytes parsed since the last call, as one piece."""
@@ -165,7 +171,12 @@ class Http1Connection(httpcore.AsyncConnectionInterface):
             status=response.parser.get_status_code(),
             headers=response.headers,
             content=_Body(self, response, read_timeout),
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": b"", "network_stream": self._stream},
+            extensions={
+                "http_version": b"HTTP/1.1",
+                "reason_phrase": b"",
+                "network_stream": self._stream,
+                BODY_COMPLETE: response.is_complete,
+            },
         )
 
     async def _send(self, request: httpcore.Request, timeout: float | None) -> None:

@@ -15,6 +15,7 @@ from gateway_helpers import kinds_of
 
 from engine_hooks.events import ClientDisconnected, Completed
 from engine_hooks.gateway.config import GatewayConfig, GatewayConfigError
+from engine_hooks.gateway.responses import last_finish_reason
 
 
 def sse_events(body: bytes) -> list[bytes]:
@@ -352,3 +353,20 @@ def test_sequential_requests_reuse_one_upstream_connection(upstream, make_gatewa
             body = {"model": "m", "stream": stream, "max_tokens": 3}
             assert client.post(gw.url + "/v1/completions", json=body).status_code == 200
     assert len({seen.client for seen in upstream.app.requests}) == 1  # one keep-alive connection upstream
+
+
+@pytest.mark.parametrize(
+    ("piece", "reason"),
+    [
+        (b'data: {"choices":[{"finish_reason":null}]}\n\n' * 3, None),
+        (
+            b'data: {"choices":[{"finish_reason":null}]}\n\ndata: {"choices":[{"finish_reason":"stop"}]}\n\n',
+            "stop",
+        ),
+        (b'{"choices":[{"finish_reason" : "length"},{"finish_reason":null}]}', "length"),
+        (b'{"choices":[{"finish_reason":"stop"},{"finish_reason": "length"}]}', "length"),
+        (b"data: [DONE]\n\n", None),
+    ],
+)
+def test_last_finish_reason_is_the_last_non_null_one(piece, reason):
+    assert last_finish_reason(piece) == reason

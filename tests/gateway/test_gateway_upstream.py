@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from engine_hooks.gateway.upstream import upstream_transport
+from engine_hooks.gateway.upstream import BODY_COMPLETE, upstream_transport
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 TIMEOUTS = {"connect": 2.0, "read": 2.0, "write": 2.0, "pool": 2.0}
@@ -145,6 +145,28 @@ def test_events_that_arrive_apart_come_apart_as_they_arrive():
             await transport.aclose()
         assert b"".join(pieces) == EVENTS[0] + EVENTS[1]
         assert pieces[0] == EVENTS[0]  # not held back until more arrived
+
+    asyncio.run(main())
+
+
+def test_the_response_says_when_its_body_has_been_read_to_the_end():
+    async def main() -> None:
+        script = answer(SSE_HEAD + chunk(EVENTS[0]), chunk(EVENTS[1]) + b"0\r\n\r\n", pause=0.05)
+        async with RawServer(script) as server:
+            transport = transport_for(server.url)
+            request = httpx.Request(
+                "POST", server.url + "/v1/completions", content=b"{}", extensions={"timeout": TIMEOUTS}
+            )
+            response = await transport.handle_async_request(request)
+            complete = response.extensions[BODY_COMPLETE]
+            stream = response.stream
+            assert isinstance(stream, httpx.AsyncByteStream)
+            seen = []
+            async for piece in stream:
+                seen.append((piece, complete()))
+            await response.aclose()
+            await transport.aclose()
+        assert seen == [(EVENTS[0], False), (EVENTS[1], True)]  # known with the last piece
 
     asyncio.run(main())
 
