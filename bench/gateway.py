@@ -8,6 +8,8 @@ library), so that its own cost is small and identical on both paths.
 * latency: sequential streamed requests of ``--tokens-latency`` tokens, alternating direct and proxy
   request by request; per request, the time from sending it to the end of ``data: [DONE]``.
   "added" is p50(proxy) - p50(direct) (and the median of the paired differences).
+  Also the gateway's CPU time per proxied request over that phase (all its threads, from
+  ``/proc/<pid>/task/*/schedstat``; Linux only), which load on the machine inflates far less than latency.
 * throughput: ``--streams`` concurrent streams of ``--tokens`` tokens each, all at once, alternating
   direct and proxy rounds; tokens/s over the round's wall time. Run twice: with the upstream pacing
   tokens (``--itl-ms`` per stream on a fixed timeline, like an engine decoding) and unpaced (the
@@ -29,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -121,6 +124,18 @@ async def throughput(port: int, streams: int, tokens: int, itl_ms: float) -> flo
     return sum(counts) / elapsed
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time of a process, all threads, in seconds (None where /proc has no schedstat)."""
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -178,7 +193,9 @@ def main() -> None:
             wait_ready(f"http://127.0.0.1:{gw_port}/healthz", gw)
             ports = {"direct": up_port, "proxy": gw_port}
 
+            cpu_before = cpu_seconds(gw.pid)
             lat = asyncio.run(latency(ports, args.requests, args.tokens_latency))
+            cpu_after = cpu_seconds(gw.pid)
             paired = [p - d for p, d in zip(lat["proxy"], lat["direct"], strict=True)]
             rates: dict[tuple[str, str], list[float]] = {}
             for mode, itl in (("paced", args.itl_ms), ("unpaced", 0.0)):
@@ -206,7 +223,16 @@ def main() -> None:
         f"  added   p50 {added50:7.3f} ms   p99 {p99 - d99:7.3f} ms   "
         f"(median paired difference {paired50:.3f} ms)"
     )
-    out = {
+    # the latency phase sends 20 warm-up requests per path before the measured ones
+    cpu_ms = (
+        (cpu_after - cpu_before) / (args.requests + 20) * ms
+        if cpu_before is not None and cpu_after is not None
+        else None
+    )
+    if cpu_ms is not None:
+        print(f"  gateway CPU per proxied request {cpu_ms:.3f} ms (all threads)")
+    out: dict[str, Any] = {
+        "gateway_cpu_ms_per_request": cpu_ms,
         "latency_ms": {
             "direct_p50": d50,
             "direct_p99": d99,
