@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -20,6 +20,23 @@ from ledger.metrics import LedgerMetrics
 from ledger.rules.service import RunawayService
 from ledger.sql import open_runner as open_sql_runner
 from ledger.store import Store, open_store
+from ledger.watchdog import LoopWatchdog
+
+
+def _observe_group(metrics: LedgerMetrics) -> Callable[[float, int], None]:
+    def observe(seconds: float, events: int) -> None:
+        metrics.ingest_group_seconds.observe(seconds)
+        metrics.ingest_group_events.observe(events)
+
+    return observe
+
+
+def _observe_stall(metrics: LedgerMetrics) -> Callable[[float], None]:
+    def observe(seconds: float) -> None:
+        metrics.event_loop_stalls.inc()
+        metrics.event_loop_stall_seconds.inc(seconds)
+
+    return observe
 
 
 def create_app(settings: Settings | None = None, *, store: Store | None = None) -> FastAPI:
@@ -47,11 +64,15 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
             app.state.store,
             max_group_events=settings.group_commit_max_events,
             on_commit=app.state.runaway.on_commit,
+            on_group=_observe_group(app.state.metrics),
         )
         app.state.writer.start()
+        watchdog = LoopWatchdog(on_stall=_observe_stall(app.state.metrics))
+        watchdog.start()
         try:
             yield
         finally:
+            await watchdog.stop()
             app.state.writer.stop()
             app.state.runaway.stop()
             app.state.sql.close()

@@ -17,6 +17,7 @@ import logging
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -117,12 +118,16 @@ class IngestWriter:
         *,
         max_group_events: int = 50_000,
         on_commit: Callable[[ev.Batch, int, int], None] | None = None,
+        on_group: Callable[[float, int], None] | None = None,
+        slow_group_s: float = 1.0,
     ) -> None:
         self.store = store
         self.max_group_events = max_group_events
         # Called on this thread after each commit, per batch, with (batch, accepted, duplicates), before
         # the batch's handler is answered (the rule engine: its commands can ride on that answer).
         self.on_commit = on_commit
+        self.on_group = on_group  # called with (seconds, events) after each group commit
+        self.slow_group_s = slow_group_s  # a group taking longer is logged with its phases
         self._queue: queue.Queue[tuple[ev.Batch, concurrent.futures.Future[WriteResult]] | None] = (
             queue.Queue()
         )
@@ -178,6 +183,7 @@ class IngestWriter:
             self._write_group(group)
 
     def _write_group(self, group: list[tuple[ev.Batch, concurrent.futures.Future[WriteResult]]]) -> None:
+        t0 = time.perf_counter()
         try:
             results = self.store.write([b for b, _ in group])
         except Exception as exc:
@@ -189,8 +195,21 @@ class IngestWriter:
             log.warning("storing a batch from %s failed: %s", group[0][0].source.id, exc)
             group[0][1].set_exception(WriterUnavailable(f"storage failed: {type(exc).__name__}: {exc}"))
             return
+        took = time.perf_counter() - t0
         self.groups_committed += 1
         self.batches_committed += len(group)
+        n_events = sum(len(b.events) for b, _ in group)
+        if took > self.slow_group_s:
+            phases = ", ".join(f"{k} {v:.3f}" for k, v in self.store.last_write_phases.items())
+            log.warning(
+                "slow group commit: %.2f s for %d events in %d batches (%s)",
+                took,
+                n_events,
+                len(group),
+                phases,
+            )
+        if self.on_group is not None:
+            self.on_group(took, n_events)
         for (batch, fut), res in zip(group, results, strict=True):
             if self.on_commit is not None:
                 try:

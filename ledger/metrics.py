@@ -175,6 +175,26 @@ class LedgerMetrics:
             ["model"],
             registry=r,
         )
+        self.ingest_group_seconds = Histogram(
+            "chunkledger_ingest_group_seconds",
+            "Time to store one group commit (the batches queued together), first statement to commit",
+            buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=r,
+        )
+        self.ingest_group_events = Histogram(
+            "chunkledger_ingest_group_events",
+            "Events per group commit",
+            buckets=(10, 50, 100, 500, 1000, 5000, 10_000, 50_000),
+            registry=r,
+        )
+        self.event_loop_stalls = Counter(
+            "chunkledger_event_loop_stalls_total",
+            "Times the ledger's event loop did not turn for over a second (every request waited)",
+            registry=r,
+        )
+        self.event_loop_stall_seconds = Counter(
+            "chunkledger_event_loop_stall_seconds_total", "Time the event loop spent blocked", registry=r
+        )
         self.live = _LiveCollector()
         r.register(self.live)
         for rule in RULE_NAMES:

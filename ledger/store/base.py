@@ -102,6 +102,8 @@ class Store:
         self.persist_token_ids = persist_token_ids
         # source id -> (step, end ts) of the newest step seen, for steps.interval_s.
         self._last_step: dict[str, tuple[int, float]] = {}
+        # Seconds per phase of the last write (the writer logs them for a slow group).
+        self.last_write_phases: dict[str, float] = {}
 
     # -- backend hooks -------------------------------------------------------------------------
     def _connect(self) -> Any:
@@ -136,6 +138,8 @@ class Store:
         now = time.time()
         sources = {b.source.id: b.source for b in batches}
         ids = sorted(sources)  # one lock order for every writer: no deadlocks between replicas
+        clock = time.perf_counter
+        t0 = clock()
         conn = self._connect()
         try:
             marks = self._lock_sources(conn, [sources[i] for i in ids], now)
@@ -143,18 +147,30 @@ class Store:
                 sid: _SourceState(source=sources[sid], last_seq=marks.get(sid, -1), exists=sid in marks)
                 for sid in ids
             }
+            t1 = clock()
             prepared = Prepared()
             results = [self._accept(conn, b, states[b.source.id], prepared, now) for b in batches]
+            t2 = clock()
             if any(r.accepted for r in results):
                 self._append(conn, prepared)
+            t3 = clock()
             self._save_sources(conn, list(states.values()), now)
+            t4 = clock()
             conn.commit()
+            t5 = clock()
         except BaseException:
             conn.rollback()
             raise
         finally:
             conn.close()
         self._after_commit(list(states.values()))
+        self.last_write_phases = {
+            "lock": t1 - t0,
+            "prepare": t2 - t1,
+            "append": t3 - t2,
+            "sources": t4 - t3,
+            "commit": t5 - t4,
+        }
         return results
 
     def _accept(
