@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import msgspec
@@ -60,6 +61,8 @@ async def ingest_events(request: Request, settings: SettingsDep, writer: WriterD
             {"detail": "batch rejected, nothing stored", "errors": [e.as_dict() for e in exc.errors]},
             status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
         )
+    # The rule engine sees the batch now, beside the store's write: cutoffs never wait for a commit.
+    observed = runaway.observe_arrival(batch) if runaway is not None else None
     try:
         result = await writer.submit(batch)
     except WriterUnavailable as exc:
@@ -70,6 +73,10 @@ async def ingest_events(request: Request, settings: SettingsDep, writer: WriterD
             status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
             headers={"Retry-After": "1"},
         )
+    if observed is not None and runaway is not None:
+        late = await asyncio.wrap_future(observed)
+        if late and result.accepted and not result.duplicates:
+            await asyncio.wrap_future(runaway.observe_late(batch, late))
     commands: list[ev.Command] = []
     if runaway is not None and runaway.book.has_pending(batch.source.id):
         # Re-sent in every response until the source confirms (ledger.rules.commands).

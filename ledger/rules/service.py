@@ -1,21 +1,27 @@
 """The runaway service: wires the rule engine to storage, delivery, webhooks and metrics.
 
-* ``on_commit(batch, result)`` is the ingest writer's hook: it runs on the writer thread right after a
-  group commit, with the batch's newly accepted events, so the rule engine sees each event once.
+* ``observe_arrival(batch)`` runs the rule engine over a batch as soon as it is decoded, on this
+  service's intake thread, beside the store's write: a cutoff does not wait for the database (a commit
+  that stalls for seconds under load must not let a runaway stream on). The ingest handler waits for
+  both before answering, so commands decided from a batch ride on that batch's answer.
+* ``on_commit(batch, result)`` is the ingest writer's hook (writer thread, after a group commit): it
+  counts what was stored.
 * Decisions are stored (``cutoffs``), queued for delivery (``CommandBook``), counted and sent to the
   ``cutoff`` webhook subscribers.
 * A ticker thread runs the time rules, expires stale commands, observes finished requests' latencies
   (one query per tick for all of them), watches the SLO and picks up policy versions from other replicas.
 
-Which events are new: the store reports counts per batch, not which events. When a batch had no
-duplicates every event is new (the usual case); with none accepted nothing is; in the rare mixed case
-(a retry that overlaps new events) the events above this replica's high-water mark for the source are
-taken as the new ones.
+Which events are new: on arrival, those above this replica's high-water mark for the source (a retry
+is skipped whole). Events at or below the mark that the store then accepts as new (a spooled batch
+replayed after newer ones) are observed after the commit when the batch had no duplicates at all; in
+the rare mixed case they are not (the store reports counts per batch, not which events).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -33,6 +39,9 @@ from ledger.rules.policy_store import PolicyStore
 from ledger.webhooks.outbox import Webhooks
 
 log = logging.getLogger(__name__)
+
+# A batch to observe, the late events to observe instead (None: on arrival), and its completion.
+_IntakeItem = tuple[ev.Batch, list[Any] | None, concurrent.futures.Future[list[Any]]]
 
 OBSERVE_DELAY_S = 3.0  # wait this long after the engine's finish before reading the row (gateway end)
 _VIEW_COLUMNS = (
@@ -125,7 +134,11 @@ class RunawayService:
         self.rules = RuleEngine(self.policies.get, self, clock=clock)
         self.engine = engine
         self.slo = SloMonitor()
-        self._marks: dict[str, int] = {}
+        self._marks: dict[str, int] = {}  # per source, the highest seq the rule engine has seen
+        self._intake: queue.Queue[
+            tuple[ev.Batch, list[Any] | None, concurrent.futures.Future[list[Any]]] | None
+        ] = queue.Queue()
+        self._intake_thread: threading.Thread | None = None
         self._to_observe: deque[tuple[float, str]] = deque()
         self._observed: dict[str, None] = {}
         self._stop = threading.Event()
@@ -148,9 +161,16 @@ class RunawayService:
             self.webhooks.start()
         self._thread = threading.Thread(target=self._run, name="chunkledger-rules", daemon=True)
         self._thread.start()
+        self._intake_thread = threading.Thread(
+            target=self._run_intake, name="chunkledger-rules-intake", daemon=True
+        )
+        self._intake_thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        if self._intake_thread is not None:
+            self._intake.put(None)
+            self._intake_thread.join(10)
         if self._thread is not None:
             self._thread.join(10)
         try:
@@ -186,27 +206,59 @@ class RunawayService:
             self._last_refresh = now
             self.policies.refresh()
 
-    # -- ingest hook (writer thread) ----------------------------------------------------------------
-    def on_commit(self, batch: ev.Batch, accepted: int, duplicates: int) -> None:
-        source = batch.source
-        events = batch.events
+    # -- ingest hooks -------------------------------------------------------------------------------------
+    def observe_arrival(self, batch: ev.Batch) -> concurrent.futures.Future[list[Any]]:
+        """Queue a decoded batch for the rule engine; the future gives the events it skipped as at or
+        below the source's mark (for ``observe_late`` once the store has said whether they were new)."""
+        fut: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
+        self._intake.put((batch, None, fut))
+        return fut
+
+    def observe_late(self, batch: ev.Batch, events: list[Any]) -> concurrent.futures.Future[list[Any]]:
+        """Observe events that arrived at or below the mark and that the store accepted as new."""
+        fut: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
+        self._intake.put((batch, events, fut))
+        return fut
+
+    def _run_intake(self) -> None:
+        while True:
+            item = self._intake.get()
+            if item is None:
+                return
+            batch, late, fut = item
+            skipped: list[Any] = []
+            try:
+                if late is None:
+                    skipped = self._arrived(batch)
+                elif late:
+                    self.rules.observe(batch.source, late, self.clock())
+            except Exception:
+                log.exception("the rule engine failed on a batch from %s", batch.source.id)
+            fut.set_result(skipped)
+
+    def _arrived(self, batch: ev.Batch) -> list[Any]:
+        source, events = batch.source, batch.events
+        if not events:
+            return []
         mark = self._marks.get(source.id, -1)
-        if accepted == 0:
-            new: list[Any] = []
-        elif duplicates == 0:
-            new = events
+        if events[0].seq > mark:
+            new, old = events, []
         else:
             new = [e for e in events if e.seq > mark]
-        if events:
-            self._marks[source.id] = max(mark, events[-1].seq)
-        m = self.metrics
-        m.ingest_batches.labels(source.id).inc()
-        if accepted:
-            m.ingest_events.labels(source.id).inc(accepted)
-        if duplicates:
-            m.ingest_duplicates.labels(source.id).inc(duplicates)
+            old = [e for e in events if e.seq <= mark]
         if new:
+            self._marks[source.id] = new[-1].seq
             self.rules.observe(source, new, self.clock())
+        return old
+
+    def on_commit(self, batch: ev.Batch, accepted: int, duplicates: int) -> None:
+        m = self.metrics
+        sid = batch.source.id
+        m.ingest_batches.labels(sid).inc()
+        if accepted:
+            m.ingest_events.labels(sid).inc(accepted)
+        if duplicates:
+            m.ingest_duplicates.labels(sid).inc(duplicates)
 
     # -- rule engine hooks ---------------------------------------------------------------------------
     def decided(self, decisions: list[Decision]) -> None:

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from engine_hooks import events as ev
 from ledger.app import create_app
 from ledger.config import Settings
+from ledger.store import open_store
 
 ENGINE = ev.Source(id="e0", kind="engine", model="m")
 GATEWAY = ev.Source(id="g0", kind="gateway")
@@ -268,3 +269,51 @@ def test_many_decisions_in_one_batch_are_stored_and_delivered_together(db_url):
         assert r["state"] == ("applied" if rid in applied else "pending"), r
         # 2 ingest responses, plus one more for each response before that command's confirming batch
         assert r["deliveries"] >= 2
+
+
+def test_a_cutoff_is_decided_and_polled_while_the_store_is_still_committing(db_url):
+    """The rule engine sees a batch on arrival: a stalled database commit does not delay the cutoff."""
+    store = open_store(db_url)
+    stall = threading.Event()
+    real_write = store.write
+
+    def slow_write(batches):
+        if stall.is_set():
+            time.sleep(3.0)
+        return real_write(batches)
+
+    store.write = slow_write  # type: ignore[method-assign]
+    try:
+        with TestClient(create_app(settings(db_url), store=store)) as c:
+            eng = Src(c, ENGINE)
+            eng.send(ev.Queued(seq=0, ts=time.time(), request_id="r1", prompt_tokens=9))
+            stall.set()
+            posted = {}
+
+            def post():
+                posted["answer"] = eng.send(*looping_tokens("r1"))
+                posted["at"] = time.monotonic()
+
+            t0 = time.monotonic()
+            th = threading.Thread(target=post)
+            th.start()
+            polled = c.get("/v1/commands", params={"source_id": "e0", "wait_s": 10}, headers=ING).json()
+            polled_at = time.monotonic()
+            th.join(15)
+            assert [x["rule"] for x in polled["commands"]] == ["loop"]
+            assert polled_at - t0 < 2.0 < posted["at"] - t0  # decided long before the commit returned
+            assert posted["answer"]["commands"] == polled["commands"]  # and it rides on that answer too
+    finally:
+        store.close()
+
+
+def test_an_older_batch_replayed_after_newer_ones_is_still_seen_by_the_rules(db_url):
+    with TestClient(create_app(settings(db_url))) as c:
+        eng = Src(c, ENGINE, seq=100)
+        eng.send(ev.Queued(seq=0, ts=time.time(), request_id="other", prompt_tokens=3))
+        replay = Src(c, ENGINE, seq=1)  # e.g. a spooled batch delivered after the source came back
+        answer = replay.send(*looping_tokens("r2"))
+        assert [(x["request_id"], x["rule"]) for x in answer["commands"]] == [("r2", "loop")]
+        again = Src(c, ENGINE, seq=1).send(*looping_tokens("r2"))  # a plain retry: no new decision
+        assert again["duplicates"] == len(looping_tokens("r2"))
+    assert len(cutoff_rows(db_url)) == 1
