@@ -20,6 +20,7 @@ ENV_PREFIX = "CHUNKLEDGER_"
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0, le=60)]
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -54,6 +55,10 @@ class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
     spool_max_bytes: NonNegInt = 256 << 20  # disk cap of the spool; 0 disables spooling
     spool_segment_bytes: PositiveInt = 8 << 20  # the spool rolls to a new file past this size
     spool_fsync: bool = True  # fsync each spooled batch (survives a machine crash, not only a process crash)
+
+    command_poll_wait_s: NonNegFloat = 20.0  # with an on_command callback, long-poll GET /v1/commands
+    # holding each poll this long, so commands arrive even while POSTs wait on a slow ledger commit or
+    # nothing is emitted; 0: commands only ride on ingest answers
 
     seq_start: NonNegInt | None = None  # first seq; None: microseconds since the epoch at start, so a
     # restarted source never reuses the identities of its previous run

@@ -296,9 +296,16 @@ class IngestResponse(msgspec.Struct, kw_only=True):
     commands: list[Command] = []  # commands for this source, re-sent until confirmed
 
 
+class CommandsResponse(msgspec.Struct, kw_only=True):
+    """The answer to ``GET /v1/commands?source_id=...&wait_s=...`` (long-poll)."""
+
+    commands: list[Command] = []  # the source's unconfirmed commands, re-sent until confirmed
+
+
 batch_encoder = msgspec.json.Encoder()
 batch_decoder = msgspec.json.Decoder(Batch)
 response_decoder = msgspec.json.Decoder(IngestResponse)
+commands_decoder = msgspec.json.Decoder(CommandsResponse)
 
 
 def encode_batch(source: Source, events: list[Event]) -> bytes:

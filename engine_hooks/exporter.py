@@ -50,6 +50,7 @@ from engine_hooks.events import (
     Event,
     Source,
     batch_encoder,
+    commands_decoder,
     response_decoder,
 )
 from engine_hooks.spool import Spool, SpoolError
@@ -228,6 +229,9 @@ class Exporter:
         self._down_until = 0.0  # monotonic time before which the ledger is not tried (backoff)
         self._failures = 0  # consecutive failed POSTs
         self._commands_seen: OrderedDict[str, None] = OrderedDict()
+        self._command_lock = threading.Lock()  # the worker and the command poller both hand commands over
+        self._poller: threading.Thread | None = None
+        self._poll_client: httpx.Client | None = None
         self._sent = self._duplicates = self._batches_sent = 0
         self._attempts = self._send_failures = self._retried = 0
         self._spooled = self._replayed = self._commands = 0
@@ -269,6 +273,59 @@ class Exporter:
             target=self._run, name=f"chunkledger-exporter-{self._source.id}", daemon=True
         )
         self._thread.start()
+        if self._on_command is not None and self.config.command_poll_wait_s > 0:
+            self._poller = threading.Thread(
+                target=self._poll_commands, name=f"chunkledger-commands-{self._source.id}", daemon=True
+            )
+            self._poller.start()
+
+    def _poll_commands(self) -> None:
+        """Long-poll ``GET /v1/commands`` until shutdown (its own connection, beside the POSTs).
+
+        Commands also ride on ingest answers, but an answer comes only after the ledger has stored
+        the batch: when its commits slow down, or when nothing is emitted, the poll still brings a
+        cutoff within milliseconds of the decision.
+        """
+        wait_s = self.config.command_poll_wait_s
+        url = self.config.url.rstrip("/") + "/v1/commands"
+        headers = {"authorization": f"Bearer {self.config.ingest_token}"} if self.config.ingest_token else {}
+        client = httpx.Client(
+            headers=headers,
+            timeout=httpx.Timeout(wait_s + 10.0, connect=self.config.connect_timeout_s),
+            trust_env=False,
+        )
+        self._poll_client = client
+        backoff = 0.5
+        try:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    response = client.get(url, params={"source_id": self._source.id, "wait_s": wait_s})
+                    if response.status_code == 404:  # a ledger without the endpoint: look again later
+                        self._stop.wait(30.0)
+                        continue
+                    response.raise_for_status()
+                    answer = commands_decoder.decode(response.content)
+                except (httpx.HTTPError, msgspec.DecodeError, RuntimeError) as exc:
+                    if self._stop.is_set():
+                        return
+                    self._log(
+                        logging.WARNING,
+                        "poll",
+                        "chunkledger exporter: polling %s for commands failed: %s",
+                        url,
+                        exc,
+                    )
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, 10.0)
+                    continue
+                backoff = 0.5
+                for command in answer.commands:
+                    self._hand_over(command)
+                if not answer.commands and time.monotonic() - started < wait_s / 2:
+                    self._stop.wait(1.0)  # a ledger that does not hold the poll: do not spin
+        finally:
+            client.close()
 
     # -- engine-side API --------------------------------------------------------------------------
 
@@ -460,6 +517,9 @@ class Exporter:
             self._wake.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if self._poll_client is not None:
+            with contextlib.suppress(Exception):  # ends a poll held by the ledger
+                self._poll_client.close()
         if self._thread.is_alive():
             self._shutdown_ok = False
             self._log(
@@ -789,19 +849,26 @@ class Exporter:
             self._hand_over(command)
 
     def _hand_over(self, command: Command) -> None:
-        if self._on_command is None or command.id in self._commands_seen:
+        """Worker or poller thread: give the host a command once per command id."""
+        if self._on_command is None:
             return
-        try:
-            self._on_command(command)
-        except Exception:
-            self._log(
-                logging.ERROR, "on_command", "chunkledger exporter: on_command callback failed", exc_info=True
-            )
-            return  # not remembered: the ledger re-sends it until it is confirmed
-        self._commands += 1
-        self._commands_seen[command.id] = None
-        if len(self._commands_seen) > _COMMAND_MEMORY:
-            self._commands_seen.popitem(last=False)
+        with self._command_lock:
+            if command.id in self._commands_seen:
+                return
+            try:
+                self._on_command(command)
+            except Exception:
+                self._log(
+                    logging.ERROR,
+                    "on_command",
+                    "chunkledger exporter: on_command callback failed",
+                    exc_info=True,
+                )
+                return  # not remembered: the ledger re-sends it until it is confirmed
+            self._commands += 1
+            self._commands_seen[command.id] = None
+            if len(self._commands_seen) > _COMMAND_MEMORY:
+                self._commands_seen.popitem(last=False)
 
     def _backoff(self, attempt: int, hint: float | None) -> float:
         """Exponential backoff with equal jitter: half the delay fixed, half random."""

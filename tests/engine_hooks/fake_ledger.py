@@ -87,6 +87,8 @@ class FakeLedger:
         self.fail_next: list[int] = []  # statuses for the next POSTs, one each, before normal ingest
         self.delay_s = 0.0
         self.commands: list[Command] = []
+        self.poll_commands: list[Command] = []  # answered to GET /v1/commands
+        self.polls: list[str] = []  # the query string of each GET /v1/commands
         self.auth_headers: list[str | None] = []
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -123,6 +125,11 @@ class FakeLedger:
                     super().finish()
 
             def do_GET(self) -> None:
+                if self.path.startswith("/v1/commands"):
+                    ledger.polls.append(self.path.partition("?")[2])
+                    body = _response_encoder.encode({"commands": list(ledger.poll_commands)})
+                    self._answer(200, body)
+                    return
                 self._answer(200, b'{"status":"ok"}')
 
             def do_POST(self) -> None:

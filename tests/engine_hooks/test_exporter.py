@@ -267,6 +267,27 @@ def test_commands_reach_the_callback_once_each(make_exporter, fake_ledger):
     assert exporter.stats().commands == 1
 
 
+def test_commands_arrive_by_long_poll_without_any_event_being_sent(make_exporter, fake_ledger):
+    received: list[Command] = []
+    exporter = make_exporter(on_command=received.append, source_id="engine-7")
+    fake_ledger.poll_commands = [Command(id="c9", request_id="r", action="abort", rule="token_cap")]
+    assert wait_until(lambda: [c.id for c in received] == ["c9"], 5.0)
+    assert "source_id=engine-7" in fake_ledger.polls[0] and "wait_s=" in fake_ledger.polls[0]
+    # the same command in an ingest answer is not handed over twice
+    fake_ledger.commands = list(fake_ledger.poll_commands)
+    exporter.emit(Queued, request_id="a", prompt_tokens=1)
+    assert exporter.force_flush(5)
+    assert [c.id for c in received] == ["c9"] and exporter.stats().commands == 1
+    assert fake_ledger.rows  # no event was needed for the poll; this one was sent afterwards
+
+
+def test_no_command_poll_without_a_callback_or_when_disabled(make_exporter, fake_ledger):
+    make_exporter(source_id="no-callback")
+    make_exporter(on_command=lambda c: None, source_id="disabled", command_poll_wait_s=0)
+    time.sleep(1.0)
+    assert fake_ledger.polls == []
+
+
 def test_failing_command_callback_is_contained_and_retried_on_the_next_answer(make_exporter, fake_ledger):
     calls: list[str] = []
 
