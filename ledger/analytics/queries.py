@@ -341,18 +341,22 @@ def why(conn: sa.Connection, request_id: str, *, top: int = 5) -> dict[str, Any]
             }
         )
     if src is not None and row["queued_ts"] is not None:
-        # From the engine's own arrival (its front end), not the scheduler's queue: a busy engine also
-        # delays the hand-over to the scheduler, and both are the backend wait (one clock).
+        # The backend wait: from the gateway's hand-over when there is one (a busy engine host also
+        # delays its own front end), else from the engine's front-end arrival, to the first chunk.
         arrived = row["engine_arrival_ts"] or row["queued_ts"]
+        forwarded = row["admitted_ts"]
+        handed = forwarded is not None and forwarded < arrived
+        start = forwarded if handed else arrived
         first_sched = row["first_scheduled_ts"] or row["end_ts"]
-        if first_sched is not None and first_sched > arrived:
+        if first_sched is not None and first_sched > start:
+            where = "since the gateway handed it over" if handed else "in the engine (front end and queue)"
             items.append(
                 {
                     "kind": "engine_queue",
-                    "seconds": first_sched - arrived,
-                    "start_ts": arrived,
-                    "detail": "waited in the engine (front end and queue) before its first chunk",
-                    "culprits": _prefills_between(conn, src, arrived, first_sched, request_id, top),
+                    "seconds": first_sched - start,
+                    "start_ts": start,
+                    "detail": f"waited {where} before its first chunk",
+                    "culprits": _prefills_between(conn, src, start, first_sched, request_id, top),
                 }
             )
     life = _event_data(conn, request_id, ["preempted", "resumed", "chunk"])

@@ -6,6 +6,7 @@ import time
 
 import msgspec
 import pytest
+import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from engine_hooks import events as ev
@@ -336,4 +337,33 @@ def test_why_counts_the_engine_wait_from_its_front_end_arrival(store):
     with _conn(store) as conn:
         item = next(i for i in q.why(conn, "late")["items"] if i["kind"] == "engine_queue")
     assert item["seconds"] == pytest.approx(0.9)
+    assert item["culprits"][0]["request_id"] == "big"
+
+
+def test_why_counts_the_backend_wait_from_the_gateways_hand_over(store):
+    """A request the gateway forwarded while the engine host was busy prefilling reaches vLLM's front
+    end late: the wait (and the prefill behind it) counts from the hand-over, as backend_wait does."""
+    engine = _seq(
+        [
+            ev.Chunk(ts=T0 + 0.1, seq=0, request_id="big", step=0, tokens=512, computed_before=0, wait_s=0.0),
+            ev.Queued(ts=T0 + 0.8, seq=0, request_id="late", prompt_tokens=8, arrival_ts=T0 + 0.7),
+            ev.Chunk(ts=T0 + 0.9, seq=0, request_id="late", step=1, tokens=8, computed_before=0, wait_s=0.1),
+            ev.Tokens(ts=T0 + 0.95, seq=0, request_id="late", count=1, total=1),
+            ev.Finished(ts=T0 + 0.95, seq=0, request_id="late", reason="length", output_tokens=1),
+        ]
+    )
+    gateway = _seq(
+        [
+            ev.Arrived(ts=T0, seq=0, request_id="late", stream=True),
+            ev.Admitted(ts=T0, seq=0, request_id="late"),
+        ]
+    )
+    store.write([batch(ENGINE, engine), batch(GATEWAY, gateway)])
+    with _conn(store) as conn:
+        item = next(i for i in q.why(conn, "late")["items"] if i["kind"] == "engine_queue")
+        row = conn.execute(
+            sa.text("SELECT backend_wait_ttft_s FROM requests WHERE request_id = 'late'")
+        ).scalar_one()
+    assert item["seconds"] == pytest.approx(0.9) == pytest.approx(row)
+    assert "gateway" in item["detail"]
     assert item["culprits"][0]["request_id"] == "big"
