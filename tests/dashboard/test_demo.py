@@ -46,7 +46,9 @@ def test_demo_reproduces_the_long_prompt_scene_and_its_fix(tmp_path: Path) -> No
     rows = {m[1]: m for m in re.finditer(r"^([ABC]) \((.*?)\)\s+([\d,]+) ms\s+([\d,]+) ms", out.stdout, re.M)}
     assert set(rows) == {"A", "B", "C"}, out.stdout
     p99 = {k: int(m[4].replace(",", "")) for k, m in rows.items()}
-    assert p99["C"] < p99["A"] / 3, p99
+    # the script's own check: the advised phase beats no chunking, and chunking alone by half (the tiny
+    # model's unchunked 6k prefill takes only ~0.3 s on a quiet machine, so A's tail can be short)
+    assert p99["C"] < p99["A"] and p99["C"] < p99["B"] / 2, p99
     (report,) = (tmp_path / "demo").glob("*.phases.report.json")
     phases = {p["phase"]: p for p in json.loads(report.read_text())}
     assert phases["B"]["culprit"]["prefill_tokens"] > 1000  # the long prompt, named by the ledger
