@@ -144,7 +144,9 @@ def _rss_peak_mb(pid: int) -> float:
     return float("nan")
 
 
-def run_backend(name: str, db_url: str, duration: float, clients: int, workdir: Path) -> dict:
+def run_backend(
+    name: str, db_url: str, duration: float, clients: int, workdir: Path, env: dict | None = None
+) -> dict:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115
@@ -152,6 +154,7 @@ def run_backend(name: str, db_url: str, duration: float, clients: int, workdir: 
         [sys.executable, "-m", "ledger.cli", "serve", "--db", db_url, "--port", str(port)],
         stdout=log,
         stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
     )
     try:
         for _ in range(300):
@@ -214,7 +217,9 @@ def main() -> None:
         default=16,
         help="concurrent sources, each with one batch in flight like an exporter (2 processes)",
     )
-    ap.add_argument("--backends", default="null,duckdb,postgres")
+    ap.add_argument(
+        "--backends", default="null,duckdb,postgres", help="also: duckdb-gc-default (no GC tuning)"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = []
@@ -223,12 +228,11 @@ def main() -> None:
         for name in args.backends.split(","):
             if name == "null":
                 rows.append(run_backend("ceiling(null)", "null://", args.duration, args.clients, workdir))
-            elif name == "duckdb":
-                rows.append(
-                    run_backend(
-                        "duckdb", f"duckdb:///{workdir}/bench.duckdb", args.duration, args.clients, workdir
-                    )
-                )
+            elif name in ("duckdb", "duckdb-gc-default"):
+                # duckdb-gc-default: CPython's default collector thresholds (CHUNKLEDGER_GC_TUNING=0)
+                env = {"CHUNKLEDGER_GC_TUNING": "0"} if name != "duckdb" else None
+                path = f"duckdb:///{workdir}/bench-{name}.duckdb"
+                rows.append(run_backend(name, path, args.duration, args.clients, workdir, env))
             elif name == "postgres":
                 import sqlalchemy as sa
 
@@ -249,13 +253,13 @@ def main() -> None:
         f"{os.cpu_count()} cores"
     )
     print(
-        f"{'backend':<14}{'durable ev/s':>14}{'of ceiling':>12}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'backend':<18}{'durable ev/s':>14}{'of ceiling':>12}{'p50 ms':>9}{'p99 ms':>9}"
         f"{'batches':>9}{'RSS MB':>9}{'stored=acked':>14}"
     )
     for r in rows:
         share = f"{r['events_per_s'] / ceiling:.2f}" if ceiling else "-"
         print(
-            f"{r['backend']:<14}{r['events_per_s']:>14,.0f}{share:>12}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
+            f"{r['backend']:<18}{r['events_per_s']:>14,.0f}{share:>12}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
             f"{r['batches']:>9}{r['server_rss_peak_mb']:>9.0f}{r['stored'] == r['acked']!s:>14}"
         )
         if args.json:

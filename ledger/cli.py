@@ -57,7 +57,7 @@ def serve(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, tune_gc=settings.gc_tuning),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

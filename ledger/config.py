@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     webhook_backoff_max_s: float = Field(300.0, gt=0, description="longest webhook retry delay")
     webhook_timeout_s: float = Field(5.0, gt=0, le=120, description="webhook HTTP timeout per attempt")
     log_level: str = "info"
+    gc_tuning: bool = Field(
+        True, description="chunkledger serve: fewer garbage-collector passes on the ingest path (gc.freeze)"
+    )
     sql_timeout_s: float = Field(10.0, gt=0, le=3600, description="POST /v1/sql: time limit per query")
     sql_max_rows: int = Field(
         10_000, ge=1, le=1_000_000, description="POST /v1/sql: most rows one query returns"
