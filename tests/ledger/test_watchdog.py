@@ -65,3 +65,21 @@ def test_group_commits_are_counted_in_the_metrics(tmp_path):
     counts = [ln for ln in text.splitlines() if ln.startswith("chunkledger_ingest_group_seconds_count")]
     assert counts and float(counts[0].split()[-1]) == 3.0
     assert "chunkledger_event_loop_stalls_total 0.0" in text
+
+
+def test_the_service_process_tunes_the_garbage_collector_only_when_asked(tmp_path):
+    import gc
+
+    from ledger.app import GC_THRESHOLDS
+
+    before = gc.get_threshold()
+    settings = Settings(db_url=f"duckdb:///{tmp_path / 'l.duckdb'}")
+    try:
+        with TestClient(create_app(settings)):
+            assert gc.get_threshold() == before
+        with TestClient(create_app(settings, tune_gc=True)):
+            assert gc.get_threshold() == GC_THRESHOLDS
+            assert gc.get_freeze_count() > 0
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
