@@ -11,12 +11,14 @@ the ledger's own view of the same run is printed beside the client-side figures:
 * unchunked: chunked prefill off (the long prompt is one step);
 * chunk-N: vLLM chunked prefill with ``max_num_batched_tokens`` N;
 * chunk-2048-thr256: plus vLLM's ``long_prefill_token_threshold=256``;
-* reserve: the plugin's admission reserve (a quarter of the budget kept for waiting requests,
-  shortest first); reserve-depth: plus the depth cap ``admission_depth_tokens=4096``.
+* reserve: the plugin's admission reserve (up to a quarter of the budget, as much as the waiting
+  requests and running decodes can take in the step, shortest prompt first); reserve-depth: plus the
+  depth cap ``admission_depth_tokens=4096``.
 
 Printed per configuration: short TTFT p50/p99/max, ITL p99/max of the shorts decoding while the long
-prefill runs, the long request's TTFT, step time p50/p99, and from the ledger: the shorts' TTFT p99 and
-the share of it attributed to backend wait.
+prefill runs, the long request's TTFT, the steps from its arrival to its first token (count and mean
+duration, the long prefill's own cost), step time p50/p99, and from the ledger: the shorts' TTFT p99
+and the share of it attributed to backend wait.
 
     .venv/bin/python bench/head_of_line.py                                   # the issue's scene
     .venv/bin/python bench/head_of_line.py --long-tokens 8000 --hidden 256 --only no-long,chunk-256,reserve
@@ -119,6 +121,7 @@ def worker(args: argparse.Namespace) -> None:
     last: dict[str, tuple[float, int]] = {}
     gaps: list[tuple[float, float]] = []  # (end time, gap) of each short's inter-token gap
     steps: list[float] = []
+    step_ends: list[float] = []
     start = time.monotonic()
     i = 0
     while i < len(arrivals) or engine.has_unfinished_requests():
@@ -141,6 +144,7 @@ def worker(args: argparse.Namespace) -> None:
         t1 = time.monotonic()
         steps.append(t1 - t0)
         t = t1 - start
+        step_ends.append(t)
         for out in outs:
             n = len(out.outputs[0].token_ids) if out.outputs else 0
             rid = out.request_id
@@ -163,8 +167,15 @@ def worker(args: argparse.Namespace) -> None:
         for end, g in gaps
         if long_start is not None and long_end is not None and long_start <= end <= long_end
     ]
+    during = [
+        d
+        for d, end in zip(steps, step_ends, strict=True)
+        if long_start is not None and long_end is not None and long_start < end <= long_end
+    ]
     result = {
         "config": args.config,
+        "long_steps": len(during),
+        "long_step_ms": 1e3 * sum(during) / len(during) if during else float("nan"),
         "shorts": len(shorts),
         "ttft_p50": _pct(ttft, 0.5),
         "ttft_p99": _pct(ttft, 0.99),
@@ -305,17 +316,22 @@ def main() -> None:
     print(
         f"head_of_line: tiny Llama hidden {args.hidden} x {args.layers} layers (CPU); shorts of 32-64 tokens "
         f"every {args.gap_ms} ms for {args.duration:.0f} s, {args.short_output} output tokens; one "
-        f"{args.long_tokens}-token prompt at t={args.long_at:.0f} s; seed {args.seed}"
+        f"{args.long_tokens}-token prompt at t={args.long_at:g} s; seed {args.seed}"
     )
     head = (
         f"  {'config':19} {'shorts':>6} {'TTFT p50':>9} {'p99':>8} {'max':>8} {'ITL p99':>8} {'max':>8} "
-        f"{'long TTFT':>10} {'step p50':>9} {'p99':>8} | {'ledger TTFT p99':>15} {'backend wait':>12}"
+        f"{'long TTFT':>10} {'steps':>5} {'mean':>6} {'step p50':>9} {'p99':>8} | "
+        f"{'ledger TTFT p99':>15} {'backend wait':>12}"
     )
     print(head)
     print("  " + "-" * (len(head) - 2))
     for r in results:
         led = r["ledger"]
         long_ttft = f"{r['long_ttft'] * ms:10.0f}" if r["long_ttft"] is not None else f"{'-':>10}"
+        if r["long_ttft"] is not None:
+            long_ttft += f" {r['long_steps']:5d} {r['long_step_ms']:6.1f}"
+        else:
+            long_ttft += f" {'-':>5} {'-':>6}"
         ledger_p99 = led.get("ttft_p99")
         share = led.get("wait_share")
         print(
@@ -324,7 +340,10 @@ def main() -> None:
             f"{r['step_p50'] * ms:9.1f} {r['step_p99'] * ms:8.1f} | "
             f"{(ledger_p99 or float('nan')) * ms:15.0f} {(share or float('nan')):12.0%}"
         )
-    print("  (ms; ITL: gaps of short requests decoding while the long prefill ran; ledger: requests view)")
+    print(
+        "  (ms; ITL: gaps of short requests decoding while the long prefill ran; steps, mean: the steps "
+        "from the long prompt's arrival to its first token; ledger: requests view)"
+    )
     base = next((r for r in results if r["config"] == "no-long"), None)
     unchunked = next((r for r in results if r["config"] == "unchunked"), None)
     if base is not None:
