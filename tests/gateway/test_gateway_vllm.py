@@ -23,7 +23,9 @@ import httpx
 import pytest
 from fake_ledger import wait_until
 
-pytestmark = pytest.mark.vllm
+# pytest-timeout counts fixture setup: the first test pays for starting the ledger (60 s at most) and
+# vLLM (300 s at most), whose own deadlines should fire first, with the server's log in the message.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(480)]
 
 MODEL = "tiny"
 
