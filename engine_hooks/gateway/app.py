@@ -224,7 +224,10 @@ class Gateway:
         self._timeouts = timeout.as_dict()
         self._urls = {path: httpx.URL(self.config.upstream_base + path) for path in _ENDPOINTS}
         if self.exporter_config is not None:
-            self.exporter = Exporter(self.exporter_config, on_command=self.on_command, registry=self.registry)
+            # The gateway long-polls for commands on its own loop (_poll_commands); the exporter's
+            # polling thread would be a second poll of the same source.
+            exporter_config = msgspec.structs.replace(self.exporter_config, command_poll_wait_s=0.0)
+            self.exporter = Exporter(exporter_config, on_command=self.on_command, registry=self.registry)
             self._emit_on(self.exporter)
             if self.config.poll_commands:
                 self._poller = asyncio.ensure_future(self._poll_commands(self.exporter_config))

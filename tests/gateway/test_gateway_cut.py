@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 from fake_ledger import wait_until
@@ -160,3 +161,11 @@ def test_commands_for_other_requests_or_engine_actions_leave_the_stream_alone(
     gw.flush()
     assert "stream_cut" not in kinds_of(fake_ledger, "keep-me")
     assert gw.gateway.registry.get_sample_value("chunkledger_gateway_commands_total") == 2
+
+
+def test_the_gateway_exporter_does_not_poll_for_commands_beside_the_gateways_own_poll(
+    upstream, make_gateway, fake_ledger
+):
+    make_gateway(upstream.url, fake_ledger.url, poll_commands=False)
+    time.sleep(1.5)
+    assert fake_ledger.polls == []  # with its own poller off, nothing polls: not the exporter either
