@@ -13,7 +13,9 @@ the ledger's own view of the same run is printed beside the client-side figures:
 * chunk-2048-thr256: plus vLLM's ``long_prefill_token_threshold=256``;
 * reserve: the plugin's admission reserve (up to a quarter of the budget, as much as the waiting
   requests and running decodes can take in the step, shortest prompt first); reserve-depth: plus the
-  depth cap ``admission_depth_tokens=4096``.
+  depth cap ``admission_depth_tokens=4096`` (reserve-depth-1024, -512: 1024, 512); reserve-step-150,
+  -250, -400: the reserve plus ``admission_step_target_s`` 0.15, 0.25, 0.4 s (chunks capped so that
+  each step's duration, predicted from the engine's measured steps, stays within it).
 
 Printed per configuration: short TTFT p50/p99/max, ITL p99/max of the shorts decoding while the long
 prefill runs, the long request's TTFT, the steps from its arrival to its first token (count and mean
@@ -50,6 +52,26 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "chunk-2048-thr256": {"budget": 2048, "threshold": 256},
     "reserve": {"budget": 2048, "plugin": {"admission_reserve": 0.25}},
     "reserve-depth": {"budget": 2048, "plugin": {"admission_reserve": 0.25, "admission_depth_tokens": 4096}},
+    "reserve-depth-1024": {
+        "budget": 2048,
+        "plugin": {"admission_reserve": 0.25, "admission_depth_tokens": 1024},
+    },
+    "reserve-depth-512": {
+        "budget": 2048,
+        "plugin": {"admission_reserve": 0.25, "admission_depth_tokens": 512},
+    },
+    "reserve-step-150": {
+        "budget": 2048,
+        "plugin": {"admission_reserve": 0.25, "admission_step_target_s": 0.15},
+    },
+    "reserve-step-250": {
+        "budget": 2048,
+        "plugin": {"admission_reserve": 0.25, "admission_step_target_s": 0.25},
+    },
+    "reserve-step-400": {
+        "budget": 2048,
+        "plugin": {"admission_reserve": 0.25, "admission_step_target_s": 0.4},
+    },
 }
 
 
@@ -186,6 +208,8 @@ def worker(args: argparse.Namespace) -> None:
         "step_p50": _pct(steps, 0.5),
         "step_p99": _pct(steps, 0.99),
         "hook_errors": sum(getattr(s, "hook_errors", 0) for s in _schedulers(llm)),
+        "step_caps": sum(len(getattr(s, "step_caps", ())) for s in _schedulers(llm)),
+        "step_fit": next((s.step_times.coefficients() for s in _schedulers(llm) if s.step_caps), None),
     }
     for s in _schedulers(llm):
         if s.exporter is not None:
@@ -354,6 +378,14 @@ def main() -> None:
             if unchunked is not None and r["long_ttft"] and unchunked["long_ttft"]:
                 line += f", long TTFT = {r['long_ttft'] / unchunked['long_ttft']:5.2f}x unchunked"
             print(line)
+        for r in results:
+            fit = r.get("step_fit")
+            if fit:
+                print(
+                    f"  {r['config']:19} {r['step_caps']} chunks capped by the step target; step time fit "
+                    f"{fit[0] * 1e3:.1f} ms + {fit[1] * 1e6:.1f} us/token "
+                    f"+ {fit[2] * 1e9:.1f} ns/attention work"
+                )
         print("  goal (issue 4): short TTFT p99 <= 3x baseline with long TTFT <= 1.2x unchunked")
 
 

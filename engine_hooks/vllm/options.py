@@ -46,6 +46,10 @@ class LedgerOptions(msgspec.Struct, kw_only=True, frozen=True):
     admission_depth_tokens: NonNegInt = 0  # with the reserve on and other requests running in the
     # step, a running prefill chunk at depth d is also capped at (1 - share) * budget / (1 + d / this),
     # so a deep chunk (whose attention cost grows with d) does not make their step long (0: no depth cap)
+    admission_step_target_s: NonNegFloat = 0.0  # with the reserve on and other requests running in
+    # the step, a running prefill chunk is also capped so that the step's predicted duration stays
+    # within this many seconds, predicted from the engine's own measured steps
+    # (engine_hooks.vllm.predict.StepTimes; no cap until it has seen enough steps) (0: off)
     admission_min_chunk: Annotated[int, msgspec.Meta(ge=1)] = 64  # the caps never go below this
 
     # -- commands ---------------------------------------------------------------------------------
@@ -83,7 +87,7 @@ class LedgerOptions(msgspec.Struct, kw_only=True, frozen=True):
             raw[key] = value
             names[key] = f"additional_config.chunkledger.{key}"
         try:
-            return msgspec.convert(raw, cls, strict=False)
+            opts = msgspec.convert(raw, cls, strict=False)
         except msgspec.ValidationError as exc:
             message = str(exc)
             for field, shown in names.items():
@@ -92,9 +96,18 @@ class LedgerOptions(msgspec.Struct, kw_only=True, frozen=True):
                         f"{shown}: {message.split(' - at ')[0]} (got {raw.get(field)!r})"
                     ) from None
             raise ConfigError(f"invalid chunkledger vLLM options: {message}") from None
+        for name in _NEED_RESERVE:
+            if getattr(opts, name) and not opts.admission_reserve:
+                shown = names.get(name, name)
+                raise ConfigError(
+                    f"{shown}: works with the admission reserve only; set admission_reserve too "
+                    f"(got {raw.get(name)!r} with admission_reserve 0)"
+                )
+        return opts
 
 
 _BOOLS = {"kv_idle_victim", "token_ids"}
+_NEED_RESERVE = ("admission_step_target_s",)  # options that do nothing without admission_reserve
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 

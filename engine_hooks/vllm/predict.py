@@ -16,6 +16,16 @@ The predictor, in full:
   the remaining length is its ``max_tokens - o`` (protected until it finishes, as in ``"finish"``);
 * always at most ``max_tokens - o``, and at least 1, so a protected request makes progress.
 
+:class:`StepTimes` predicts an engine step's duration from what it schedules, for the admission
+reserve's ``admission_step_target_s`` cap: an online least-squares fit, from the engine's own measured
+steps, of
+
+    seconds = a + b * tokens + c * attention work,   attention work = sum over the step's requests of
+    n * (depth + n / 2) for a prefill chunk of n tokens at depth ``depth`` (n * depth for decodes),
+
+with a, b, c >= 0 (the best non-negative fit over the subsets of the three terms), older steps weighted
+down by ``decay`` per step, and no prediction before ``min_samples`` steps were seen.
+
 Depends on nothing but the standard library.
 """
 
@@ -67,4 +77,124 @@ class OutputLengths:
         return max(predicted, 1)
 
 
-__all__ = ["OutputLengths"]
+def attention_work(tokens: int, depth: int, prefill: bool = True) -> float:
+    """Attention work of ``tokens`` new positions after ``depth`` computed ones (causal: each new
+    position attends to everything before it)."""
+    return tokens * (depth + tokens / 2.0) if prefill else float(tokens * depth)
+
+
+_SCALE = (1.0, 1e-3, 1e-6)  # features in units of 1, 1k tokens, 1M work: a well-conditioned system
+_SUBSETS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,))
+
+
+class StepTimes:
+    """Online least-squares model of step duration (see the module docstring)."""
+
+    def __init__(self, decay: float = 0.99, min_samples: int = 16):
+        if not 0 < decay <= 1 or min_samples < 1:
+            raise ValueError("0 < decay <= 1 and min_samples >= 1 are required")
+        self.decay = decay
+        self.min_samples = min_samples
+        self.samples = 0
+        self._xx = [[0.0] * 3 for _ in range(3)]  # weighted sums of x x^T
+        self._xy = [0.0] * 3  # ... of x y
+        self._yy = 0.0  # ... of y^2
+        self._coef: tuple[float, float, float] | None = None
+        self._dirty = False
+
+    def add(self, tokens: int, work: float, seconds: float) -> None:
+        """Record one step: tokens scheduled, their attention work, its measured duration."""
+        if tokens <= 0 or not seconds >= 0:
+            return
+        x = (1.0, tokens * _SCALE[1], work * _SCALE[2])
+        g = self.decay
+        xx, xy = self._xx, self._xy
+        for i in range(3):
+            row = xx[i]
+            for j in range(3):
+                row[j] = g * row[j] + x[i] * x[j]
+            xy[i] = g * xy[i] + x[i] * seconds
+        self._yy = g * self._yy + seconds * seconds
+        self.samples += 1
+        self._dirty = True
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(a s, b s/token, c s/work), None before ``min_samples`` steps or without a solvable fit."""
+        if self.samples < self.min_samples:
+            return None
+        if self._dirty:
+            self._dirty = False
+            self._coef = self._solve()
+        return self._coef
+
+    def predict(self, tokens: int, work: float) -> float | None:
+        coef = self.coefficients()
+        if coef is None:
+            return None
+        a, b, c = coef
+        return a + b * tokens + c * work
+
+    def max_chunk(self, target_s: float, tokens: int, work: float, depth: int) -> int | None:
+        """The largest prefill chunk at ``depth`` that, added to a step already holding ``tokens``
+        tokens of ``work``, keeps its predicted duration within ``target_s`` (0 when even the rest of
+        the step is predicted over it); None without a fit or when the fit puts no bound on it."""
+        coef = self.coefficients()
+        if coef is None:
+            return None
+        a, b, c = coef
+        # a + b (tokens + n) + c (work + n depth + n^2 / 2) <= target, solved for n
+        qa = c / 2.0
+        qb = b + c * depth
+        qc = a + b * tokens + c * work - target_s
+        if qc >= 0:
+            return 0
+        if qa <= 0:
+            return None if qb <= 0 else int(-qc / qb)
+        return int((-qb + math.sqrt(qb * qb - 4.0 * qa * qc)) / (2.0 * qa))
+
+    def _solve(self) -> tuple[float, float, float] | None:
+        best: tuple[float, list[float]] | None = None
+        xx, xy = self._xx, self._xy
+        ridge = 1e-9 * (xx[0][0] + xx[1][1] + xx[2][2])
+        for subset in _SUBSETS:
+            m = [[xx[i][j] + (ridge if i == j else 0.0) for j in subset] for i in subset]
+            v = [xy[i] for i in subset]
+            beta = _solve_linear(m, v)
+            if beta is None or any(b < 0 for b in beta):
+                continue
+            full = [0.0, 0.0, 0.0]
+            for i, b in zip(subset, beta, strict=True):
+                full[i] = b
+            sse = self._yy - 2 * sum(full[i] * xy[i] for i in range(3))
+            sse += sum(full[i] * xx[i][j] * full[j] for i in range(3) for j in range(3))
+            if best is None or sse < best[0] - 1e-15:
+                best = (sse, full)
+        if best is None:
+            return None
+        a, b, c = best[1]
+        return a * _SCALE[0], b * _SCALE[1], c * _SCALE[2]
+
+
+def _solve_linear(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None for a (near) singular system."""
+    n = len(v)
+    a = [[*row, v[i]] for i, row in enumerate(m)]
+    scale = max((abs(x) for row in m for x in row), default=0.0)
+    if scale <= 0:
+        return None
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) <= 1e-12 * scale:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            for k in range(col, n + 1):
+                a[r][k] -= f * a[col][k]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        out[r] = (a[r][n] - sum(a[r][k] * out[k] for k in range(r + 1, n))) / a[r][r]
+    return out
+
+
+__all__ = ["OutputLengths", "StepTimes", "attention_work"]

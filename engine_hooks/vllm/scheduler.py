@@ -64,7 +64,7 @@ from engine_hooks.events import (
 )
 from engine_hooks.exporter import Emitter, Exporter
 from engine_hooks.vllm.options import LedgerOptions
-from engine_hooks.vllm.predict import OutputLengths
+from engine_hooks.vllm.predict import OutputLengths, StepTimes, attention_work
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +216,9 @@ class _LedgerHooks(_Base):
         self.output_lengths = OutputLengths()  # finished output lengths: the escape valve's predictor
         self.escape_grants: deque[EscapeGrant] = deque(maxlen=1024)  # "predicted" protections, newest last
         self.escape_lapses = 0  # "predicted" protections that ran out before the request finished
+        self.step_times = StepTimes()  # measured step durations: admission_step_target_s's predictor
+        self.step_caps: deque[tuple[int, int, int]] = deque(maxlen=4096)  # (step, depth, cap) of the
+        # steps whose chunk cap came from admission_step_target_s, newest last
         self._cl_blocks = self._block_counter()
         # The reserve and the commands set long_prefill_token_threshold per step: on a private copy.
         self.scheduler_config = copy.copy(self.scheduler_config)
@@ -691,17 +694,31 @@ class _LedgerHooks(_Base):
             waiting.clear()
             waiting.extend(ordered)
         budget = self.max_num_scheduled_tokens
-        demand, deepest = self._cl_others_demand(int(budget * opts.admission_reserve))
+        demand, deepest, work = self._cl_others_walk(int(budget * opts.admission_reserve))
         if demand <= 0:
             return None  # nobody else can run this step: the prefill keeps the whole budget
         cap = float(budget - demand)
         if opts.admission_depth_tokens and deepest > 0:
             cap = cap / (1.0 + deepest / opts.admission_depth_tokens)
+        if opts.admission_step_target_s:
+            fit = self.step_times.max_chunk(opts.admission_step_target_s, demand, work, max(deepest, 0))
+            if fit is not None and fit < cap:
+                cap = fit
+                self.step_caps.append(
+                    (self._cl_step, max(deepest, 0), max(opts.admission_min_chunk, int(cap)))
+                )
         return max(opts.admission_min_chunk, int(cap))
 
     def _cl_others_demand(self, most: int) -> tuple[int, int]:
         """(tokens that the requests other than the largest prefill can take this step, at most
-        ``most``; the depth of the deepest running prefill, -1 for none).
+        ``most``; the depth of the deepest running prefill, -1 for none): see :meth:`_cl_others_walk`."""
+        demand, deepest, _ = self._cl_others_walk(most)
+        return demand, deepest
+
+    def _cl_others_walk(self, most: int) -> tuple[int, int, float]:
+        """(tokens that the requests other than the largest prefill can take this step, at most
+        ``most``; the depth of the deepest running prefill, -1 for none; the attention work of those
+        tokens, :func:`engine_hooks.vllm.predict.attention_work`).
 
         Walked in vLLM's order: running requests (a decode's one token plus speculative ones, another
         prefill's remaining chunk), then waiting requests (those holding KV first, then the queue as
@@ -712,16 +729,21 @@ class _LedgerHooks(_Base):
         """
         budget = self.max_num_scheduled_tokens
         needs: list[int] = []
+        depths: list[int] = []  # where each need starts, negative for a decode
         big = big_at = -1
         deepest = -1
         for req in self.running:
-            need = req.num_tokens_with_spec + req.num_output_placeholders - req.num_computed_tokens
+            computed = req.num_computed_tokens
+            need = req.num_tokens_with_spec + req.num_output_placeholders - computed
             if need <= 0:
                 continue
             if req.is_prefill_chunk:
-                deepest = max(deepest, req.num_computed_tokens)
+                deepest = max(deepest, computed)
                 if need > big:
                     big, big_at = need, len(needs)
+                depths.append(computed)
+            else:
+                depths.append(-1 - computed)
             needs.append(need)
         slots = getattr(self, "max_num_active_reqs", self.max_num_running_reqs) - len(self.running)
         slots -= getattr(self, "num_waiting_for_streaming_input", 0)
@@ -747,13 +769,18 @@ class _LedgerHooks(_Base):
                 if need > big:
                     big, big_at = need, len(needs)
                 needs.append(need)
+                depths.append(req.num_computed_tokens)
         demand = 0
+        work = 0.0
         for i, need in enumerate(needs):
             if i != big_at:
-                demand += need
+                take = min(need, most - demand)
+                at = depths[i]
+                work += attention_work(take, at) if at >= 0 else attention_work(take, -1 - at, False)
+                demand += take
                 if demand >= most:
-                    return most, deepest
-        return demand, deepest
+                    return most, deepest, work
+        return demand, deepest, work
 
     # -- after schedule: what the step runs --------------------------------------------------------
 
@@ -787,6 +814,7 @@ class _LedgerHooks(_Base):
         chunk_rows = []
         ids = []
         prefill_tokens = decode_tokens = n_prefill = n_decode = depth = max_depth = 0
+        work = 0.0  # attention work, for the step-time fit
         for rid, n in scheduled.items():
             st = states.get(rid)
             req = requests.get(rid)
@@ -825,11 +853,13 @@ class _LedgerHooks(_Base):
                 prefill_tokens += n
                 n_prefill += 1
                 depth += n * before
+                work += n * (before + n / 2.0)
                 if before > max_depth:
                     max_depth = before
             else:
                 decode_tokens += n
                 n_decode += 1
+                work += n * before
             if computed > st.hw:
                 st.hw = computed
         if chunk_rows:
@@ -863,6 +893,7 @@ class _LedgerHooks(_Base):
             max_depth,
             stalled_ids,
             stalled_blocks,
+            work,
         )
         if len(self._cl_steps) > 64:  # outputs never passed back (should not happen): forget them
             del self._cl_steps[next(iter(self._cl_steps))]
@@ -915,12 +946,10 @@ class _LedgerHooks(_Base):
             self._cl_abort_outputs = []
         info = self._cl_steps.pop(id(scheduler_output), None)
         if info:
-            self._e_step(
-                info[0],
-                info[1],
-                max(now - info[2], 0.0),
-                *info[3:],
-            )
+            duration = max(now - info[2], 0.0)
+            self._e_step(info[0], info[1], duration, *info[3:15])
+            if self.options.admission_step_target_s:
+                self.step_times.add(info[3] + info[4], info[15], duration)
 
     def _cl_flush(self, rid: str, st: _ReqState, ts: float) -> None:
         ids = st.pending

@@ -140,6 +140,65 @@ def test_depth_cap_is_off_while_nobody_else_can_run(engine, attach, ledger):
     assert [c.tokens for c in chunks[:-1]] == [128] * (len(chunks) - 1)
 
 
+def _long_beside_a_decode(engine, n_prompt: int) -> str:
+    """Prefill a ``n_prompt`` prompt while another request decodes; its id."""
+    long, other = rid("long"), rid("decoding")
+    engine.add(other, prompt(10), max_tokens=1000)  # keeps a second request in the engine
+    engine.add(long, prompt(n_prompt), max_tokens=2)
+    while long not in engine.finished:
+        engine.step()
+    engine.core.abort_request([other])
+    engine.run()
+    return long
+
+
+def test_step_target_caps_deep_chunks_from_the_measured_step_times(engine, attach, ledger):
+    from engine_hooks.vllm.predict import StepTimes, attention_work
+
+    exporter = attach(ledger.url)
+    sch = engine.scheduler
+    sch.step_times = StepTimes(min_samples=8)
+    sch.step_caps.clear()
+    # A target no step reaches: the fit learns from the measured steps, the cap never binds.
+    set_options(engine, admission_reserve=0.25, admission_step_target_s=60.0, admission_min_chunk=16)
+    first = _long_beside_a_decode(engine, 1800)
+    assert sch.step_times.samples >= 16 and not sch.step_caps
+    # Now a target the fit says fits a 32-token chunk at depth 900 beside one decode.
+    target = sch.step_times.predict(1 + 32, attention_work(1, 10, False) + attention_work(32, 900))
+    assert target is not None and target > 0
+    set_options(engine, admission_step_target_s=target)
+    second = _long_beside_a_decode(engine, 1800)
+    assert exporter.force_flush(10.0)
+    events = list(ledger.store.events)
+    before = events_of(events, Chunk, first)
+    assert [c.tokens for c in before[1:-1]] == [127] * (len(before) - 2)  # the reserve's cap only
+    chunks = {c.step: c for c in events_of(events, Chunk, second)}
+    caps = {step: (depth, cap) for step, depth, cap in sch.step_caps if step in chunks}
+    assert caps, "the step-time cap never bound"
+    for step, (depth, cap) in caps.items():  # every capped step obeys its cap
+        assert chunks[step].computed_before == depth
+        assert chunks[step].tokens <= cap < 127, (chunks[step], cap)
+    last = max(chunks)  # (the prompt's rest)
+    deep = [c.tokens for step, c in chunks.items() if c.computed_before >= 900 and step != last]
+    assert deep and min(deep) < 127  # deep chunks got smaller than the reserve alone leaves
+    assert len(chunks) > len(before)
+
+
+def test_step_target_is_off_until_the_fit_has_data(engine, attach, ledger):
+    from engine_hooks.vllm.predict import StepTimes
+
+    exporter = attach(ledger.url)
+    sch = engine.scheduler
+    sch.step_times = StepTimes(min_samples=10_000)  # never enough
+    sch.step_caps.clear()
+    set_options(engine, admission_reserve=0.25, admission_step_target_s=1e-9, admission_min_chunk=16)
+    long = _long_beside_a_decode(engine, 1000)
+    assert exporter.force_flush(10.0)
+    chunks = events_of(list(ledger.store.events), Chunk, long)
+    assert [c.tokens for c in chunks[1:-1]] == [127] * (len(chunks) - 2) and not sch.step_caps
+    sch.step_times = StepTimes()
+
+
 # -- victim choice, without running the engine ----------------------------------------------------
 
 
@@ -224,6 +283,57 @@ def test_options_come_from_env_and_additional_config_wins():
 def test_bad_option_names_the_variable_or_key(env, extra, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         LedgerOptions.from_sources(environ=env, extra=extra)
+
+
+def test_step_target_needs_the_reserve_and_names_the_option():
+    with pytest.raises(ConfigError, match=r"additional_config\.chunkledger\.admission_step_target_s"):
+        LedgerOptions.from_sources(environ={}, extra={"admission_step_target_s": -1})
+    with pytest.raises(ConfigError, match="CHUNKLEDGER_VLLM_ADMISSION_STEP_TARGET_S"):
+        LedgerOptions.from_sources(environ={"CHUNKLEDGER_VLLM_ADMISSION_STEP_TARGET_S": "soon"})
+    with pytest.raises(ConfigError, match=r"admission_step_target_s: works with the admission reserve"):
+        LedgerOptions.from_sources(environ={}, extra={"admission_step_target_s": 0.2})
+    opts = LedgerOptions.from_sources(
+        environ={"CHUNKLEDGER_VLLM_ADMISSION_STEP_TARGET_S": "0.2"}, extra={"admission_reserve": 0.25}
+    )
+    assert opts.admission_step_target_s == 0.2 and LedgerOptions().admission_step_target_s == 0
+
+
+def test_step_time_fit_recovers_a_linear_cost_and_solves_for_the_chunk():
+    import random
+
+    from engine_hooks.vllm.predict import StepTimes, attention_work
+
+    fit = StepTimes(min_samples=8)
+    rng = random.Random(3)
+    for i in range(40):
+        if i == 7:
+            assert fit.coefficients() is None and fit.max_chunk(0.2, 1, 0.0, 0) is None
+        tokens, depth = rng.randint(1, 2048), rng.randint(0, 8000)
+        work = attention_work(tokens, depth)
+        fit.add(tokens, work, 0.002 + 1e-5 * tokens + 2e-8 * work)
+    a, b, c = fit.coefficients()
+    assert a == pytest.approx(0.002, rel=1e-4) and b == pytest.approx(1e-5, rel=1e-4)
+    assert c == pytest.approx(2e-8, rel=1e-4)
+    others, others_work = 30, attention_work(30, 0)
+    n = fit.max_chunk(0.2, others, others_work, 6000)
+    assert 0 < n < 2048
+    assert fit.predict(others + n, others_work + attention_work(n, 6000)) <= 0.2
+    assert fit.predict(others + n + 1, others_work + attention_work(n + 1, 6000)) > 0.2
+    assert fit.max_chunk(0.2, others, others_work, 12000) < n  # deeper: smaller
+    assert fit.max_chunk(0.001, others, others_work, 0) == 0  # even the rest is over the target
+
+
+def test_step_time_fit_keeps_costs_non_negative_and_forgets_old_steps():
+    from engine_hooks.vllm.predict import StepTimes
+
+    fit = StepTimes(decay=0.9, min_samples=4)
+    for i in range(30):  # more work, less time: no negative cost is fitted
+        fit.add(100 + i, 1e6 * (30 - i), 0.01 + 0.001 * i)
+    assert all(x >= 0 for x in fit.coefficients())
+    for _ in range(200):  # the machine got 10x slower: the fit follows
+        for tokens in (10, 1000):
+            fit.add(tokens, 0.0, 0.1 + 1e-3 * tokens)
+    assert fit.predict(500, 0.0) == pytest.approx(0.6, rel=0.01)
 
 
 def test_bad_escape_mode_names_the_option():
