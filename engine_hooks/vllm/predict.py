@@ -24,7 +24,7 @@ steps, of
     n * (depth + n / 2) for a prefill chunk of n tokens at depth ``depth`` (n * depth for decodes),
 
 with a, b, c >= 0 (the best non-negative fit over the subsets of the three terms), older steps weighted
-down by ``decay`` per step, and no prediction before ``min_samples`` steps were seen.
+down by ``decay`` per step (0.99), and no prediction before ``min_samples`` (8) steps were seen.
 
 Depends on nothing but the standard library.
 """
@@ -90,7 +90,7 @@ _SUBSETS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,))
 class StepTimes:
     """Online least-squares model of step duration (see the module docstring)."""
 
-    def __init__(self, decay: float = 0.99, min_samples: int = 16):
+    def __init__(self, decay: float = 0.99, min_samples: int = 8):
         if not 0 < decay <= 1 or min_samples < 1:
             raise ValueError("0 < decay <= 1 and min_samples >= 1 are required")
         self.decay = decay
