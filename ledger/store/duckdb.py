@@ -90,6 +90,11 @@ class DuckDBStore(Store):
         self._lock = threading.Lock()
         rows = self._duck.execute("SELECT source_id, last_seq FROM sources").fetchall()
         self._marks: dict[str, int] = {sid: int(seq) for sid, seq in rows}
+        # DuckDB imports pandas (when it is installed, e.g. with the dashboard) the first time a Python
+        # object is registered. In the first ingest that import took 8 s on a saturated CI machine, and
+        # every source waited behind it; pay it at start-up, before /readyz answers.
+        self._duck.register("_warmup", pa.table({"x": [1]}))
+        self._duck.unregister("_warmup")
 
     def write(self, batches: Any) -> list[WriteResult]:
         with self._lock:

@@ -181,3 +181,19 @@ def test_a_failed_transaction_stores_nothing_and_keeps_the_high_water_mark(store
     (res,) = store.write([batch(ENGINE, evs)])
     assert (res.accepted, res.duplicates) == (2, 2)
     assert store.count("events") == 4
+
+
+def test_opening_a_duckdb_store_pays_the_arrow_paths_imports_before_the_first_ingest(tmp_path):
+    """DuckDB imports pandas on the first registered Arrow table; the first batch must not wait for it."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("pandas")
+    code = (
+        "import sys; from ledger.store import open_store; "
+        f"s = open_store('duckdb:///{tmp_path / 'w.duckdb'}'); print('pandas' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "True"
