@@ -1,7 +1,11 @@
 """A small stand-in for the ledger's ingest endpoint, for exporter tests.
 
 It speaks the real wire contract (``POST /v1/events`` -> ``IngestResponse``), validates batches with
-the contract's decoder, dedupes by (source id, seq) and records arrival order. It can run in a thread
+the contract's decoder and dedupes by (source id, seq). Stored rows are kept in arrival order, except
+that each source's events stay in seq order (the order the exporter numbered them in): a batch that
+arrives after a newer one of its source (the exporter keeps several in flight) is placed where its seqs
+belong, as a reader of the real ledger ordering by seq sees it. ``posts`` logs each POST's arrival and
+answer times, for tests about what was in flight when. It can run in a thread
 (tests take it down, bring it up on the same port, make it answer errors) or as a subprocess with a
 SQLite file (``python fake_ledger.py --port P --db FILE``), so that a SIGKILL loses exactly what a real
 ledger would: nothing it acknowledged, since it commits before it answers.
@@ -16,6 +20,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -36,8 +41,21 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
     return predicate()
 
 
+@dataclass
+class Post:
+    """One POST /v1/events as the fake ledger saw it (monotonic times)."""
+
+    arrived: float
+    source_id: str = ""
+    first_seq: int = -1
+    last_seq: int = -1
+    answered: float | None = None
+    status: int | None = None
+
+
 class Store:
-    """Stored events: (source id, seq) -> kind, kept in arrival order; optionally in SQLite."""
+    """Stored events: (source id, seq) -> kind, in arrival order with each source in seq order; optionally
+    in SQLite."""
 
     def __init__(self, db_path: str | None = None):
         self.lock = threading.Lock()
@@ -51,7 +69,9 @@ class Store:
         self.rows: list[tuple[str, int, str]] = []
         self.events: list[Any] = []
         self.keys: set[tuple[str, int]] = set()
+        self.last_seq: dict[str, int] = {}  # highest stored seq per source
         self.posts = 0
+        self.duplicates = 0  # events received again after they were stored
 
     def add(self, source_id: str, events: list[Any]) -> tuple[int, int]:
         accepted = duplicates = 0
@@ -61,6 +81,7 @@ class Store:
                 key = (source_id, event.seq)
                 if key in self.keys:
                     duplicates += 1
+                    self.duplicates += 1
                     continue
                 kind = type(event).__struct_config__.tag
                 if self.db is not None:
@@ -69,12 +90,26 @@ class Store:
                         (source_id, event.seq, kind, msgspec.json.encode(event).decode()),
                     )
                 self.keys.add(key)
-                self.rows.append((source_id, event.seq, kind))
-                self.events.append(event)
+                row = (source_id, event.seq, kind)
+                if event.seq > self.last_seq.get(source_id, -1):
+                    self.last_seq[source_id] = event.seq
+                    self.rows.append(row)
+                    self.events.append(event)
+                else:  # a late batch: before the first stored event of its source with a higher seq
+                    at = next(
+                        i for i, (sid, seq, _) in enumerate(self.rows) if sid == source_id and seq > event.seq
+                    )
+                    self.rows.insert(at, row)
+                    self.events.insert(at, event)
                 accepted += 1
             if self.db is not None:
                 self.db.commit()
         return accepted, duplicates
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 128  # listen backlog: several exporters open several connections at once
+    # (socketserver's default of 5 drops SYNs, which clients see as a 1 s connect timeout)
 
 
 class FakeLedger:
@@ -85,7 +120,12 @@ class FakeLedger:
         self.token = token
         self.status: int | None = None  # answer every POST with this status (None: normal ingest)
         self.fail_next: list[int] = []  # statuses for the next POSTs, one each, before normal ingest
-        self.delay_s = 0.0
+        self.delay_s = 0.0  # every POST waits this long before it is handled
+        self.delays: list[float] = []  # extra waits for the next POSTs, one each
+        self.fail_if: Callable[[Any], int | None] | None = None  # batch -> forced status, or None
+        self.posts: list[Post] = []  # every POST /v1/events, in arrival order
+        self.in_flight = 0  # POSTs being handled now
+        self.max_in_flight = 0  # the most POSTs handled at once so far
         self.commands: list[Command] = []
         self.poll_commands: list[Command] = []  # answered to GET /v1/commands
         self.polls: list[str] = []  # the query string of each GET /v1/commands
@@ -93,6 +133,7 @@ class FakeLedger:
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
         self.port = port
         self.start()
 
@@ -134,26 +175,53 @@ class FakeLedger:
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                ledger.auth_headers.append(self.headers.get("authorization"))
-                if ledger.delay_s:
-                    threading.Event().wait(ledger.delay_s)
-                forced = ledger.fail_next.pop(0) if ledger.fail_next else ledger.status
-                if forced is not None:
-                    self._answer(forced, b'{"detail":"forced by the test"}')
-                    return
-                if ledger.token and self.headers.get("authorization") != f"Bearer {ledger.token}":
-                    self._answer(401, b'{"detail":"bad token"}')
-                    return
+                post = Post(arrived=time.monotonic())
+                with ledger._lock:  # what this POST gets is decided when it arrives
+                    ledger.posts.append(post)
+                    ledger.in_flight += 1
+                    ledger.max_in_flight = max(ledger.max_in_flight, ledger.in_flight)
+                    ledger.auth_headers.append(self.headers.get("authorization"))
+                    delay = ledger.delay_s + (ledger.delays.pop(0) if ledger.delays else 0.0)
+                    forced = ledger.fail_next.pop(0) if ledger.fail_next else ledger.status
+                    fail_if = ledger.fail_if
                 try:
                     batch = batch_decoder.decode(body)
-                except msgspec.DecodeError as exc:
-                    self._answer(422, _response_encoder.encode({"detail": str(exc)}))
-                    return
+                except msgspec.DecodeError:
+                    batch = None
+                if batch is not None:
+                    post.source_id = batch.source.id
+                    if batch.events:
+                        post.first_seq, post.last_seq = batch.events[0].seq, batch.events[-1].seq
+                    if forced is None and fail_if is not None:
+                        forced = fail_if(batch)
+                try:
+                    if delay:
+                        threading.Event().wait(delay)
+                    post.status = self._ingest(body, batch, forced)
+                finally:
+                    post.answered = time.monotonic()
+                    with ledger._lock:
+                        ledger.in_flight -= 1
+
+            def _ingest(self, body: bytes, batch: Any, forced: int | None) -> int:
+                if forced is not None:
+                    self._answer(forced, b'{"detail":"forced by the test"}')
+                    return forced
+                if ledger.token and self.headers.get("authorization") != f"Bearer {ledger.token}":
+                    self._answer(401, b'{"detail":"bad token"}')
+                    return 401
+                if batch is None:
+                    try:
+                        batch_decoder.decode(body)
+                    except msgspec.DecodeError as exc:
+                        self._answer(422, _response_encoder.encode({"detail": str(exc)}))
+                        return 422
                 accepted, duplicates = ledger.store.add(batch.source.id, batch.events)
                 answer = IngestResponse(
                     accepted=accepted, duplicates=duplicates, commands=list(ledger.commands)
                 )
                 self._answer(200, _response_encoder.encode(answer))
+                return 200
 
             def _answer(self, status: int, body: bytes) -> None:
                 self.send_response(status)
@@ -163,7 +231,7 @@ class FakeLedger:
                 self.wfile.write(body)
 
         ThreadingHTTPServer.allow_reuse_address = True
-        server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        server = _Server(("127.0.0.1", self.port), Handler)
         server.daemon_threads = True
         self.port = server.server_address[1]
         self._server = server
