@@ -48,6 +48,8 @@ class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
     timeout_s: PositiveFloat = 5.0  # whole-request timeout of one POST
     connect_timeout_s: PositiveFloat = 1.0  # TCP connect timeout of one POST
     max_attempts: PositiveInt = 3  # tries of a fresh batch before it goes to the spool
+    max_in_flight: PositiveInt = 4  # POSTs of fresh batches sent without waiting for the answers of the
+    # ones before (a window counted from the oldest unanswered batch); 1: one at a time
     backoff_initial_s: PositiveFloat = 0.05  # first retry delay; doubles per failure (with jitter)
     backoff_max_s: PositiveFloat = 2.0  # cap of the retry delay and of the probe interval while down
 

@@ -1,17 +1,43 @@
 """The engine-side exporter: a non-blocking, lossless path from a source's hooks to the ledger.
 
-Shape (OpenTelemetry's BatchProcessor, plus a disk spool)::
+Shape (OpenTelemetry's BatchProcessor, plus a disk spool and a window of POSTs in flight)::
 
-    engine thread                       worker thread (daemon)
-    emit -> bounded deque  ---------->  take -> number (seq) -> build Structs -> encode -> POST /v1/events
-            (never blocks/raises)          |  error: retry with backoff + jitter, then append to the spool
-                                           |  spool replayed first, in order, once the ledger answers again
-                                           v  commands in the response -> on_command(host callback)
+    engine thread            worker thread (daemon)                 sender threads (max_in_flight)
+    emit -> bounded deque -> take -> number (seq) -> encode
+            (never blocks,        |  window has room, no backlog: ---->  POST /v1/events, retries with
+             never raises)        |                                      backoff + jitter; counts the answer
+                                  |  settle outcomes oldest first  <---  commands -> on_command (host)
+                                  |    failed fresh batch -> spool (the backlog)
+                                  |  backlog: replay it oldest first, one POST at a time, nothing else out
+                                  v  ledger backing off: fresh batches go to the spool behind the backlog
 
 The hot path is a closure that appends ``(layout, values)`` to a deque after one length check: no
 Struct is built, nothing is encoded and no lock is taken on the engine thread. ``emitter(...).many(rows)``
 hands a whole step's rows in one call, which costs about as much as the host appending those rows to
 a list of its own.
+
+Several batches in flight: the ledger answers a POST only after its group commit, which on a loaded box
+can take seconds, while its rule engine looks at each batch on arrival. So the worker does not wait for
+an answer before sending the next batch: it hands batches to ``max_in_flight`` sender threads and keeps
+a window of at most ``max_in_flight`` batches counted from the oldest unanswered one (a full batch goes
+out as soon as the window has room; a partial one behind others waits for the flush timer). Everything
+that decides order stays on the worker thread:
+
+* The worker settles outcomes strictly in the order it sent the batches. A sender only POSTs (retrying a
+  fresh batch ``max_attempts`` times), counts the answer under a lock and hands the answer's commands
+  over (once per command id, under ``_command_lock``) as soon as it arrives, not in batch order.
+* When batch k fails for good while k+1 was acknowledged, k+1 stays delivered and k joins the backlog
+  (the spool): it is replayed when the ledger answers again and the ledger stores it below the source's
+  high-water mark, checked against stored events. Both are delivered once; the ledger dedupes
+  (source_id, seq) should an answer have been lost.
+* Only the worker touches the spool, and it keeps a fresh batch (spools it) only once no older batch is
+  in flight, so the spool holds batches in seq order. The backlog is replayed oldest first with nothing
+  else in flight, one POST at a time; fresh batches wait behind it.
+* With ``max_in_flight=1`` the window is one batch: the next POST starts after the previous answer and
+  the ledger stores batches in seq order, as before this window existed.
+* ``force_flush`` waits for the batches in flight; ``shutdown`` gives each batch one attempt until 80%
+  of its timeout, then stops waiting for the answers still out and spools those batches (a late answer
+  is ignored; if the ledger did store the batch, the replay is counted as duplicates).
 
 Sequence numbers: the order of events is fixed when they are emitted (one FIFO deque); the worker
 numbers them in that order as it takes them, before the first send attempt, and a number never changes
@@ -31,6 +57,7 @@ import atexit
 import contextlib
 import logging
 import os
+import queue
 import random
 import threading
 import time
@@ -65,6 +92,8 @@ _RETRY_STATUSES = frozenset({401, 403, 404, 408, 429})  # 401/403/404: the ledge
 # not the batch: keep it (spool) so that it is delivered once that is fixed, instead of dropping it.
 _COMMAND_MEMORY = 4096  # command ids remembered to hand each command to the host once
 _TAKE_CHUNKS = 4  # batches the worker numbers and encodes per take
+_FRESH, _SPOOLED, _HELD = 0, 1, 2  # what a job sends: a fresh batch, the spool's oldest record, _held[0]
+_ACKED, _REJECTED = "acked", "rejected"  # a job's outcome; a float instead: it failed (retry hint, s)
 
 
 class _Layout(NamedTuple):
@@ -84,6 +113,20 @@ class Prepared(NamedTuple):
     first_seq: int
     last_seq: int
     markers_only: bool = False
+
+
+class _Job:
+    """One batch handed to a sender thread; the worker settles jobs in the order it submitted them."""
+
+    __slots__ = ("abandoned", "attempts", "done", "kind", "outcome", "prepared")
+
+    def __init__(self, kind: int, prepared: Prepared, attempts: int):
+        self.kind = kind
+        self.prepared = prepared
+        self.attempts = attempts  # POSTs before giving up: max_attempts for a fresh batch, else 1
+        self.outcome: str | float | None = None  # set under _counts_lock once the answer is known
+        self.done = False  # set after the outcome, once the answer's commands are handed over
+        self.abandoned = False  # shutdown's deadline came first: spooled, its answer is ignored
 
 
 class Emitter(Protocol):
@@ -126,14 +169,16 @@ class _LogOnce:
     def __init__(self, interval_s: float = 60.0):
         self._interval_s = interval_s
         self._seen: dict[str, tuple[float, int]] = {}
+        self._mutex = threading.Lock()  # the worker, the senders and the poller log
 
     def __call__(self, level: int, key: str, msg: str, *args: Any, exc_info: bool = False) -> None:
         now = time.monotonic()
-        last, suppressed = self._seen.get(key, (-1e18, 0))
-        if now - last < self._interval_s:
-            self._seen[key] = (last, suppressed + 1)
-            return
-        self._seen[key] = (now, 0)
+        with self._mutex:
+            last, suppressed = self._seen.get(key, (-1e18, 0))
+            if now - last < self._interval_s:
+                self._seen[key] = (last, suppressed + 1)
+                return
+            self._seen[key] = (now, 0)
         if suppressed:
             msg += f" ({suppressed} similar messages suppressed)"
         log.log(level, msg, *args, exc_info=exc_info)
@@ -176,8 +221,9 @@ _live: weakref.WeakSet[Exporter] = weakref.WeakSet()
 class Exporter:
     """Sends one source's events to the ledger; see the module docstring.
 
-    ``on_command`` is called on the worker thread with each ``Command`` from the ledger (once per
-    command id); it should only hand the command over (e.g. to a queue the engine drains) and return.
+    ``on_command`` is called on a sender or the command-poll thread with each ``Command`` from the ledger
+    (once per command id, never concurrently); it should only hand the command over (e.g. to a queue the
+    engine drains) and return.
     ``registry``: a ``prometheus_client.CollectorRegistry`` to expose the self-metrics in.
     """
 
@@ -226,12 +272,19 @@ class Exporter:
         )
         self._first_seq = self._next_seq
         self._held: deque[Prepared] = deque()  # batches neither delivered nor spooled (spool full/off)
+        self._ready: deque[Prepared] = deque()  # numbered and encoded, not yet sent or kept
+        self._inflight: deque[_Job] = deque()  # sent and not yet settled, oldest first
+        self._max_in_flight = self.config.max_in_flight
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # worker -> sender threads
+        self._senders: list[threading.Thread] = []
+        self._next_partial = 0.0  # monotonic time from which a partial batch may follow ones in flight
         self._down_until = 0.0  # monotonic time before which the ledger is not tried (backoff)
         self._failures = 0  # consecutive failed POSTs
         self._commands_seen: OrderedDict[str, None] = OrderedDict()
         self._command_lock = threading.Lock()  # the worker and the command poller both hand commands over
         self._poller: threading.Thread | None = None
         self._poll_client: httpx.Client | None = None
+        self._counts_lock = threading.Lock()  # the counters below: written by the worker and the senders
         self._sent = self._duplicates = self._batches_sent = 0
         self._attempts = self._send_failures = self._retried = 0
         self._spooled = self._replayed = self._commands = 0
@@ -253,7 +306,11 @@ class Exporter:
         return httpx.Client(
             headers=headers,
             timeout=httpx.Timeout(self.config.timeout_s, connect=self.config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=30.0),
+            limits=httpx.Limits(
+                max_connections=self.config.max_in_flight,  # one per sender (the poller has its own client)
+                max_keepalive_connections=self.config.max_in_flight,
+                keepalive_expiry=30.0,
+            ),
             trust_env=False,
         )
 
@@ -273,6 +330,15 @@ class Exporter:
             target=self._run, name=f"chunkledger-exporter-{self._source.id}", daemon=True
         )
         self._thread.start()
+        for i in range(self._max_in_flight):
+            sender = threading.Thread(
+                target=self._send_loop,
+                args=(self._jobs,),
+                name=f"chunkledger-sender-{self._source.id}-{i}",
+                daemon=True,
+            )
+            sender.start()
+            self._senders.append(sender)
         if self._on_command is not None and self.config.command_poll_wait_s > 0:
             self._poller = threading.Thread(
                 target=self._poll_commands, name=f"chunkledger-commands-{self._source.id}", daemon=True
@@ -494,6 +560,8 @@ class Exporter:
             or self._queue
             or self._drops_pending
             or self._held
+            or self._ready
+            or self._inflight
             or (self._spool is not None and self._spool)
         )
 
@@ -530,25 +598,29 @@ class Exporter:
     def stats(self) -> ExporterStats:
         """The self-metrics as a snapshot (cheap; safe from any thread)."""
         spool = self._spool
+        with self._counts_lock:  # one consistent snapshot of what the worker and the senders count
+            sent, duplicates, batches_sent = self._sent, self._duplicates, self._batches_sent
+            attempts, failures, retried = self._attempts, self._send_failures, self._retried
+            spooled, replayed, last_success_ts = self._spooled, self._replayed, self._last_success_ts
         return ExporterStats(
             source_id=self._source.id,
             queued=len(self._queue) + self._extra,
             numbered=self._next_seq - self._first_seq,
             last_seq=self._next_seq - 1 if self._next_seq > self._first_seq else None,
-            sent=self._sent,
-            duplicates=self._duplicates,
-            batches_sent=self._batches_sent,
-            send_attempts=self._attempts,
-            send_failures=self._send_failures,
-            retried=self._retried,
-            spooled=self._spooled,
-            replayed=self._replayed,
+            sent=sent,
+            duplicates=duplicates,
+            batches_sent=batches_sent,
+            send_attempts=attempts,
+            send_failures=failures,
+            retried=retried,
+            spooled=spooled,
+            replayed=replayed,
             spool_bytes=spool.size_bytes if spool is not None else 0,
             spool_pending=spool.pending_events if spool is not None else 0,
             spool_torn_records=spool.torn_records if spool is not None else 0,
             dropped=dict(self._dropped),
             commands=self._commands,
-            last_success_ts=self._last_success_ts,
+            last_success_ts=last_success_ts,
         )
 
     # -- worker -----------------------------------------------------------------------------------
@@ -564,12 +636,26 @@ class Exporter:
         self._close_resources()
 
     def _sleep_time(self) -> float:
-        if self._backlog() or self._queue:
-            wait = self._down_until - time.monotonic()
-            if wait <= 0 and (self._backlog() or len(self._queue) + self._extra >= self._batch_size):
-                return 0.0
-            return min(self.config.flush_interval_s, max(wait, 0.001))
-        return self.config.flush_interval_s
+        """How long the worker may sleep; an answer, a full batch or shutdown wakes it earlier."""
+        inflight = self._inflight
+        if inflight and inflight[0].done:
+            return 0.0
+        flush = self.config.flush_interval_s
+        if not (self._backlog() or self._queue or self._ready):
+            return flush
+        now = time.monotonic()
+        wait = self._down_until - now
+        if wait > 0:  # the ledger is backing off: keep (spool) what is queued meanwhile
+            return min(flush, wait)
+        if self._backlog():
+            return flush if inflight else 0.0
+        if len(inflight) >= self._max_in_flight:
+            return flush
+        if self._ready or len(self._queue) + self._extra >= self._batch_size:
+            return 0.0
+        if inflight:  # a partial batch follows the ones in flight on the flush timer
+            return min(flush, max(self._next_partial - now, 0.001))
+        return 0.001
 
     def _guarded_cycle(self, final: bool) -> None:
         with self._progress:
@@ -587,30 +673,39 @@ class Exporter:
                 self._progress.notify_all()
 
     def _cycle(self, until: float) -> None:
-        """Replay the backlog while the ledger answers, then deliver (or spool) what is queued."""
+        """Step the worker until it has to wait (for an answer, the backoff or events) or ``until``."""
         self._place_marker()
-        self._replay(until)
-        while self._queue and not self._held and time.monotonic() < until and not self._stop.is_set():
-            for prepared in self._prepare(self._take(self._batch_size * _TAKE_CHUNKS)):
-                self._dispatch(prepared, final=False)
-            self._replay(until)
+        while time.monotonic() < until and not self._stop.is_set() and self._step(final=False):
+            pass
 
     def _final_cycle(self) -> None:
-        """Shutdown: drain everything before the deadline, without retry sleeps; spool what is left."""
+        """Shutdown: one attempt per batch until the send deadline, then spool what is left.
+
+        Batches still unanswered at the deadline are given up on: fresh ones go to the spool (the ledger
+        may still store them; a later replay is then counted as duplicates), a replayed record stays in
+        the spool.
+        """
         deadline = self._send_deadline
         with self._lock:
             if self._drops_pending:
                 self._queue.append((_MARKER, self._take_drops_locked()))
         while True:
-            self._replay(deadline)
-            if not self._queue or self._held:
+            if self._step(final=True):
+                continue
+            if not self._inflight:
                 break
-            for prepared in self._prepare(self._take(self._batch_size * _TAKE_CHUNKS)):
-                self._dispatch(prepared, final=True)
-        lost = sum(p.events for p in self._held) + len(self._queue) + self._extra
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._abandon_in_flight()
+                continue
+            self._wake.wait(remaining)  # a sender sets it when an answer arrives
+            self._wake.clear()
+        lost = sum(p.events for p in self._held) + sum(p.events for p in self._ready)
+        lost += len(self._queue) + self._extra
         if lost:
             self._queue.clear()
             self._held.clear()
+            self._ready.clear()
             self._extra = 0
             self._record_drop("shutdown", lost, report=False)
             self._shutdown_ok = False
@@ -621,6 +716,8 @@ class Exporter:
             )
 
     def _close_resources(self) -> None:
+        for _ in self._senders:
+            self._jobs.put(None)
         with contextlib.suppress(Exception):
             self._client.close()
         if self._spool is not None:
@@ -734,30 +831,115 @@ class Exporter:
     def _backlog(self) -> bool:
         return bool(self._held) or bool(self._spool)
 
-    def _dispatch(self, prepared: Prepared, final: bool) -> None:
-        """Send a fresh batch (with retries) unless older ones wait; what is not delivered is kept."""
+    def _step(self, final: bool) -> bool:
+        """One move of the worker (see the module docstring); False when it has to wait.
+
+        Settles answered batches oldest first, then either replays the backlog (one batch at a time,
+        nothing else in flight), keeps fresh batches behind it (spool), or sends the next fresh batch
+        when the window has room.
+        """
+        progressed = self._collect()
         now = time.monotonic()
-        if self._backlog() or now < self._down_until or (final and now >= self._send_deadline):
-            self._keep(prepared)
+        gate_closed = now < self._down_until or (final and now >= self._send_deadline)
+        if gate_closed or self._backlog():
+            if self._inflight:
+                return progressed  # their outcomes come first, so that the spool stays in seq order
+            if not gate_closed:
+                return self._submit_replay() or progressed or not self._backlog()
+            if not self._ready and not self._held and self._queue:
+                self._fill_ready()
+                progressed = True
+            if self._ready:
+                self._keep(self._ready.popleft())
+                return True
+            return progressed
+        if len(self._inflight) >= self._max_in_flight:
+            return progressed
+        if not self._ready:
+            if not self._queue:
+                return progressed
+            partial = len(self._queue) + self._extra < self._batch_size
+            if self._inflight and partial and now < self._next_partial:
+                return progressed  # a partial batch behind others waits for the flush timer
+            self._next_partial = now + self.config.flush_interval_s
+            self._fill_ready()
+            if not self._ready:
+                return True  # everything taken was invalid (counted as dropped)
+        self._submit(_FRESH, self._ready.popleft(), 1 if final else self.config.max_attempts)
+        return True
+
+    def _fill_ready(self) -> None:
+        self._ready.extend(self._prepare(self._take(self._batch_size * _TAKE_CHUNKS)))
+
+    def _submit(self, kind: int, prepared: Prepared, attempts: int) -> None:
+        job = _Job(kind, prepared, attempts)
+        self._inflight.append(job)
+        self._jobs.put(job)
+
+    def _submit_replay(self) -> bool:
+        """Send the oldest backlog batch (spool first, then held); False when there was none after all."""
+        spool = self._spool
+        record = spool.peek() if spool is not None and spool else None
+        if spool is not None:
+            torn_records, torn_events = spool.take_torn()
+            if torn_records:
+                self._record_drop("spool_torn", torn_events)
+        if record is not None:
+            self._submit(_SPOOLED, Prepared(record.payload, record.events, -1, -1), 1)
+            return True
+        if self._held:
+            self._submit(_HELD, self._held[0], 1)
+            return True
+        self._overflow_reason = "queue_full"
+        return False
+
+    def _collect(self) -> bool:
+        """Settle the answered batches at the head of the window, in the order they were sent."""
+        inflight = self._inflight
+        settled = False
+        while inflight and inflight[0].done:
+            self._settle(inflight.popleft())
+            settled = True
+        return settled
+
+    def _settle(self, job: _Job) -> None:
+        """Worker: act on a batch's outcome (its counters and commands were done by its sender)."""
+        outcome = job.outcome
+        if isinstance(outcome, float):  # not taken: a fresh batch joins the backlog, a replayed one stays
+            if job.kind == _FRESH:
+                if time.monotonic() >= self._down_until:  # one backoff step per outage, not per batch
+                    self._enter_down(None)
+                self._keep(job.prepared)
+            else:
+                self._enter_down(outcome)
             return
-        attempts = 1 if final else self.config.max_attempts
-        for attempt in range(attempts):
-            outcome = self._post(prepared)
-            if outcome is None:
-                return
-            if attempt + 1 < attempts:
-                self._retried += 1
-                if self._stop.wait(self._backoff(attempt, outcome)):
-                    break
-        self._enter_down(None)
-        self._keep(prepared)
+        if outcome == _ACKED:
+            self._failures = 0
+            self._down_until = 0.0
+        if job.kind == _SPOOLED:
+            assert self._spool is not None
+            self._spool.pop()  # the record peeked for this job: nothing else peeks while it is in flight
+        elif job.kind == _HELD:
+            self._held.popleft()
+
+    def _abandon_in_flight(self) -> None:
+        """Shutdown's send deadline passed: stop waiting; spool the fresh batches still unanswered."""
+        while self._inflight:
+            job = self._inflight.popleft()
+            with self._counts_lock:
+                job.abandoned = job.outcome is None  # its sender ignores the answer from now on
+            if not job.abandoned:
+                self._settle(job)
+            elif job.kind == _FRESH:
+                self._keep(job.prepared)
 
     def _keep(self, prepared: Prepared) -> None:
         """Append to the spool; hold in memory when it is full or off (the queue then fills up)."""
         if not self._held and self._spool is not None:
             try:
                 if self._spool.append(prepared.body, prepared.events):
-                    self._spooled += prepared.events
+                    with self._counts_lock:
+                        self._spooled += prepared.events
                     return
                 self._log(logging.WARNING, "spool_full", "chunkledger exporter: the spool is full")
             except OSError as exc:
@@ -767,39 +949,43 @@ class Exporter:
         self._held.append(prepared)
         self._overflow_reason = "spool_full" if self._spool is not None else "queue_full"
 
-    def _replay(self, until: float) -> None:
-        """Deliver the backlog oldest first (spool, then held batches) while the ledger answers."""
-        spool = self._spool
-        while self._down_until <= time.monotonic() < until:
-            record = spool.peek() if spool is not None and spool else None
-            if spool is not None:
-                torn_records, torn_events = spool.take_torn()
-                if torn_records:
-                    self._record_drop("spool_torn", torn_events)
-            if record is not None:
-                outcome = self._post(Prepared(record.payload, record.events, -1, -1))
-                if outcome is not None:
-                    self._enter_down(outcome)
-                    return
-                self._replayed += record.events
-                spool.pop()  # type: ignore[union-attr]
-                continue
-            if not self._held:
-                self._overflow_reason = "queue_full"
-                return
-            outcome = self._post(self._held[0])
-            if outcome is not None:
-                self._enter_down(outcome)
-                return
-            self._replayed += self._held.popleft().events
+    # -- sender threads ---------------------------------------------------------------------------
 
-    def _post(self, prepared: Prepared) -> float | None:
-        """POST one batch. None: done with it (acknowledged or rejected); else a retry hint in seconds."""
-        self._attempts += 1
+    def _send_loop(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
+        while (job := jobs.get()) is not None:
+            self._send(job)
+
+    def _send(self, job: _Job) -> None:
+        """Sender thread: POST a batch (a fresh one with retries), record the outcome, wake the worker."""
+        outcome: str | float = 0.0
+        try:
+            for attempt in range(job.attempts):
+                outcome = self._post(job)
+                if not isinstance(outcome, float) or attempt + 1 == job.attempts:
+                    break
+                with self._counts_lock:
+                    self._retried += 1
+                if self._stop.wait(self._backoff(attempt, outcome)):
+                    break  # shutting down: the worker spools it
+        except Exception:
+            self._log(logging.ERROR, "send", "chunkledger exporter: sender error", exc_info=True)
+        finally:
+            with self._counts_lock:
+                if job.outcome is None:
+                    job.outcome = outcome
+            job.done = True
+            self._wake.set()
+
+    def _post(self, job: _Job) -> str | float:
+        """POST one batch: _ACKED, _REJECTED (dropped) or, when it failed, a retry hint in seconds."""
+        prepared = job.prepared
+        with self._counts_lock:
+            self._attempts += 1
         try:
             response = self._client.post(self.config.events_url, content=prepared.body)
         except httpx.HTTPError as exc:
-            self._send_failures += 1
+            with self._counts_lock:
+                self._send_failures += 1
             self._log(
                 logging.WARNING,
                 f"send:{type(exc).__name__}",
@@ -811,9 +997,10 @@ class Exporter:
             return 0.0
         status = response.status_code
         if 200 <= status < 300:
-            self._acknowledged(prepared, response.content)
-            return None
-        self._send_failures += 1
+            self._acknowledged(job, response.content)
+            return _ACKED
+        with self._counts_lock:
+            self._send_failures += 1
         if status >= 500 or status in _RETRY_STATUSES:
             self._log(
                 logging.ERROR if status in (401, 403, 404) else logging.WARNING,
@@ -830,22 +1017,35 @@ class Exporter:
             status,
             response.text[:200],
         )
+        with self._counts_lock:
+            if job.abandoned:
+                return _REJECTED
+            job.outcome = _REJECTED
+            if job.kind != _FRESH:
+                self._replayed += prepared.events
         self._record_drop("rejected", prepared.events, report=not prepared.markers_only)
-        return None
+        return _REJECTED
 
-    def _acknowledged(self, prepared: Prepared, content: bytes) -> None:
-        self._sent += prepared.events
-        self._batches_sent += 1
-        self._last_success_ts = time.time()
-        self._failures = 0
-        self._down_until = 0.0
+    def _acknowledged(self, job: _Job, content: bytes) -> None:
+        """Sender thread: count an acknowledged batch and hand its commands over (before it is done)."""
         try:
             answer = response_decoder.decode(content)
         except msgspec.DecodeError as exc:
             self._log(logging.WARNING, "answer", "chunkledger exporter: unreadable ingest answer: %s", exc)
-            return
-        self._duplicates += answer.duplicates
-        for command in answer.commands:
+            answer = None
+        events = job.prepared.events
+        with self._counts_lock:
+            if job.abandoned:  # shutdown spooled it meanwhile: a replay will be counted as duplicates
+                return
+            job.outcome = _ACKED
+            self._sent += events
+            self._batches_sent += 1
+            if job.kind != _FRESH:
+                self._replayed += events
+            if answer is not None:
+                self._duplicates += answer.duplicates
+            self._last_success_ts = time.time()
+        for command in answer.commands if answer is not None else ():
             self._hand_over(command)
 
     def _hand_over(self, command: Command) -> None:

@@ -1,6 +1,8 @@
 """Outages of the real ledger (``chunkledger serve`` in a subprocess) in the middle of a stream.
 
-What the ledger stored is read from its DuckDB file after the server has stopped.
+What the ledger stored is read from its DuckDB file after the server has stopped. With several batches
+in flight (the default) the ledger may store a batch after a newer one, so the order of storage is
+checked only with ``max_in_flight=1``; exactly-once is checked always.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def _stored(server) -> dict[str, list[int]]:
     return out
 
 
-def _exporter(server, spool: Path, source_id: str) -> Exporter:
+def _exporter(server, spool: Path, source_id: str, **settings) -> Exporter:
     config = ExporterConfig.create(
         url=server.url,
         source_id=source_id,
@@ -39,22 +41,22 @@ def _exporter(server, spool: Path, source_id: str) -> Exporter:
         backoff_max_s=0.5,
         connect_timeout_s=0.5,
         timeout_s=5.0,
+        **settings,
     )
     return Exporter(config)
 
 
-def _assert_exactly_once_in_order(stored: list[int], exporter: Exporter) -> None:
+def _assert_exactly_once(stored: list[int], exporter: Exporter, in_order: bool = False) -> None:
     stats = exporter.stats()
     assert stats.last_seq is not None
     expected = list(range(stats.last_seq - stats.numbered + 1, stats.last_seq + 1))
     assert len(stored) == len(set(stored)), "duplicates stored"
     assert sorted(stored) == expected, f"missing {len(set(expected) - set(stored))} events"
-    assert stored == expected, "stored out of order"
+    if in_order:
+        assert stored == expected, "stored out of order"
 
 
-def test_ledger_down_5s_mid_stream_stores_every_event_once_in_order_and_emit_stays_fast(
-    ledger_server, tmp_path
-):
+def test_ledger_down_5s_mid_stream_stores_every_event_once_and_emit_stays_fast(ledger_server, tmp_path):
     exporter = _exporter(ledger_server, tmp_path / "spool", "engine-outage")
     tokens = exporter.emitter(Tokens, "ts", "request_id", "count", "total")
     step = exporter.emitter(Step, "ts", "step", "duration_s", "running")
@@ -91,7 +93,7 @@ def test_ledger_down_5s_mid_stream_stores_every_event_once_in_order_and_emit_sta
 
     assert stats.numbered == steps * per_step
     assert stats.spooled > 0 and stats.replayed == stats.spooled and stats.dropped == {}
-    _assert_exactly_once_in_order(_stored(ledger_server)["engine-outage"], exporter)
+    _assert_exactly_once(_stored(ledger_server)["engine-outage"], exporter)
     timings.sort()
     p99_us = timings[int(len(timings) * 0.99)] / 1000
     print(
@@ -100,8 +102,11 @@ def test_ledger_down_5s_mid_stream_stores_every_event_once_in_order_and_emit_sta
     assert p99_us < 20, f"emit p99 {p99_us:.1f} us"
 
 
-def test_ledger_killed_and_restarted_mid_stream_loses_and_duplicates_nothing(ledger_server, tmp_path):
-    exporter = _exporter(ledger_server, tmp_path / "spool", "engine-kill")
+@pytest.mark.parametrize("max_in_flight", [1, 4])
+def test_ledger_killed_and_restarted_mid_stream_loses_and_duplicates_nothing(
+    ledger_server, tmp_path, max_in_flight
+):
+    exporter = _exporter(ledger_server, tmp_path / "spool", "engine-kill", max_in_flight=max_in_flight)
     tokens = exporter.emitter(Tokens, "ts", "request_id", "count", "total")
     for n in range(120):
         tokens.many([(time.time(), f"req-{i}", 1, n + 1) for i in range(250)])
@@ -112,5 +117,6 @@ def test_ledger_killed_and_restarted_mid_stream_loses_and_duplicates_nothing(led
         time.sleep(0.01)
     assert exporter.force_flush(60)
     assert exporter.shutdown(10)
-    _assert_exactly_once_in_order(_stored(ledger_server)["engine-kill"], exporter)
+    # one batch at a time (and the spool replayed oldest first) stores in seq order
+    _assert_exactly_once(_stored(ledger_server)["engine-kill"], exporter, in_order=max_in_flight == 1)
     assert exporter.stats().numbered == 120 * 250

@@ -27,7 +27,7 @@ def _data_events(ledger: FakeLedger) -> list[Tokens]:
     return [e for e in ledger.store.events if isinstance(e, Tokens)]
 
 
-def test_events_arrive_once_in_emit_order_with_contiguous_seqs(make_exporter, fake_ledger):
+def test_events_are_stored_once_in_emit_order_with_contiguous_seqs(make_exporter, fake_ledger):
     exporter = make_exporter(batch_size=64)
     tokens = exporter.emitter(Tokens, *TOKENS)
     for i in range(1000):
@@ -112,12 +112,16 @@ def test_ledger_down_spools_then_replays_in_order_when_it_is_back(make_exporter,
     assert exporter.stats().spooled == 300
     assert any(p.suffix == ".seg" for p in (spool_dir / "engine-0").iterdir())
     fake_ledger.start()
+    restarted = len(fake_ledger.posts)
     for i in range(400, 500):
         tokens(1.7e9, "r", 1, i + 1)
     assert exporter.force_flush(5)
     assert [e.total for e in _data_events(fake_ledger)] == list(range(1, 501))
     seqs = _seqs(fake_ledger)
     assert seqs == list(range(seqs[0], seqs[0] + 500))
+    # the backlog went out oldest first, one batch after the other
+    replayed = [p.first_seq for p in fake_ledger.posts[restarted:] if p.status == 200]
+    assert replayed == sorted(replayed) and replayed[0] == seqs[100]
     stats = exporter.stats()
     # events emitted while older ones still waited in the spool went behind them, through the spool
     assert stats.spooled >= 300 and stats.replayed == stats.spooled
