@@ -1,4 +1,5 @@
-"""Outages of the real ledger (``chunkledger serve`` in a subprocess) in the middle of a stream.
+"""Outages of the real ledger (``chunkledger serve`` in a subprocess) in the middle of a stream, and a
+stalled commit of the real ledger app (in this process) while the rule engine waits for later batches.
 
 What the ledger stored is read from its DuckDB file after the server has stopped. With several batches
 in flight (the default) the ledger may store a batch after a newer one, so the order of storage is
@@ -7,15 +8,17 @@ checked only with ``max_in_flight=1``; exactly-once is checked always.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
 
 import duckdb
 import pytest
+from fake_ledger import wait_until
 
 from engine_hooks.config import ExporterConfig
-from engine_hooks.events import Step, Tokens
+from engine_hooks.events import Command, Queued, Step, Tokens
 from engine_hooks.exporter import Exporter
 
 pytestmark = pytest.mark.slow
@@ -120,3 +123,96 @@ def test_ledger_killed_and_restarted_mid_stream_loses_and_duplicates_nothing(
     # one batch at a time (and the spool replayed oldest first) stores in seq order
     _assert_exactly_once(_stored(ledger_server)["engine-kill"], exporter, in_order=max_in_flight == 1)
     assert exporter.stats().numbered == 120 * 250
+
+
+class _InThreadLedger:
+    """The ledger app under uvicorn in this process, on a store whose next write can be stalled."""
+
+    def __init__(self, db_url: str, stall_s: float):
+        import uvicorn
+
+        from ledger.app import create_app
+        from ledger.config import Settings
+        from ledger.store import open_store
+
+        self.store = open_store(db_url)
+        self.stall = threading.Event()  # set: the next write (group commit) sleeps stall_s first
+        real_write = self.store.write
+
+        def slow_write(batches):
+            if self.stall.is_set():
+                self.stall.clear()
+                time.sleep(stall_s)
+            return real_write(batches)
+
+        self.store.write = slow_write  # type: ignore[method-assign]
+        settings = Settings(db_url=db_url, ingest_token="ing", read_token="rd", admin_token="adm")
+        app = create_app(settings, store=self.store)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.server.started, "ledger did not start"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.store.close()
+
+
+@pytest.mark.parametrize("max_in_flight", [4, 1])
+def test_a_cutoff_reaches_the_engine_while_an_earlier_batch_waits_on_a_stalled_commit(
+    tmp_path, max_in_flight
+):
+    """The flaky demo: one slow commit must not hold back the batches the rule engine needs."""
+    ledger = _InThreadLedger(f"duckdb:///{tmp_path / 'ledger.duckdb'}", stall_s=4.0)
+    commands: list[tuple[float, Command]] = []
+    exporter = Exporter(
+        ExporterConfig.create(
+            url=ledger.url,
+            source_id="engine-stall",
+            ingest_token="ing",
+            spool_dir=str(tmp_path / "spool"),
+            timeout_s=10.0,
+            max_in_flight=max_in_flight,
+            seq_start=1,
+        ),
+        on_command=lambda c: commands.append((time.monotonic(), c)),
+    )
+    try:
+        exporter.emit(Queued, request_id="r1", prompt_tokens=9)
+        assert exporter.force_flush(10)
+        ledger.stall.set()
+        exporter.emit(Queued, request_id="r2", prompt_tokens=3)  # its commit takes 4 s
+        assert wait_until(lambda: not ledger.stall.is_set(), 5)
+        started = time.monotonic()
+        ids = [101, 2023, 318] * 70
+        tokens = exporter.emitter(Tokens, "ts", "request_id", "count", "total", "token_ids")
+        for i in range(len(ids) // 16):  # r1 loops, one step at a time
+            tokens(time.time(), "r1", 16, (i + 1) * 16, ids[i * 16 : (i + 1) * 16])
+            time.sleep(0.01)
+        assert wait_until(lambda: bool(commands), 10)
+        decided_after = commands[0][0] - started
+        assert [(c.request_id, c.rule) for _, c in commands] == [("r1", "loop")]
+        if max_in_flight > 1:
+            assert decided_after < 2.5, f"cutoff after {decided_after:.1f} s"
+        else:  # one at a time: r1's tokens waited for r2's answer, after the stalled commit
+            assert decided_after > 3.5, f"cutoff after {decided_after:.1f} s"
+        assert exporter.force_flush(15)
+        stats = exporter.stats()
+        assert (stats.sent, stats.duplicates, stats.spooled, stats.dropped) == (stats.numbered, 0, 0, {})
+    finally:
+        exporter.shutdown(5)
+        ledger.close()
+    path = str(tmp_path / "ledger.duckdb")
+    with duckdb.connect(path, read_only=True) as con:
+        seqs = [
+            s for (s,) in con.execute("SELECT seq FROM events WHERE source_id = 'engine-stall'").fetchall()
+        ]
+    assert sorted(seqs) == list(range(1, stats.numbered + 1))
