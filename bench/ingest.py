@@ -14,6 +14,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import random
 import re
 import signal
 import socket
@@ -39,8 +40,15 @@ PG_ADMIN = os.environ.get("CHUNKLEDGER_TEST_PG", "postgresql+psycopg://postgres@
 def batch_template(source: ev.Source) -> str:
     """One realistic 500-event batch as a %-template over (seq, request number) pairs.
 
-    Mix per 10 events: 1 step (32 participants), 1 prefill chunk, 1 queued, 7 coalesced tokens groups.
+    Mix per 10 events: 1 step (32 participants), 1 prefill chunk, 1 queued, 7 coalesced tokens groups
+    of 4 token ids each. The ids are drawn from a Zipf-like distribution over a 32k vocabulary (seeded),
+    like text: common tokens recur, but a request's output is not a loop. (Until stop 12 every tokens
+    event carried the same ids [11, 12, 13, 14], so every request's output was a period-4 loop and the
+    loop detector tracked a live candidate on every token, and cut every request.)
     """
+    rnd = random.Random(0)
+    vocab = list(range(32_000))
+    weights = [1.0 / (rank + 10) for rank in range(len(vocab))]
     evs = []
     for i in range(BATCH):
         seq, rid, t = 900_000_000 + i, f"REQ{i:04d}X", 1.7e9 + i * 1e-4
@@ -77,7 +85,7 @@ def batch_template(source: ev.Source) -> str:
                     count=4,
                     total=40 + i,
                     kv_blocks=48,
-                    token_ids=[11, 12, 13, 14],
+                    token_ids=rnd.choices(vocab, weights, k=4),
                 )
             )
     raw = ev.encode_batch(source, evs).decode().replace("%", "%%")

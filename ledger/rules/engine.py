@@ -114,12 +114,52 @@ class RuleEngine:
             clk = self._clocks.get(source.id)
             if clk is None:
                 clk = self._clocks[source.id] = _Clock()
-            clk.offsets.append(now - max(e.ts for e in events))
+            clk.offsets.append(now - max([e.ts for e in events]))
             off = clk.offset()
             touched: dict[str, R.LiveRequest] = {}
             signals: list[tuple[Any, ...]] = []
+            # Output token ids per request, fed to its loop detector once per batch (the counter rules
+            # run at the end of the batch anyway).
+            token_ids: dict[R.LiveRequest, list[int]] = {}
+            mono = self._mono()
+            live, done = self.live, self._done
+            engine_id = source.id if source.kind == "engine" else None
+            model = source.model
+            tokens_cls = ev.Tokens
             for e in events:
-                self._apply(source, e, e.ts + off, touched, signals)
+                if type(e) is not tokens_cls:
+                    self._apply(source, e, e.ts + off, touched, signals, mono, token_ids)
+                    continue
+                # ``tokens``, the bulk of any stream, inlined (same effect as in ``_apply``).
+                rid = e.request_id
+                r = live.get(rid)
+                if r is None:
+                    if rid in done:
+                        continue
+                    r = live[rid] = R.LiveRequest(request_id=rid)
+                else:
+                    live.move_to_end(rid)
+                r.touched_mono = mono
+                touched[rid] = r
+                if engine_id is not None:
+                    r.engine_source_id = engine_id
+                    if model:
+                        r.model = model
+                else:
+                    r.gateway_source_id = source.id
+                if e.total > r.output_tokens:
+                    r.output_tokens = e.total
+                r.last_progress_ts = e.ts + off
+                r.running, r.waiting_since = True, None
+                ids = e.token_ids
+                if ids:
+                    pending = token_ids.get(r)
+                    if pending is None:
+                        token_ids[r] = list(ids)
+                    else:
+                        pending += ids
+            for r, ids in token_ids.items():
+                self._detect(r, ids)
             decisions = self._decide(touched.values(), R.EVENT_RULES, now)
             self._bound()
         # Reported outside the lock, in event order, decisions last (a confirmation in this batch is
@@ -136,17 +176,31 @@ class RuleEngine:
             hooks.decided(decisions)
         return decisions
 
-    def _get(self, rid: str, touched: dict[str, R.LiveRequest], create: bool = True) -> R.LiveRequest | None:
+    def _get(self, rid: str, touched: dict[str, R.LiveRequest], mono: float) -> R.LiveRequest | None:
         r = self.live.get(rid)
         if r is None:
-            if not create or rid in self._done:
+            if rid in self._done:
                 return None
             r = self.live[rid] = R.LiveRequest(request_id=rid)
         else:
             self.live.move_to_end(rid)
-        r.touched_mono = self._mono()
+        r.touched_mono = mono
         touched[rid] = r
         return r
+
+    def _detect(self, r: R.LiveRequest, ids: list[int]) -> None:
+        """Feed output token ids to the request's loop detector (made on its first ids)."""
+        det = r.detector
+        if det is None:
+            lp = self.rules_for(r.model).loop
+            if not lp.enabled:
+                return
+            det = r.detector = LoopDetector(
+                max_period=lp.max_period,
+                min_repeats=lp.min_repeats,
+                min_span_tokens=lp.min_span_tokens,
+            )
+        det.extend(ids)
 
     def _apply(
         self,
@@ -155,6 +209,8 @@ class RuleEngine:
         t: float,
         touched: dict[str, R.LiveRequest],
         signals: list[tuple[Any, ...]],
+        mono: float,
+        token_ids: dict[R.LiveRequest, list[int]],
     ) -> None:
         kind = e.__struct_config__.tag
         if kind == "step":
@@ -179,7 +235,7 @@ class RuleEngine:
             else:
                 r.gateway_streaming = False
             return
-        r = self._get(rid, touched)
+        r = self._get(rid, touched, mono)
         if r is None:
             return
         if source.kind == "engine":
@@ -193,17 +249,11 @@ class RuleEngine:
             r.last_progress_ts = t
             r.running, r.waiting_since = True, None
             if e.token_ids:
-                det = r.detector
-                if det is None:
-                    lp = self.rules_for(r.model).loop
-                    if not lp.enabled:
-                        return
-                    det = r.detector = LoopDetector(
-                        max_period=lp.max_period,
-                        min_repeats=lp.min_repeats,
-                        min_span_tokens=lp.min_span_tokens,
-                    )
-                det.extend(e.token_ids)
+                pending = token_ids.get(r)
+                if pending is None:
+                    token_ids[r] = list(e.token_ids)
+                else:
+                    pending += e.token_ids
         elif kind == "chunk":
             r.last_progress_ts = t
             r.running, r.waiting_since = True, None

@@ -26,6 +26,7 @@ brute-force reference.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -65,12 +66,11 @@ class LoopDetector:
         self.min_span_tokens = min_span_tokens
         self._size = max_period + 3
         self._ring = [0] * self._size  # the last max_period + 3 tokens; position j at j % size
-        self._last: dict[tuple[int, int], int] = {}  # bigram ending at position j -> latest j
+        # bigram ending at position j -> latest j; the bigram (a, b) is keyed by the int a << 32 | b,
+        # cheaper to build and hash than a tuple (exact for ids in 0..2**32; candidates are checked)
+        self._last: dict[int, int] = {}
         self._cands: dict[int, int] = {}  # candidate period -> run of matches ending at the last token
-        # run needed to fire, per period: (min_repeats - 1) periods of matches and the span
-        self._needs = [0] + [
-            max((min_repeats - 1) * p, min_span_tokens - p) for p in range(1, max_period + 1)
-        ]
+        self._needs = _needs(max_period, min_repeats, min_span_tokens)
         self._prev = 0  # the last token
         self.n = 0  # tokens seen
         self.hit: LoopHit | None = None
@@ -107,12 +107,18 @@ class LoopDetector:
                     if dead:
                         for p in dead:
                             del cands[p]
-                key = (prev_tok, token)
+                key = prev_tok << 32 | token
                 prev = last.get(key)
                 last[key] = i
                 if prev is not None:
                     d = i - prev
-                    if d <= max_period and d not in cands:
+                    # The equality check makes a key collision (ids outside 0..2**32) harmless.
+                    if (
+                        d <= max_period
+                        and d not in cands
+                        and ring[(i - d) % size] == token
+                        and ring[(i - 1 - d) % size] == prev_tok
+                    ):
                         if len(cands) >= MAX_CANDIDATES:
                             del cands[min(cands, key=cands.__getitem__)]
                         cands[d] = 2  # t[i] == t[i-d] and t[i-1] == t[i-1-d]: the repeated bigram
@@ -123,7 +129,7 @@ class LoopDetector:
                     # rebuild from the ring every ~3 * max_period tokens (amortised O(1) per token).
                     last.clear()
                     for j in range(max(1, i - max_period), i + 1):
-                        last[(ring[(j - 1) % size], ring[j % size])] = j
+                        last[ring[(j - 1) % size] << 32 | ring[j % size]] = j
             prev_tok = token
             i += 1
         self.n, self._prev = i, prev_tok
@@ -134,6 +140,15 @@ class LoopDetector:
         span = run + p
         self.hit = LoopHit(at=i, period=p, repeats=span // p, span=span)
         return self.hit
+
+
+@functools.cache
+def _needs(max_period: int, min_repeats: int, min_span_tokens: int) -> tuple[int, ...]:
+    """The run needed to fire, per period: (min_repeats - 1) periods of matches and the span.
+
+    Shared by every detector with the same settings (one per live request: building it per request
+    cost more than the request's own tokens)."""
+    return (0, *(max((min_repeats - 1) * p, min_span_tokens - p) for p in range(1, max_period + 1)))
 
 
 def find_loop(
