@@ -23,6 +23,7 @@ class NullStore(Store):
         for b in batches:
             self._prepare(b.source, b.events, prepared, 0.0, _SourceState(b.source, -1, True))
             out.append(WriteResult(accepted=len(b.events), duplicates=0))
+        prepared.fold()
         return out
 
     def get_request(self, request_id: str) -> dict[str, Any] | None:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_hooks import events as ev
-from ledger.fold import AGGREGATES, fold, fold_into, merge
+from ledger.fold import AGGREGATES, fold, fold_into, fold_step, fold_steps, merge
 from tests.ledger.factories import ENGINE, GATEWAY, lifecycle
 
 T0 = 1_700_000_000.0
@@ -159,3 +159,59 @@ def test_steps_fold_participation_into_runners_and_kv_idle_into_stalled_requests
     assert b["step_count"] == 1 and b["last_step_ts"] == pytest.approx(T0 + 0.01)
     assert b["stalled_steps"] == 1 and b["kv_idle_s"] == pytest.approx(0.03)
     assert b["kv_idle_block_s"] == pytest.approx(0.36)
+
+
+@st.composite
+def busy_steps(draw):
+    """Steps of a busy engine: many runners each, some stalled requests (blocks aligned or not)."""
+    ids = [f"r{i}" for i in range(draw(st.integers(1, 60)))]
+    out = []
+    for k in range(draw(st.integers(1, 40))):
+        runners = draw(st.lists(st.sampled_from(ids), max_size=40, unique=True))
+        stalled = draw(st.lists(st.sampled_from(ids), max_size=6, unique=True))
+        n_blocks = len(stalled) if draw(st.booleans()) else draw(st.integers(0, 6))
+        out.append(
+            ev.Step(
+                seq=k,
+                ts=T0 + draw(st.floats(0, 100)),
+                step=k,
+                duration_s=draw(st.floats(0.001, 0.5)),
+                request_ids=runners,
+                stalled_request_ids=stalled,
+                stalled_kv_blocks=draw(st.lists(st.integers(0, 500), min_size=n_blocks, max_size=n_blocks)),
+            )
+        )
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(busy_steps())
+def test_steps_folded_in_arrow_give_the_rows_of_folding_them_one_by_one(steps):
+    one_by_one: dict = {}
+    for s in steps:
+        fold_step(one_by_one, s)
+    grouped: dict = {}
+    fold_steps(grouped, steps)
+    assert grouped.keys() == one_by_one.keys()
+    for rid, want in one_by_one.items():
+        got = grouped[rid]
+        assert got.keys() == want.keys(), rid
+        for k, v in want.items():
+            assert got[k] == (pytest.approx(v) if isinstance(v, float) else v), (rid, k)
+
+
+def test_a_busy_groups_steps_take_the_arrow_path(monkeypatch):
+    """The grouped fold is used above the threshold (else the property test above tests nothing)."""
+    import ledger.fold as fold_module
+
+    calls = []
+    monkeypatch.setattr(fold_module, "fold_step", lambda rows, s: calls.append(s))
+    steps = [
+        ev.Step(seq=k, ts=T0 + k, step=k, duration_s=0.01, request_ids=[f"r{i}" for i in range(32)])
+        for k in range(10)
+    ]
+    rows: dict = {}
+    fold_module.fold_steps(rows, steps)
+    assert calls == [] and rows["r0"]["step_count"] == 10
+    fold_module.fold_steps({}, steps[:2])  # 64 participants: one by one
+    assert len(calls) == 2
