@@ -30,6 +30,8 @@ def test_from_env_reads_every_documented_variable():
         "CHUNKLEDGER_BACKOFF_MAX_S": "4",
         "CHUNKLEDGER_SEQ_START": "1000",
         "CHUNKLEDGER_SHUTDOWN_TIMEOUT_S": "9",
+        "CHUNKLEDGER_COMMAND_POLL_WAIT_S": "7",
+        "CHUNKLEDGER_MAX_IN_FLIGHT": "2",
     }
     config = ExporterConfig.from_env(env)
     assert config.ingest_token == "tok" and config.source_kind == "gateway" and config.model == "llama"
@@ -39,6 +41,7 @@ def test_from_env_reads_every_documented_variable():
     assert (config.flush_interval_s, config.timeout_s, config.connect_timeout_s) == (0.2, 3.0, 0.5)
     assert (config.backoff_initial_s, config.backoff_max_s) == (0.1, 4.0)
     assert (config.seq_start, config.shutdown_timeout_s) == (1000, 9.0)
+    assert (config.command_poll_wait_s, config.max_in_flight) == (7.0, 2)
     assert config.events_url == "http://127.0.0.1:8321/v1/events"
 
 
