@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import pyarrow as pa
+import pyarrow.acero  # Table.group_by imports it on first use: paid at start-up instead
 import pyarrow.compute as pc
 
 from engine_hooks import events as ev

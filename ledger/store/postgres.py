@@ -18,6 +18,7 @@ from ledger.store.base import (
 
 _MERGE = merge_sql("request_rows", "_req_stage")
 _REQ_COLS = ["request_id", *AGGREGATES]
+_ARRAY_COLUMNS = ("request_ids", "stalled_request_ids")
 
 
 class _Tx:
@@ -38,6 +39,23 @@ class _Tx:
 
     def close(self) -> None:
         self.raw.close()
+
+
+def text_array(items: list[str] | None) -> str | None:
+    """A text[] value as PostgreSQL's array input text, e.g. ``{"a","b"}`` (COPY then escapes it).
+
+    psycopg's list adaptation runs per element in Python: 87 us per 32-id step row, a quarter of the
+    PostgreSQL ingest time. One join does the common case; ids holding a quote or a backslash are
+    escaped element by element (inside double quotes only those two need a backslash).
+    """
+    if items is None:
+        return None
+    if not items:
+        return "{}"
+    joined = '","'.join(items)
+    if '"' in joined or "\\" in joined:
+        joined = '","'.join(x.replace("\\", "\\\\").replace('"', '\\"') for x in items)
+    return '{"' + joined + '"}'
 
 
 def _copy(pg: Any, table: str, columns: list[str], cols: dict[str, list[Any]]) -> None:
@@ -72,7 +90,10 @@ class PostgresStore(Store):
         if prepared.events["seq"]:
             _copy(pg, "events", EVENT_COLUMNS, prepared.events)
         if prepared.steps["seq"]:
-            _copy(pg, "steps", STEP_COLUMNS, prepared.steps)
+            steps = dict(prepared.steps)
+            for col in _ARRAY_COLUMNS:
+                steps[col] = [text_array(v) for v in steps[col]]
+            _copy(pg, "steps", STEP_COLUMNS, steps)
         if prepared.requests:
             pg.execute(
                 "CREATE TEMP TABLE IF NOT EXISTS _req_stage (LIKE request_rows INCLUDING DEFAULTS) "

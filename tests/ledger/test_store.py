@@ -130,6 +130,22 @@ def test_steps_are_stored_with_their_participants(store):
     assert kinds == [("step", None), ("step", None)]  # identity in events, fields in steps
 
 
+def test_step_participant_ids_with_quotes_backslashes_and_separators_round_trip(store):
+    odd = ['a"b', "c\\d", "e,f", "{g}", "h i", "NULL", "\\", '"', "tab\tnew\nline", "é-ü"]
+    steps = numbered(
+        [
+            ev.Step(seq=0, ts=5.0, step=0, duration_s=0.01, request_ids=odd, stalled_request_ids=odd[::-1]),
+            ev.Step(seq=0, ts=5.1, step=1, duration_s=0.01, request_ids=[]),
+        ]
+    )
+    store.write([batch(ENGINE, steps)])
+    with store.engine.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT request_ids, stalled_request_ids FROM steps ORDER BY step").all()
+    assert list(rows[0][0]) == odd and list(rows[0][1]) == odd[::-1]
+    assert list(rows[1][0]) == [] and list(rows[1][1] or []) == []
+    assert store.get_request("NULL")["step_count"] == 1 and store.get_request('a"b')["stalled_steps"] == 1
+
+
 def test_output_token_ids_are_not_persisted_unless_configured(db_url):
     evs = numbered([ev.Tokens(seq=0, ts=5.0, request_id="a", count=3, total=3, token_ids=[1, 2, 3])])
     for persist, expected in ((False, None), (True, [1, 2, 3])):
