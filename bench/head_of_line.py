@@ -15,15 +15,30 @@ the ledger's own view of the same run is printed beside the client-side figures:
   requests and running decodes can take in the step, shortest prompt first); reserve-depth: plus the
   depth cap ``admission_depth_tokens=4096`` (reserve-depth-1024, -512: 1024, 512); reserve-step-150,
   -250, -400: the reserve plus ``admission_step_target_s`` 0.15, 0.25, 0.4 s (chunks capped so that
-  each step's duration, predicted from the engine's measured steps, stays within it).
+  each step's duration, predicted from the engine's measured steps, stays within it); reserve-step-50,
+  -30: 0.05, 0.03 s with ``admission_min_chunk=16`` (so the cap can go below 64 tokens deep in the prompt).
+
+After the table: the lower bound of :mod:`bench.hol_bound` (``bench/hol_bound.py``), from a step-time fit
+of every measured step of the run's configurations: the least long-request TTFT that any chunking can
+reach while every step the long prompt is in stays short enough for the short-TTFT goal (see there).
+``--json PATH`` also writes the results (with every step's tokens, attention work and duration), which
+``bench/hol_bound.py PATH`` reads again.
 
 Printed per configuration: short TTFT p50/p99/max, ITL p99/max of the shorts decoding while the long
 prefill runs, the long request's TTFT, the steps from its arrival to its first token (count and mean
 duration, the long prefill's own cost), step time p50/p99, and from the ledger: the shorts' TTFT p99
 and the share of it attributed to backend wait.
 
+Run it on an idle machine: vLLM's CPU backend binds its OpenMP threads to the cores, and with other
+CPU-bound processes on them (a test run, another engine) steps were seen 20-50x slower (about 300 ms
+where an idle machine gives about 10 ms; threads waiting on a descheduled sibling at every operator is
+the likely cause): the engine falls behind the arrivals and the figures mean nothing. The 1-minute
+load average at the end of each configuration is printed under the table for that reason.
+
     .venv/bin/python bench/head_of_line.py                                   # the issue's scene
     .venv/bin/python bench/head_of_line.py --long-tokens 8000 --hidden 256 --only no-long,chunk-256,reserve
+    .venv/bin/python bench/head_of_line.py --only no-long,unchunked,chunk-256,chunk-2048-thr256,\\
+        reserve-step-150,reserve-step-50,reserve-step-30 --json /tmp/hol.json   # the figures with the bound
 """
 
 from __future__ import annotations
@@ -71,6 +86,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "reserve-step-400": {
         "budget": 2048,
         "plugin": {"admission_reserve": 0.25, "admission_step_target_s": 0.4},
+    },
+    "reserve-step-50": {
+        "budget": 2048,
+        "plugin": {"admission_reserve": 0.25, "admission_step_target_s": 0.05, "admission_min_chunk": 16},
+    },
+    "reserve-step-30": {
+        "budget": 2048,
+        "plugin": {"admission_reserve": 0.25, "admission_step_target_s": 0.03, "admission_min_chunk": 16},
     },
 }
 
@@ -136,6 +159,20 @@ def worker(args: argparse.Namespace) -> None:
     )
     while engine.has_unfinished_requests():
         engine.step()
+    # Each step's shape, read from the plugin's own record of what it scheduled (update_from_output
+    # runs inside engine.step): prefill tokens, decode tokens, attention work, deepest prefill chunk.
+    shapes: list[tuple[int, int, float, int]] = []
+    for sched in _schedulers(llm):
+        update = sched.update_from_output
+
+        def peek(scheduler_output: Any, runner_output: Any, _s: Any = sched, _update: Any = update) -> Any:
+            info = _s._cl_steps.get(id(scheduler_output))
+            if info:
+                shapes.append((info[3], info[4], info[15], info[12]))
+            return _update(scheduler_output, runner_output)
+
+        sched.update_from_output = peek
+    records: list[list[float]] = []  # per step: prefill tokens, decode tokens, work, deepest chunk, s
     arrivals = [a for a in scene(args) if cfg.get("long", True) or a[1] != "long"]
     prefix = f"{args.tag}-{args.config}"
     arrived: dict[str, float] = {}
@@ -161,10 +198,13 @@ def worker(args: argparse.Namespace) -> None:
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[i][0] - (time.monotonic() - start)))
             continue
+        shapes.clear()
         t0 = time.monotonic()
         outs = engine.step()
         t1 = time.monotonic()
         steps.append(t1 - t0)
+        if len(shapes) == 1:
+            records.append([*shapes[0], round(t1 - t0, 6)])
         t = t1 - start
         step_ends.append(t)
         for out in outs:
@@ -210,6 +250,8 @@ def worker(args: argparse.Namespace) -> None:
         "hook_errors": sum(getattr(s, "hook_errors", 0) for s in _schedulers(llm)),
         "step_caps": sum(len(getattr(s, "step_caps", ())) for s in _schedulers(llm)),
         "step_fit": next((s.step_times.coefficients() for s in _schedulers(llm) if s.step_caps), None),
+        "step_records": records,
+        "load": os.getloadavg()[0],
     }
     for s in _schedulers(llm):
         if s.exporter is not None:
@@ -258,6 +300,7 @@ def main() -> None:
     parser.add_argument("--kv-mib", type=int, default=512, help="KV cache size (MiB)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default="", help="comma-separated configurations: " + ", ".join(CONFIGS))
+    parser.add_argument("--json", default="", help="also write the results (with every step) to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -387,6 +430,22 @@ def main() -> None:
                     f"+ {fit[2] * 1e9:.1f} ns/attention work"
                 )
         print("  goal (issue 4): short TTFT p99 <= 3x baseline with long TTFT <= 1.2x unchunked")
+    loads = ", ".join(f"{r['config']} {r.get('load', float('nan')):.1f}" for r in results)
+    print(f"  load average (1 min) at the end of each run, on {os.cpu_count()} cores: {loads}")
+    scene_info = {
+        "long_tokens": args.long_tokens,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "gap_ms": [args.gap_min_s * 1e3, args.gap_max_s * 1e3],
+        "short_prompt": [32, 64],
+        "seed": args.seed,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps({"scene": scene_info, "results": results}))
+    from bench.hol_bound import report
+
+    print()
+    print(report(scene_info, results))
 
 
 if __name__ == "__main__":
