@@ -153,16 +153,25 @@ def _rss_peak_mb(pid: int) -> float:
 
 
 def run_backend(
-    name: str, db_url: str, duration: float, clients: int, workdir: Path, env: dict | None = None
+    name: str,
+    db_url: str,
+    duration: float,
+    clients: int,
+    workdir: Path,
+    env: dict | None = None,
+    server_root: str | None = None,
 ) -> dict:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115
+    log = open(workdir / f"{name.replace('/', '_')}.log", "wb")  # noqa: SIM115
+    # server_root: run the server from another checkout (e.g. a git worktree of an older commit), so
+    # old and new code are measured side by side in one run under the same load and workload.
     server = subprocess.Popen(
         [sys.executable, "-m", "ledger.cli", "serve", "--db", db_url, "--port", str(port)],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {}), **({"PYTHONPATH": server_root} if server_root else {})},
+        cwd=server_root,
     )
     try:
         for _ in range(300):
@@ -226,21 +235,36 @@ def main() -> None:
         help="concurrent sources, each with one batch in flight like an exporter (2 processes)",
     )
     ap.add_argument(
-        "--backends", default="null,duckdb,postgres", help="also: duckdb-gc-default (no GC tuning)"
+        "--backends",
+        default="null,duckdb,postgres",
+        help="also: duckdb-gc-default (no GC tuning); NAME@DIR runs that server from the checkout in DIR "
+        "(e.g. a git worktree of an older commit: null@/tmp/old,null compares old and new in one run)",
     )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="chunkledger-bench-") as tmp:
         workdir = Path(tmp)
-        for name in args.backends.split(","):
+        for spec in args.backends.split(","):
+            name, _, root = spec.partition("@")
+            label = f"{name}@{Path(root).name}" if root else name
+            root_arg = str(Path(root).resolve()) if root else None
             if name == "null":
-                rows.append(run_backend("ceiling(null)", "null://", args.duration, args.clients, workdir))
+                rows.append(
+                    run_backend(
+                        f"ceiling(null){'@' + Path(root).name if root else ''}",
+                        "null://",
+                        args.duration,
+                        args.clients,
+                        workdir,
+                        server_root=root_arg,
+                    )
+                )
             elif name in ("duckdb", "duckdb-gc-default"):
                 # duckdb-gc-default: CPython's default collector thresholds (CHUNKLEDGER_GC_TUNING=0)
                 env = {"CHUNKLEDGER_GC_TUNING": "0"} if name != "duckdb" else None
-                path = f"duckdb:///{workdir}/bench-{name}.duckdb"
-                rows.append(run_backend(name, path, args.duration, args.clients, workdir, env))
+                path = f"duckdb:///{workdir}/bench-{name}-{uuid.uuid4().hex[:6]}.duckdb"
+                rows.append(run_backend(label, path, args.duration, args.clients, workdir, env, root_arg))
             elif name == "postgres":
                 import sqlalchemy as sa
 
@@ -250,24 +274,26 @@ def main() -> None:
                     c.exec_driver_sql(f'CREATE DATABASE "{db}"')
                 try:
                     url = PG_ADMIN.rsplit("/", 1)[0] + f"/{db}"
-                    rows.append(run_backend("postgres", url, args.duration, args.clients, workdir))
+                    rows.append(
+                        run_backend(label, url, args.duration, args.clients, workdir, server_root=root_arg)
+                    )
                 finally:
                     with admin.connect() as c:
                         c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
                     admin.dispose()
-    ceiling = next((r["events_per_s"] for r in rows if r["backend"].startswith("ceiling")), None)
+    ceiling = next((r["events_per_s"] for r in rows if r["backend"] == "ceiling(null)"), None)
     print(
         f"\ningest: {args.clients} clients x batches of {BATCH} events, {args.duration:.0f} s per backend, "
         f"{os.cpu_count()} cores"
     )
     print(
-        f"{'backend':<18}{'durable ev/s':>14}{'of ceiling':>12}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'backend':<22}{'durable ev/s':>14}{'of ceiling':>12}{'p50 ms':>9}{'p99 ms':>9}"
         f"{'batches':>9}{'RSS MB':>9}{'stored=acked':>14}"
     )
     for r in rows:
         share = f"{r['events_per_s'] / ceiling:.2f}" if ceiling else "-"
         print(
-            f"{r['backend']:<18}{r['events_per_s']:>14,.0f}{share:>12}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
+            f"{r['backend']:<22}{r['events_per_s']:>14,.0f}{share:>12}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
             f"{r['batches']:>9}{r['server_rss_peak_mb']:>9.0f}{r['stored'] == r['acked']!s:>14}"
         )
         if args.json:
