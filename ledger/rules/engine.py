@@ -1,9 +1,11 @@
 """The live rule engine: per-request state fed by accepted events, rules evaluated on events and on a ticker.
 
-The ingest writer calls ``observe`` with each batch's newly accepted events right after they are
-committed (never duplicates), so the state sees every event once. Counter rules (token cap, loop,
-preemption and forced-wait limits) run at the end of each observed batch for the requests it touched,
-after all of that batch's events, so a request that finished in the same batch is never cut. Time rules
+The runaway service calls ``observe`` with each batch's new events as soon as the batch is decoded
+(events at or below the source's mark are skipped, or observed after the commit when the store took
+them as new), so the state sees every event once. Counter rules (token cap, loop, preemption and
+forced-wait limits) run at the end of each observed batch for the requests it touched, after all of
+that batch's events, so a request that finished in the same batch is never cut; for the same reason a
+request's output token ids are fed to its loop detector once per batch, all of them in order. Time rules
 (wall-clock and stall timeouts, slow-pool starvation) and the starvation alert run on ``tick``.
 
 Clocks: each source's timestamps are moved onto the ledger's clock with that source's offset, measured
