@@ -124,31 +124,15 @@ class RuleEngine:
             # run at the end of the batch anyway).
             token_ids: dict[R.LiveRequest, list[int]] = {}
             mono = self._mono()
-            live, done = self.live, self._done
-            engine_id = source.id if source.kind == "engine" else None
-            model = source.model
             tokens_cls = ev.Tokens
             for e in events:
                 if type(e) is not tokens_cls:
-                    self._apply(source, e, e.ts + off, touched, signals, mono, token_ids)
+                    self._apply(source, e, e.ts + off, touched, signals, mono)
                     continue
-                # ``tokens``, the bulk of any stream, inlined (same effect as in ``_apply``).
-                rid = e.request_id
-                r = live.get(rid)
+                # ``tokens``, the bulk of any stream, here rather than in ``_apply``.
+                r = self._touch(e.request_id, source, touched, mono)
                 if r is None:
-                    if rid in done:
-                        continue
-                    r = live[rid] = R.LiveRequest(request_id=rid)
-                else:
-                    live.move_to_end(rid)
-                r.touched_mono = mono
-                touched[rid] = r
-                if engine_id is not None:
-                    r.engine_source_id = engine_id
-                    if model:
-                        r.model = model
-                else:
-                    r.gateway_source_id = source.id
+                    continue
                 if e.total > r.output_tokens:
                     r.output_tokens = e.total
                 r.last_progress_ts = e.ts + off
@@ -178,7 +162,11 @@ class RuleEngine:
             hooks.decided(decisions)
         return decisions
 
-    def _get(self, rid: str, touched: dict[str, R.LiveRequest], mono: float) -> R.LiveRequest | None:
+    def _touch(
+        self, rid: str, source: ev.Source, touched: dict[str, R.LiveRequest], mono: float
+    ) -> R.LiveRequest | None:
+        """The live request ``rid`` (made on its first event), marked as touched by ``source``; None
+        when it has finished already (a late event)."""
         r = self.live.get(rid)
         if r is None:
             if rid in self._done:
@@ -188,6 +176,12 @@ class RuleEngine:
             self.live.move_to_end(rid)
         r.touched_mono = mono
         touched[rid] = r
+        if source.kind == "engine":
+            r.engine_source_id = source.id
+            if source.model:
+                r.model = source.model
+        else:
+            r.gateway_source_id = source.id
         return r
 
     def _detect(self, r: R.LiveRequest, ids: list[int]) -> None:
@@ -212,8 +206,8 @@ class RuleEngine:
         touched: dict[str, R.LiveRequest],
         signals: list[tuple[Any, ...]],
         mono: float,
-        token_ids: dict[R.LiveRequest, list[int]],
     ) -> None:
+        """Every event kind but ``tokens`` (handled in ``observe``)."""
         kind = e.__struct_config__.tag
         if kind == "step":
             self._step(source, e, t, touched)
@@ -237,26 +231,10 @@ class RuleEngine:
             else:
                 r.gateway_streaming = False
             return
-        r = self._get(rid, touched, mono)
+        r = self._touch(rid, source, touched, mono)
         if r is None:
             return
-        if source.kind == "engine":
-            r.engine_source_id = source.id
-            if source.model:
-                r.model = source.model
-        else:
-            r.gateway_source_id = source.id
-        if kind == "tokens":
-            r.output_tokens = max(r.output_tokens, e.total)
-            r.last_progress_ts = t
-            r.running, r.waiting_since = True, None
-            if e.token_ids:
-                pending = token_ids.get(r)
-                if pending is None:
-                    token_ids[r] = list(e.token_ids)
-                else:
-                    pending += e.token_ids
-        elif kind == "chunk":
+        if kind == "chunk":
             r.last_progress_ts = t
             r.running, r.waiting_since = True, None
         elif kind == "queued":
