@@ -53,6 +53,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from engine_hooks.vllm.predict import StepTimes, attention_work  # noqa: E402  (does not import vLLM)
+
 SHORT_FACTOR = 3.0  # issue 4: short TTFT p99 <= 3x baseline
 LONG_FACTOR = 1.2  # ... with the long TTFT <= 1.2x unchunked
 SHORT_PROMPT_MIN = 32
@@ -62,8 +64,6 @@ def fit(
     results: list[dict[str, Any]], exclude: tuple[str, ...] = ("unchunked",)
 ) -> tuple[float, float, float]:
     """(a s, b s/token, c s/work): the non-negative least-squares fit of the steps' measured durations."""
-    from engine_hooks.vllm.predict import StepTimes
-
     given = next((r["coef"] for r in results if r.get("coef")), None)
     if given is not None:
         return tuple(given)  # type: ignore[return-value]
@@ -91,7 +91,7 @@ def min_long_ttft(
     a, b, c = coef
     if a + b + c * long_tokens > s_max:
         return None
-    w = b * long_tokens + c * long_tokens * long_tokens / 2.0 if work is None else work
+    w = b * long_tokens + c * attention_work(long_tokens, 0) if work is None else work
     steps = max(1, math.ceil(max(w - slack, 0.0) / (s_max - a)))
     return steps, steps * a + w
 
@@ -124,13 +124,13 @@ def bound(scene: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any
     n_short = SHORT_PROMPT_MIN
     baseline = base["ttft_p99"]
     goal = SHORT_FACTOR * baseline
-    s_own = a + b * n_short + c * n_short * n_short / 2.0
+    s_own = a + b * n_short + c * attention_work(n_short, 0)
     s_max = goal - s_own
     U = unchunked["long_ttft"]
     shorts = max(r["shorts"] for r in results)
     misses = shorts - 1 - int(0.99 * shorts)
     slack = (misses + 1) * scene["gap_ms"][1] / 1e3
-    w_fit = b * L + c * L * L / 2.0
+    w_fit = b * L + c * attention_work(L, 0)
     w_meas = U - a
     out: dict[str, Any] = {
         "a": a,
