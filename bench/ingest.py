@@ -247,12 +247,13 @@ def main() -> None:
         workdir = Path(tmp)
         for spec in args.backends.split(","):
             name, _, root = spec.partition("@")
-            label = f"{name}@{Path(root).name}" if root else name
+            suffix = f"@{Path(root).name}" if root else ""
+            label = ("ceiling(null)" if name == "null" else name) + suffix
             root_arg = str(Path(root).resolve()) if root else None
             if name == "null":
                 rows.append(
                     run_backend(
-                        f"ceiling(null){'@' + Path(root).name if root else ''}",
+                        label,
                         "null://",
                         args.duration,
                         args.clients,
