@@ -7,8 +7,12 @@
 * ``steps``    one row per engine step.
 * ``request_rows`` one row per request, the merge of its events (see ``ledger.fold``); only the
   write path touches it.
-* ``requests`` a VIEW: every ``request_rows`` column plus the four-layer attribution derived from them
-  (``ATTRIBUTION``; the view's SQL lives in migration 0002). Every read and every user query uses it.
+* ``request_parts`` partial request rows not merged into ``request_rows`` yet: the DuckDB write path
+  appends a group's partial rows here (an append costs a quarter of the upsert) and compacts them into
+  ``request_rows`` every few seconds; PostgreSQL merges directly and leaves it empty (migration 0004).
+* ``requests`` a VIEW: ``request_rows`` with ``request_parts`` merged in, plus the four-layer attribution
+  derived from the columns (``ATTRIBUTION``; the view's SQL lives in migrations 0002 and 0004). Every read
+  and every user query uses it, so a read sees every committed event whether compacted or not.
 """
 
 from __future__ import annotations
@@ -71,14 +75,14 @@ steps = sa.Table(
 )
 
 
-def _aggregate_columns() -> list[sa.Column[object]]:
+def _aggregate_columns(*, comments: bool = True) -> list[sa.Column[object]]:
     return [
         sa.Column(
             name,
             _SQL_TYPES[agg.type],
             nullable=agg.op != "sum",
             server_default=sa.text("0") if agg.op == "sum" else None,
-            comment=agg.doc,
+            comment=agg.doc if comments else None,
         )
         for name, agg in AGGREGATES.items()
     ]
@@ -89,6 +93,14 @@ request_rows = sa.Table(
     metadata,
     sa.Column("request_id", sa.Text, primary_key=True),
     *_aggregate_columns(),
+)
+
+# No key: appends only, several rows per request (one per write group it appeared in).
+request_parts = sa.Table(
+    "request_parts",
+    metadata,
+    sa.Column("request_id", sa.Text, nullable=False),
+    *_aggregate_columns(comments=False),
 )
 
 # The four-layer attribution (ARCHITECTURE.md, "The four layers"), seconds, derived by the view from

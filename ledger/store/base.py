@@ -6,7 +6,8 @@ One call to ``Store.write`` stores a group of batches in one transaction (group 
 2. deduplicate: an event whose seq is above the mark is new; one at or below it is looked up in
    ``events`` (a range probe that only retries and reordered batches pay for);
 3. append the accepted events and steps with the backend's bulk path, fold the accepted request
-   events into partial rows and merge them into ``requests`` with one upsert;
+   events into partial rows and merge them into ``request_rows`` with one upsert (PostgreSQL) or
+   append them to ``request_parts``, merged later by ``compact`` (DuckDB);
 4. advance the marks and commit. Nothing is acknowledged before the commit returns.
 
 Backends implement the few steps that differ (locking, bulk append, upsert staging).
@@ -138,6 +139,13 @@ class Store:
 
     def _after_commit(self, states: list[_SourceState]) -> None:
         pass
+
+    def compact(self, force: bool = False) -> int:
+        """Merge partial request rows written since the last compaction, when due; rows merged.
+
+        Only backends that append partial rows (DuckDB) have any; reads see them either way.
+        """
+        return 0
 
     def close(self) -> None:
         self.engine.dispose()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import time
 from typing import Any, cast
 
 import pyarrow as pa
@@ -47,7 +49,25 @@ REQUESTS_SCHEMA = pa.schema(
 )
 assert EVENTS_SCHEMA.names == EVENT_COLUMNS and STEPS_SCHEMA.names == STEP_COLUMNS
 
-_MERGE = merge_sql("request_rows", "_req_stage")
+log = logging.getLogger(__name__)
+
+_REQUEST_COLUMNS = ", ".join(REQUESTS_SCHEMA.names)
+_APPEND_PARTS = f"INSERT INTO request_parts ({_REQUEST_COLUMNS}) SELECT {_REQUEST_COLUMNS} FROM _req_stage"
+
+
+def _aggregate(col: str) -> str:
+    agg = AGGREGATES[col]
+    # sum(BIGINT) is a HUGEINT in DuckDB: keep the column's type.
+    return f"CAST(sum({col}) AS BIGINT)" if agg.op == "sum" and agg.type == "int" else f"{agg.op}({col})"
+
+
+# One merged row per request from request_parts, upserted into request_rows.
+_COMPACT = merge_sql(
+    "request_rows",
+    "(SELECT request_id, "
+    + ", ".join(f"{_aggregate(c)} AS {c}" for c in AGGREGATES)
+    + " FROM request_parts GROUP BY request_id) AS _parts",
+)
 _SOURCES_STAGE = pa.schema(
     [
         ("source_id", pa.string()),
@@ -81,10 +101,30 @@ class _Tx:
 
 
 class DuckDBStore(Store):
+    """The write path appends partial request rows to ``request_parts``; a compactor merges them.
+
+    The compactor is a thread with its own connection: it merges ``request_parts`` into ``request_rows``
+    once ``compact_rows`` partial rows wait or the oldest has waited ``compact_interval_s``, in one
+    transaction that upserts one merged row per request and deletes the parts it read. The writer keeps
+    appending meanwhile (DuckDB's MVCC: the delete removes only rows of the compactor's snapshot, and
+    the writer never touches ``request_rows``), so compaction is off the acknowledgement path. It bounds
+    what the ``requests`` view merges on every read, and each row is upserted once per compaction
+    instead of once per group it appeared in.
+    """
+
     dialect = "duckdb"
 
-    def __init__(self, engine: sa.Engine, **kw: Any) -> None:
+    def __init__(
+        self,
+        engine: sa.Engine,
+        *,
+        compact_rows: int = 20_000,
+        compact_interval_s: float = 5.0,
+        **kw: Any,
+    ) -> None:
         super().__init__(engine, **kw)
+        self.compact_rows = compact_rows
+        self.compact_interval_s = compact_interval_s
         self._raw = engine.raw_connection()  # the writer connection, held for the store's life
         self._duck: Any = cast(Any, self._raw.driver_connection)
         self._lock = threading.Lock()
@@ -95,10 +135,66 @@ class DuckDBStore(Store):
         # every source waited behind it; pay it at start-up, before /readyz answers.
         self._duck.register("_warmup", pa.table({"x": [1]}))
         self._duck.unregister("_warmup")
+        # Partial rows committed and not compacted yet, and since when the oldest waits.
+        self._parts_lock = threading.Lock()
+        self._parts = int(self._duck.execute("SELECT count(*) FROM request_parts").fetchall()[0][0])
+        self._parts_since: float | None = time.monotonic() if self._parts else None
+        self._staged_parts = 0
+        self._compact_conn: Any = self.reader_connection().cursor()  # a connection of its own
+        self._compact_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = False
+        self._compactor = threading.Thread(
+            target=self._compact_loop, name="chunkledger-compactor", daemon=True
+        )
+        self._compactor.start()
 
     def write(self, batches: Any) -> list[WriteResult]:
         with self._lock:
+            self._staged_parts = 0
             return super().write(batches)
+
+    def compact_due(self) -> bool:
+        with self._parts_lock:
+            since = self._parts_since
+            return self._parts >= self.compact_rows or (
+                since is not None and time.monotonic() - since >= self.compact_interval_s
+            )
+
+    def compact(self, force: bool = False) -> int:
+        """Merge ``request_parts`` into ``request_rows`` when due (now, with ``force``); rows merged."""
+        with self._compact_lock:
+            if not (force or self.compact_due()):
+                return 0
+            cur = self._compact_conn
+            cur.execute("BEGIN TRANSACTION")
+            try:
+                n = int(cur.execute("SELECT count(*) FROM request_parts").fetchall()[0][0])
+                if n:
+                    cur.execute(_COMPACT)
+                    cur.execute("DELETE FROM request_parts")
+                cur.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    cur.execute("ROLLBACK")
+                raise
+            with self._parts_lock:
+                self._parts = max(0, self._parts - n)
+                # Rows the writer committed meanwhile are younger than this compaction's start.
+                self._parts_since = time.monotonic() if self._parts else None
+            return n
+
+    def _compact_loop(self) -> None:
+        while not self._closing:
+            self._wake.wait(max(0.05, min(1.0, self.compact_interval_s / 4)))
+            self._wake.clear()
+            if self._closing:
+                break
+            try:
+                self.compact()
+            except Exception:  # the parts stay readable through the view; the next round retries
+                log.exception("compacting request_parts failed")
+                time.sleep(1.0)
 
     def _connect(self) -> _Tx:
         return _Tx(self._duck)
@@ -118,8 +214,9 @@ class DuckDBStore(Store):
             duck.unregister("_step_stage")
         if prepared.requests:
             duck.register("_req_stage", pa.table(request_columns(prepared.requests), schema=REQUESTS_SCHEMA))
-            duck.execute(_MERGE)
+            duck.execute(_APPEND_PARTS)
             duck.unregister("_req_stage")
+            self._staged_parts = len(prepared.requests)
 
     def _save_sources(self, conn: Any, states: list[_SourceState], now: float) -> None:
         # One statement per kind of change: DuckDB's per-statement cost is ~1 ms, and a group holds
@@ -156,11 +253,29 @@ class DuckDBStore(Store):
     def _after_commit(self, states: list[_SourceState]) -> None:
         for st in states:
             self._marks[st.source.id] = max(st.last_seq, st.new_last_seq)
+        if self._staged_parts:
+            with self._parts_lock:
+                self._parts += self._staged_parts
+                if self._parts_since is None:
+                    self._parts_since = time.monotonic()
+                full = self._parts >= self.compact_rows
+            if full:
+                self._wake.set()
 
     def reader_connection(self) -> Any:
         """A new DuckDB connection to this store's instance, for reads beside the writer (ledger.sql)."""
         return self._duck.cursor()
 
-    def close(self) -> None:
+    def close(self, compact: bool = True) -> None:
+        """Stop the compactor and close; ``compact``: merge what waits first (a clean shutdown)."""
+        self._closing = True
+        self._wake.set()
+        self._compactor.join(60)
+        if compact:
+            try:
+                self.compact(force=True)
+            except Exception:  # the parts stay; the view merges them and the next start compacts them
+                log.exception("compacting request_parts at close failed")
+        self._compact_conn.close()
         self._raw.close()
         super().close()

@@ -37,7 +37,8 @@ _NEW_REQUEST_COLUMNS = [
 _MAX_COLUMNS = {"last_step_ts"}  # the rest are sums (NOT NULL DEFAULT 0)
 
 
-def _view_sql() -> str:
+def _view_sql(rows: str = "request_rows") -> str:
+    """CREATE VIEW requests over ``rows`` (a table, or a subquery with request_rows' columns)."""
     gw = "(r.arrived_ts IS NOT NULL OR r.admission_enqueued_ts IS NOT NULL OR r.admitted_ts IS NOT NULL)"
     t0 = (
         f"(CASE WHEN {gw} THEN COALESCE(r.arrived_ts, r.admission_enqueued_ts, r.admitted_ts) "
@@ -71,7 +72,7 @@ def _view_sql() -> str:
     cols.append(f"{tok} - {t0} AS ttft_s")
     cols.append(f"{t0} AS start_ts")
     cols.append(f"{t5} AS end_ts")
-    return "CREATE VIEW requests AS SELECT r.*, " + ", ".join(cols) + " FROM request_rows r"
+    return "CREATE VIEW requests AS SELECT r.*, " + ", ".join(cols) + f" FROM {rows} r"
 
 
 def upgrade() -> None:

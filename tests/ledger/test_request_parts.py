@@ -1,0 +1,198 @@
+"""Partial request rows (request_parts) and their compaction into request_rows, on both backends.
+
+DuckDB appends each group's partial rows and compacts them later; PostgreSQL merges directly. Either
+way the ``requests`` view must show the fold of every committed event, before and after compaction.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from engine_hooks import events as ev
+from ledger import migrate
+from ledger.fold import AGGREGATES, fold
+from ledger.store import make_engine, open_store
+from tests.ledger.factories import ENGINE, GATEWAY, batch, lifecycle, numbered
+
+
+def _rows(store, ids):
+    return {rid: {k: v for k, v in store.get_request(rid).items() if k in AGGREGATES} for rid in ids}
+
+
+def _table_count(store, table: str) -> int:
+    return store.count(table)
+
+
+def _write_in_pieces(store, rids):
+    """Each request's events split over three groups, gateway and engine interleaved."""
+    evs = {rid: lifecycle(rid, t0=1_700_000_000.0 + i) for i, rid in enumerate(rids)}
+    gw = numbered([e for rid in rids for e in evs[rid][0]])
+    en = numbered([e for rid in rids for e in evs[rid][1]])
+    for k in range(3):
+        store.write([batch(GATEWAY, gw[k::3]), batch(ENGINE, en[k::3])])
+    return fold([(GATEWAY, e) for e in gw] + [(ENGINE, e) for e in en])
+
+
+def _assert_matches_fold(rows, expected):
+    for rid, want in expected.items():
+        got = rows[rid]
+        for col, v in want.items():
+            assert got[col] == (pytest.approx(v) if isinstance(v, float) else v), (rid, col)
+
+
+def test_view_shows_the_full_fold_before_and_after_compaction(store):
+    rids = ["a", "b", "c"]
+    expected = _write_in_pieces(store, rids)
+    before = _rows(store, rids)
+    _assert_matches_fold(before, expected)
+    store.compact(force=True)
+    assert _table_count(store, "request_parts") == 0
+    assert _rows(store, rids) == before
+    with store.engine.connect() as conn:
+        merged = conn.exec_driver_sql("SELECT request_id, events FROM request_rows ORDER BY request_id").all()
+    assert [(r, n) for r, n in merged] == [(rid, before[rid]["events"]) for rid in rids]
+
+
+def test_duckdb_appends_partial_rows_one_per_group_and_compaction_merges_them(tmp_path):
+    store = open_store(f"duckdb:///{tmp_path / 'l.duckdb'}")
+    try:
+        _write_in_pieces(store, ["a", "b"])
+        # Three groups, each naming both requests: six partial rows, nothing merged yet.
+        assert _table_count(store, "request_parts") == 6
+        assert _table_count(store, "request_rows") == 0
+        assert store.compact() == 0  # not due: few rows, young
+        assert store.compact(force=True) == 6
+        assert (_table_count(store, "request_parts"), _table_count(store, "request_rows")) == (0, 2)
+        # Later events of a compacted request merge with its compacted row.
+        store.write(
+            [batch(ENGINE, numbered([ev.Tokens(seq=0, ts=1.8e9, request_id="a", count=5, total=15)], 100))]
+        )
+        assert store.get_request("a")["output_tokens"] == 15
+        assert store.get_request("a")["token_events"] == 3
+    finally:
+        store.close()
+
+
+def test_duckdb_compacts_as_soon_as_enough_rows_wait_and_not_before_either_limit(tmp_path):
+    store = open_store(f"duckdb:///{tmp_path / 'l.duckdb'}")
+    try:
+        store.compact_interval_s = 3600.0
+        _write_in_pieces(store, ["a", "b"])
+        assert not store.compact_due() and store.compact() == 0
+        assert _table_count(store, "request_parts") == 6
+        store.compact_rows = 7
+        store.write(
+            [batch(ENGINE, numbered([ev.Queued(seq=0, ts=1.0, request_id="z", prompt_tokens=3)], 500))]
+        )
+        deadline = time.monotonic() + 5  # the writer wakes the compactor: no waiting for the interval
+        while _table_count(store, "request_parts") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert (_table_count(store, "request_parts"), _table_count(store, "request_rows")) == (0, 3)
+    finally:
+        store.close()
+
+
+def test_view_keeps_the_column_types_while_parts_wait(tmp_path):
+    """sum() widens integers (HUGEINT on DuckDB): the merged view must still give request_rows' types."""
+    store = open_store(f"duckdb:///{tmp_path / 'l.duckdb'}")
+    try:
+        _write_in_pieces(store, ["a"])
+        assert _table_count(store, "request_parts") > 0
+        with store.engine.connect() as conn:
+            types = dict(
+                conn.exec_driver_sql("SELECT column_name, column_type FROM (DESCRIBE requests)").all()
+            )
+            base = dict(
+                conn.exec_driver_sql("SELECT column_name, column_type FROM (DESCRIBE request_rows)").all()
+            )
+        assert {c: types[c] for c in base} == base
+    finally:
+        store.close()
+
+
+def test_uncompacted_parts_survive_a_crash_and_are_compacted_after_restart(tmp_path):
+    url = f"duckdb:///{tmp_path / 'l.duckdb'}"
+    store = open_store(url)
+    expected = _write_in_pieces(store, ["a", "b"])
+    store.close(compact=False)  # what a kill leaves: committed parts not compacted
+    again = open_store(url)
+    try:
+        assert _table_count(again, "request_parts") == 6
+        _assert_matches_fold(_rows(again, ["a", "b"]), expected)
+        again.compact_interval_s = 0.0
+        assert again.compact() == 6
+        _assert_matches_fold(_rows(again, ["a", "b"]), expected)
+    finally:
+        again.close()
+
+
+def test_clean_close_leaves_no_partial_rows(tmp_path):
+    url = f"duckdb:///{tmp_path / 'l.duckdb'}"
+    store = open_store(url)
+    _write_in_pieces(store, ["a"])
+    store.close()
+    again = open_store(url)
+    try:
+        assert (_table_count(again, "request_parts"), _table_count(again, "request_rows")) == (0, 1)
+    finally:
+        again.close()
+
+
+def test_the_compactor_thread_merges_parts_once_they_waited_long_enough(tmp_path):
+    store = open_store(f"duckdb:///{tmp_path / 'l.duckdb'}")
+    store.compact_interval_s = 0.2
+    try:
+        store.write([batch(ENGINE, numbered([ev.Queued(seq=0, ts=1.0, request_id="q", prompt_tokens=3)]))])
+        deadline = time.monotonic() + 5
+        while _table_count(store, "request_parts") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (_table_count(store, "request_parts"), _table_count(store, "request_rows")) == (0, 1)
+        assert store.get_request("q")["prompt_tokens"] == 3
+    finally:
+        store.close()
+
+
+def test_compaction_beside_a_busy_writer_loses_and_doubles_nothing(tmp_path):
+    """The compactor's transaction runs while the writer appends more parts (its own connection)."""
+    store = open_store(f"duckdb:///{tmp_path / 'l.duckdb'}")
+    store.compact_interval_s = 0.0  # compact on every wake-up
+    try:
+        seq = 1
+        for g in range(60):
+            evs = [
+                ev.Tokens(seq=0, ts=2.0 + g, request_id=f"r{(g * 7 + i) % 40}", count=1, total=g + 1)
+                for i in range(50)
+            ]
+            store.write([batch(ENGINE, numbered(evs, seq))])
+            seq += len(evs)
+        with store.engine.connect() as conn:
+            total = conn.exec_driver_sql("SELECT sum(token_events), count(*) FROM requests").one()
+        assert tuple(total) == (60 * 50, 40)
+        store.compact(force=True)
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT sum(token_events) FROM request_rows").scalar_one() == 3000
+    finally:
+        store.close()
+
+
+def test_downgrade_below_parts_folds_them_into_request_rows(db_url):
+    store = open_store(db_url)
+    expected = _write_in_pieces(store, ["a", "b"])
+    if store.dialect == "duckdb":
+        assert _table_count(store, "request_parts") == 6
+        store.close(compact=False)  # leave the parts for the downgrade
+    else:
+        store.close()
+    engine = make_engine(db_url)
+    try:
+        migrate.downgrade(engine, "0003")
+        with engine.connect() as conn:
+            assert "request_parts" not in set(sa.inspect(conn).get_table_names())
+            rows = conn.exec_driver_sql("SELECT * FROM requests WHERE request_id IN ('a', 'b')").all()
+        _assert_matches_fold({r._mapping["request_id"]: dict(r._mapping) for r in rows}, expected)
+        migrate.upgrade(engine)
+    finally:
+        engine.dispose()
