@@ -290,7 +290,7 @@ def main() -> None:
     if group:
         store.write(group)
     load_s = time.perf_counter() - t0
-    n_req = store.count("request_rows")
+    n_req = store.count("requests")
     n_steps = store.count("steps")
     print(
         f"loaded {events:,} events ({n_req:,} requests, {n_steps:,} steps) into {store.dialect} "

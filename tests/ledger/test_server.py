@@ -40,7 +40,7 @@ def test_kill_9_right_after_a_200_loses_none_of_that_batch(db_url, tmp_path):
             counts = conn.exec_driver_sql("SELECT count(*), count(DISTINCT seq), max(seq) FROM events").one()
             assert tuple(counts) == (total, total, total)
             assert conn.exec_driver_sql("SELECT last_seq FROM sources").scalar_one() == total
-            assert conn.exec_driver_sql("SELECT sum(token_events) FROM request_rows").scalar_one() == total
+            assert conn.exec_driver_sql("SELECT sum(token_events) FROM requests").scalar_one() == total
         engine.dispose()
         server.start()  # it comes back with the same high-water mark: a replay is all duplicates
         r = httpx.post(f"{server.url}/v1/events", content=body(ENGINE, evs))
