@@ -165,7 +165,11 @@ class IngestWriter:
     def _run(self) -> None:
         stop = False
         while not stop:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=1.0)
+            except queue.Empty:  # idle: compact what the last groups left
+                self._compact()
+                continue
             if item is None:
                 break
             group = [item]
@@ -181,6 +185,14 @@ class IngestWriter:
                 group.append(nxt)
                 n += len(nxt[0].events)
             self._write_group(group)
+            self._compact()
+
+    def _compact(self) -> None:
+        """Let the store merge partial rows when due: between groups, after their batches were answered."""
+        try:
+            self.store.compact()
+        except Exception:  # the parts stay readable through the view; the next call retries
+            log.exception("compacting partial request rows failed")
 
     def _write_group(self, group: list[tuple[ev.Batch, concurrent.futures.Future[WriteResult]]]) -> None:
         t0 = time.perf_counter()

@@ -6,6 +6,7 @@ way the ``requests`` view must show the fold of every committed event, before an
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -14,6 +15,7 @@ import sqlalchemy as sa
 from engine_hooks import events as ev
 from ledger import migrate
 from ledger.fold import AGGREGATES, fold
+from ledger.ingest import IngestWriter
 from ledger.store import make_engine, open_store
 from tests.ledger.factories import ENGINE, GATEWAY, batch, lifecycle, numbered
 
@@ -76,21 +78,25 @@ def test_duckdb_appends_partial_rows_one_per_group_and_compaction_merges_them(tm
         store.close()
 
 
-def test_duckdb_compacts_as_soon_as_enough_rows_wait_and_not_before_either_limit(tmp_path):
+def test_duckdb_compaction_is_due_when_enough_rows_wait_or_the_oldest_waited_long_enough(tmp_path):
     store = open_store(f"duckdb:///{tmp_path / 'l.duckdb'}")
     try:
         store.compact_interval_s = 3600.0
         _write_in_pieces(store, ["a", "b"])
         assert not store.compact_due() and store.compact() == 0
-        assert _table_count(store, "request_parts") == 6
         store.compact_rows = 7
         store.write(
             [batch(ENGINE, numbered([ev.Queued(seq=0, ts=1.0, request_id="z", prompt_tokens=3)], 500))]
         )
-        deadline = time.monotonic() + 5  # the writer wakes the compactor: no waiting for the interval
-        while _table_count(store, "request_parts") and time.monotonic() < deadline:
-            time.sleep(0.02)
+        assert store.compact_due() and store.compact() == 7
         assert (_table_count(store, "request_parts"), _table_count(store, "request_rows")) == (0, 3)
+        store.compact_rows, store.compact_interval_s = 1_000, 0.2
+        store.write(
+            [batch(ENGINE, numbered([ev.Queued(seq=0, ts=1.0, request_id="y", prompt_tokens=3)], 600))]
+        )
+        assert not store.compact_due()
+        time.sleep(0.25)
+        assert store.compact_due() and store.compact() == 1
     finally:
         store.close()
 
@@ -141,24 +147,39 @@ def test_clean_close_leaves_no_partial_rows(tmp_path):
         again.close()
 
 
-def test_the_compactor_thread_merges_parts_once_they_waited_long_enough(tmp_path):
+def _submit(writer, b):
+    return asyncio.run(writer.submit(b))
+
+
+def test_the_ingest_writer_compacts_after_a_group_once_due_and_when_idle(tmp_path):
     store = open_store(f"duckdb:///{tmp_path / 'l.duckdb'}")
-    store.compact_interval_s = 0.2
+    store.compact_rows = 2
+    writer = IngestWriter(store)
+    writer.start()
     try:
-        store.write([batch(ENGINE, numbered([ev.Queued(seq=0, ts=1.0, request_id="q", prompt_tokens=3)]))])
+        two = [ev.Queued(seq=0, ts=1.0, request_id=r, prompt_tokens=3) for r in ("p", "q")]
+        _submit(writer, batch(ENGINE, numbered(two)))
         deadline = time.monotonic() + 5
         while _table_count(store, "request_parts") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert (_table_count(store, "request_parts"), _table_count(store, "request_rows")) == (0, 2)
+        store.compact_rows, store.compact_interval_s = 1_000, 0.2
+        one = [ev.Queued(seq=0, ts=1.0, request_id="r", prompt_tokens=3)]
+        _submit(writer, batch(ENGINE, numbered(one, 10)))
+        assert _table_count(store, "request_parts") == 1  # not due yet
+        deadline = time.monotonic() + 5  # no more groups: the idle writer compacts it
+        while _table_count(store, "request_parts") and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert (_table_count(store, "request_parts"), _table_count(store, "request_rows")) == (0, 1)
-        assert store.get_request("q")["prompt_tokens"] == 3
+        assert (_table_count(store, "request_parts"), _table_count(store, "request_rows")) == (0, 3)
+        assert store.get_request("r")["prompt_tokens"] == 3
     finally:
+        writer.stop()
         store.close()
 
 
-def test_compaction_beside_a_busy_writer_loses_and_doubles_nothing(tmp_path):
-    """The compactor's transaction runs while the writer appends more parts (its own connection)."""
+def test_compacting_between_groups_loses_and_doubles_nothing(tmp_path):
     store = open_store(f"duckdb:///{tmp_path / 'l.duckdb'}")
-    store.compact_interval_s = 0.0  # compact on every wake-up
+    store.compact_interval_s = 0.0  # due after every group, as under a steady load
     try:
         seq = 1
         for g in range(60):
@@ -168,6 +189,8 @@ def test_compaction_beside_a_busy_writer_loses_and_doubles_nothing(tmp_path):
             ]
             store.write([batch(ENGINE, numbered(evs, seq))])
             seq += len(evs)
+            if g % 3 == 0:
+                assert store.compact() > 0
         with store.engine.connect() as conn:
             total = conn.exec_driver_sql("SELECT sum(token_events), count(*) FROM requests").one()
         assert tuple(total) == (60 * 50, 40)
