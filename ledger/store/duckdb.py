@@ -120,6 +120,7 @@ class DuckDBStore(Store):
         *,
         compact_rows: int = 20_000,
         compact_interval_s: float = 5.0,
+        checkpoint_threshold: str = "64MB",
         **kw: Any,
     ) -> None:
         super().__init__(engine, **kw)
@@ -127,6 +128,12 @@ class DuckDBStore(Store):
         self.compact_interval_s = compact_interval_s
         self._raw = engine.raw_connection()  # the writer connection, held for the store's life
         self._duck: Any = cast(Any, self._raw.driver_connection)
+        # A commit that finds the WAL above this size checkpoints it into the file, inline. At DuckDB's
+        # default (16 MB) the checkpoints were half the writer's commit time: much of a checkpoint's
+        # cost does not grow with the WAL (3.2M events in-process: 65k -> 77k ev/s at 64 MB, no gain
+        # at 256 MB). Replaying a 45 MB WAL after a kill took 0.16 s. Durability is unchanged: every
+        # commit is in the fsynced WAL either way.
+        self._duck.execute(f"SET checkpoint_threshold = '{checkpoint_threshold}'")
         self._lock = threading.Lock()
         rows = self._duck.execute("SELECT source_id, last_seq FROM sources").fetchall()
         self._marks: dict[str, int] = {sid: int(seq) for sid, seq in rows}

@@ -219,3 +219,13 @@ def test_downgrade_below_parts_folds_them_into_request_rows(db_url):
         migrate.upgrade(engine)
     finally:
         engine.dispose()
+
+
+def test_duckdb_checkpoints_the_wal_at_64_mb_instead_of_16(tmp_path):
+    store = open_store(f"duckdb:///{tmp_path / 'l.duckdb'}")
+    try:
+        with store.engine.connect() as conn:
+            setting = conn.exec_driver_sql("SELECT current_setting('checkpoint_threshold')").scalar_one()
+        assert setting == "61.0 MiB"  # DuckDB prints 64 MB (decimal) in MiB
+    finally:
+        store.close()
