@@ -84,16 +84,19 @@ def _aggregate(col: str) -> str:
     return f"CAST(sum({col}) AS BIGINT)" if agg == "sum" and type_ == "bigint" else f"{agg}({col})"
 
 
+_COLS = ", ".join(["request_id", *_COLUMNS])
+# One merged row per request from rows with request_parts' columns (GROUP BY request_id).
+_AGGS = ", ".join(["request_id", *(f"{_aggregate(c)} AS {c}" for c in _COLUMNS)])
+
+
 def _merged_rows() -> str:
     """request_rows with request_parts folded in, as a subquery with request_rows' columns."""
-    cols = ", ".join(["request_id", *_COLUMNS])
-    aggs = ", ".join(["request_id", *(f"{_aggregate(c)} AS {c}" for c in _COLUMNS)])
     has_parts = "EXISTS (SELECT 1 FROM request_parts p WHERE p.request_id = q.request_id)"
     return (
-        f"(SELECT {cols} FROM request_rows q WHERE NOT {has_parts} "
-        f"UNION ALL SELECT {aggs} FROM ("
-        f"SELECT {cols} FROM request_rows q WHERE {has_parts} "
-        f"UNION ALL SELECT {cols} FROM request_parts) u GROUP BY request_id)"
+        f"(SELECT {_COLS} FROM request_rows q WHERE NOT {has_parts} "
+        f"UNION ALL SELECT {_AGGS} FROM ("
+        f"SELECT {_COLS} FROM request_rows q WHERE {has_parts} "
+        f"UNION ALL SELECT {_COLS} FROM request_parts) u GROUP BY request_id)"
     )
 
 
@@ -122,8 +125,6 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     # Fold what is not compacted yet into request_rows first: nothing accepted is lost.
-    cols = ", ".join(["request_id", *_COLUMNS])
-    aggs = ", ".join(["request_id", *(f"{_aggregate(c)} AS {c}" for c in _COLUMNS)])
     sets = []
     for col, (agg, _) in _COLUMNS.items():
         if agg == "sum":
@@ -132,7 +133,7 @@ def downgrade() -> None:
             fn = "LEAST" if agg == "min" else "GREATEST"
             sets.append(f"{col} = {fn}(request_rows.{col}, excluded.{col})")
     op.execute(
-        f"INSERT INTO request_rows ({cols}) SELECT {aggs} FROM request_parts GROUP BY request_id "
+        f"INSERT INTO request_rows ({_COLS}) SELECT {_AGGS} FROM request_parts GROUP BY request_id "
         f"ON CONFLICT (request_id) DO UPDATE SET {', '.join(sets)}"
     )
     op.execute("DROP VIEW requests")

@@ -24,10 +24,6 @@ def _rows(store, ids):
     return {rid: {k: v for k, v in store.get_request(rid).items() if k in AGGREGATES} for rid in ids}
 
 
-def _table_count(store, table: str) -> int:
-    return store.count(table)
-
-
 def _write_in_pieces(store, rids):
     """Each request's events split over three groups, gateway and engine interleaved."""
     evs = {rid: lifecycle(rid, t0=1_700_000_000.0 + i) for i, rid in enumerate(rids)}
@@ -51,7 +47,7 @@ def test_view_shows_the_full_fold_before_and_after_compaction(store):
     before = _rows(store, rids)
     _assert_matches_fold(before, expected)
     store.compact(force=True)
-    assert _table_count(store, "request_parts") == 0
+    assert store.count("request_parts") == 0
     assert _rows(store, rids) == before
     with store.engine.connect() as conn:
         merged = conn.exec_driver_sql("SELECT request_id, events FROM request_rows ORDER BY request_id").all()
@@ -63,11 +59,11 @@ def test_duckdb_appends_partial_rows_one_per_group_and_compaction_merges_them(tm
     try:
         _write_in_pieces(store, ["a", "b"])
         # Three groups, each naming both requests: six partial rows, nothing merged yet.
-        assert _table_count(store, "request_parts") == 6
-        assert _table_count(store, "request_rows") == 0
+        assert store.count("request_parts") == 6
+        assert store.count("request_rows") == 0
         assert store.compact() == 0  # not due: few rows, young
         assert store.compact(force=True) == 6
-        assert (_table_count(store, "request_parts"), _table_count(store, "request_rows")) == (0, 2)
+        assert (store.count("request_parts"), store.count("request_rows")) == (0, 2)
         # Later events of a compacted request merge with its compacted row.
         store.write(
             [batch(ENGINE, numbered([ev.Tokens(seq=0, ts=1.8e9, request_id="a", count=5, total=15)], 100))]
@@ -89,7 +85,7 @@ def test_duckdb_compaction_is_due_when_enough_rows_wait_or_the_oldest_waited_lon
             [batch(ENGINE, numbered([ev.Queued(seq=0, ts=1.0, request_id="z", prompt_tokens=3)], 500))]
         )
         assert store.compact_due() and store.compact() == 7
-        assert (_table_count(store, "request_parts"), _table_count(store, "request_rows")) == (0, 3)
+        assert (store.count("request_parts"), store.count("request_rows")) == (0, 3)
         store.compact_rows, store.compact_interval_s = 1_000, 0.2
         store.write(
             [batch(ENGINE, numbered([ev.Queued(seq=0, ts=1.0, request_id="y", prompt_tokens=3)], 600))]
@@ -106,7 +102,7 @@ def test_view_keeps_the_column_types_while_parts_wait(tmp_path):
     store = open_store(f"duckdb:///{tmp_path / 'l.duckdb'}")
     try:
         _write_in_pieces(store, ["a"])
-        assert _table_count(store, "request_parts") > 0
+        assert store.count("request_parts") > 0
         with store.engine.connect() as conn:
             types = dict(
                 conn.exec_driver_sql("SELECT column_name, column_type FROM (DESCRIBE requests)").all()
@@ -126,7 +122,7 @@ def test_uncompacted_parts_survive_a_crash_and_are_compacted_after_restart(tmp_p
     store.close(compact=False)  # what a kill leaves: committed parts not compacted
     again = open_store(url)
     try:
-        assert _table_count(again, "request_parts") == 6
+        assert again.count("request_parts") == 6
         _assert_matches_fold(_rows(again, ["a", "b"]), expected)
         again.compact_interval_s = 0.0
         assert again.compact() == 6
@@ -142,7 +138,7 @@ def test_clean_close_leaves_no_partial_rows(tmp_path):
     store.close()
     again = open_store(url)
     try:
-        assert (_table_count(again, "request_parts"), _table_count(again, "request_rows")) == (0, 1)
+        assert (again.count("request_parts"), again.count("request_rows")) == (0, 1)
     finally:
         again.close()
 
@@ -160,17 +156,17 @@ def test_the_ingest_writer_compacts_after_a_group_once_due_and_when_idle(tmp_pat
         two = [ev.Queued(seq=0, ts=1.0, request_id=r, prompt_tokens=3) for r in ("p", "q")]
         _submit(writer, batch(ENGINE, numbered(two)))
         deadline = time.monotonic() + 5
-        while _table_count(store, "request_parts") and time.monotonic() < deadline:
+        while store.count("request_parts") and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert (_table_count(store, "request_parts"), _table_count(store, "request_rows")) == (0, 2)
+        assert (store.count("request_parts"), store.count("request_rows")) == (0, 2)
         store.compact_rows, store.compact_interval_s = 1_000, 0.2
         one = [ev.Queued(seq=0, ts=1.0, request_id="r", prompt_tokens=3)]
         _submit(writer, batch(ENGINE, numbered(one, 10)))
-        assert _table_count(store, "request_parts") == 1  # not due yet
+        assert store.count("request_parts") == 1  # not due yet
         deadline = time.monotonic() + 5  # no more groups: the idle writer compacts it
-        while _table_count(store, "request_parts") and time.monotonic() < deadline:
+        while store.count("request_parts") and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert (_table_count(store, "request_parts"), _table_count(store, "request_rows")) == (0, 3)
+        assert (store.count("request_parts"), store.count("request_rows")) == (0, 3)
         assert store.get_request("r")["prompt_tokens"] == 3
     finally:
         writer.stop()
@@ -205,7 +201,7 @@ def test_downgrade_below_parts_folds_them_into_request_rows(db_url):
     store = open_store(db_url)
     expected = _write_in_pieces(store, ["a", "b"])
     if store.dialect == "duckdb":
-        assert _table_count(store, "request_parts") == 6
+        assert store.count("request_parts") == 6
         store.close(compact=False)  # leave the parts for the downgrade
     else:
         store.close()
