@@ -10,8 +10,9 @@ from fake_ledger import FakeLedger
 from vllm_helpers import events_of, prompt, rid, set_options
 
 from engine_hooks.config import ConfigError
-from engine_hooks.events import Chunk, Preempted, Queued
+from engine_hooks.events import Chunk, Preempted, Queued, Step
 from engine_hooks.vllm.options import LedgerOptions
+from engine_hooks.vllm.predict import OutputLengths, StepTimes, attention_work
 
 pytestmark = pytest.mark.vllm
 
@@ -152,51 +153,90 @@ def _long_beside_a_decode(engine, n_prompt: int) -> str:
     return long
 
 
-def test_step_target_caps_deep_chunks_from_the_measured_step_times(engine, attach, ledger):
-    from engine_hooks.vllm.predict import StepTimes, attention_work
+class _FixedStepTimes(StepTimes):
+    """A step-time fit that stays as it was built: the engine's measured steps do not move it."""
 
+    def add(self, tokens: int, work: float, seconds: float) -> None:
+        pass
+
+
+def _fixed_fit(a: float, b: float, c: float) -> StepTimes:
+    """A fit of ``seconds = a + b * tokens + c * work`` (exact data through the real solver, whose
+    ridge leaves ~1e-5 relative error)."""
+    fit = _FixedStepTimes(decay=1.0, min_samples=1)
+    for tokens in (1, 16, 64, 128, 200):
+        for depth in (0, 300, 900, 1700):
+            work = attention_work(tokens, depth)
+            StepTimes.add(fit, tokens, work, a + b * tokens + c * work)
+    coef = fit.coefficients()
+    assert coef is not None and all(abs(x - y) <= 1e-4 * y for x, y in zip(coef, (a, b, c), strict=True))
+    return fit
+
+
+def test_step_time_fit_learns_from_every_measured_step(engine, attach, ledger, monkeypatch):
     exporter = attach(ledger.url)
     sch = engine.scheduler
-    sch.step_times = StepTimes(min_samples=8)
+    monkeypatch.setattr(sch, "step_times", StepTimes(min_samples=8))
     sch.step_caps.clear()
-    # A target no step reaches: the fit learns from the measured steps, the cap never binds.
+    # A target no step reaches: the fit learns from the measured steps and the cap never binds.
     set_options(engine, admission_reserve=0.25, admission_step_target_s=60.0, admission_min_chunk=16)
-    first = _long_beside_a_decode(engine, 1800)
-    assert sch.step_times.samples >= 8 and not sch.step_caps
-    # Now a target the fit says fits a 24-token chunk at depth 900 beside one decode.
-    target = sch.step_times.predict(1 + 24, attention_work(1, 10, False) + attention_work(24, 900))
-    assert target is not None and target > 0
-    set_options(engine, admission_step_target_s=target)
-    second = _long_beside_a_decode(engine, 1800)
+    long = _long_beside_a_decode(engine, 1800)
     assert exporter.force_flush(10.0)
     events = list(ledger.store.events)
-    before = events_of(events, Chunk, first)
-    assert [c.tokens for c in before[1:-1]] == [127] * (len(before) - 2)  # the reserve's cap only
-    chunks = {c.step: c for c in events_of(events, Chunk, second)}
-    caps = {step: (depth, cap) for step, depth, cap in sch.step_caps if step in chunks}
-    assert caps, "the step-time cap never bound"
-    for step, (depth, cap) in caps.items():  # every capped step obeys its cap
-        assert chunks[step].computed_before == depth
-        assert chunks[step].tokens <= cap < 127, (chunks[step], cap)
-    last = max(chunks)  # (the prompt's rest)
-    deep = [c.tokens for step, c in chunks.items() if c.computed_before >= 900 and step != last]
-    assert deep and min(deep) < 127  # deep chunks got smaller than the reserve alone leaves
-    assert len(chunks) > len(before)
+    steps = [s for s in events if isinstance(s, Step) and s.prefill_tokens + s.decode_tokens > 0]
+    assert len(steps) >= 8 and sch.step_times.samples == len(steps)
+    assert sch.step_times.coefficients() is not None and not sch.step_caps
+    chunks = events_of(events, Chunk, long)
+    assert [c.tokens for c in chunks[1:-1]] == [127] * (len(chunks) - 2)  # the reserve's cap only
 
 
-def test_step_target_is_off_until_the_fit_has_data(engine, attach, ledger):
-    from engine_hooks.vllm.predict import StepTimes
-
+def test_step_target_caps_deep_chunks_to_what_the_fit_predicts_fits(engine, attach, ledger, monkeypatch):
     exporter = attach(ledger.url)
     sch = engine.scheduler
-    sch.step_times = StepTimes(min_samples=10_000)  # never enough
+    # Fixed, so the test does not hang on how fast this machine runs steps (the fit from measured
+    # steps is the test above): 2 ms a step, 1 us a token, 0.1 us a unit of attention work.
+    fit = _fixed_fit(2e-3, 1e-6, 1e-7)
+    monkeypatch.setattr(sch, "step_times", fit)
+    sch.step_caps.clear()
+    decode = attention_work(1, 10, False)
+    target = fit.predict(1 + 127, decode + attention_work(127, 400))  # a whole chunk up to depth 400
+    assert target is not None
+    set_options(engine, admission_reserve=0.25, admission_step_target_s=target, admission_min_chunk=16)
+    long = _long_beside_a_decode(engine, 1800)
+    assert exporter.force_flush(10.0)
+    chunks = events_of(list(ledger.store.events), Chunk, long)[:-1]  # (the last is the prompt's rest)
+    caps = {step: (depth, cap) for step, depth, cap in sch.step_caps}
+    assert caps, "the step-time cap never bound"
+
+    def allowed(depth: int, decode_depth: int) -> int:
+        n = fit.max_chunk(target, 1, attention_work(1, decode_depth, False), depth)
+        assert n is not None
+        return min(127, max(16, n))
+
+    for c in chunks[1:]:  # the other request decodes beside each chunk (its depth between 10 and 2048)
+        assert allowed(c.computed_before, 2048) <= c.tokens <= allowed(c.computed_before, 10), c
+        if c.step in caps:
+            assert caps[c.step] == (c.computed_before, c.tokens), (c, caps[c.step])
+        else:
+            assert c.tokens == 127, c
+    shallow = [c.tokens for c in chunks[1:] if c.computed_before <= 300]
+    assert len(shallow) >= 2 and shallow == [127] * len(shallow)  # within the target whole
+    deep = [c.tokens for c in chunks if c.computed_before >= 900]
+    assert deep and max(deep) <= allowed(900, 10) < 127  # the cap binds deeper down
+    tokens = [c.tokens for c in chunks[1:]]
+    assert tokens == sorted(tokens, reverse=True) and tokens[-1] < deep[0]  # smaller the deeper
+
+
+def test_step_target_is_off_until_the_fit_has_data(engine, attach, ledger, monkeypatch):
+    exporter = attach(ledger.url)
+    sch = engine.scheduler
+    monkeypatch.setattr(sch, "step_times", StepTimes(min_samples=10_000))  # never enough
     sch.step_caps.clear()
     set_options(engine, admission_reserve=0.25, admission_step_target_s=1e-9, admission_min_chunk=16)
     long = _long_beside_a_decode(engine, 1000)
     assert exporter.force_flush(10.0)
     chunks = events_of(list(ledger.store.events), Chunk, long)
     assert [c.tokens for c in chunks[1:-1]] == [127] * (len(chunks) - 2) and not sch.step_caps
-    sch.step_times = StepTimes()
 
 
 # -- victim choice, without running the engine ----------------------------------------------------
@@ -301,8 +341,6 @@ def test_step_target_needs_the_reserve_and_names_the_option():
 def test_step_time_fit_recovers_a_linear_cost_and_solves_for_the_chunk():
     import random
 
-    from engine_hooks.vllm.predict import StepTimes, attention_work
-
     fit = StepTimes(min_samples=8)
     rng = random.Random(3)
     for i in range(40):
@@ -324,7 +362,6 @@ def test_step_time_fit_recovers_a_linear_cost_and_solves_for_the_chunk():
 
 
 def test_step_time_fit_keeps_costs_non_negative_and_forgets_old_steps():
-    from engine_hooks.vllm.predict import StepTimes
 
     fit = StepTimes(decay=0.9, min_samples=4)
     for i in range(30):  # more work, less time: no negative cost is fitted
@@ -409,8 +446,6 @@ def test_reserve_demand_skips_waiting_requests_that_cannot_be_admitted():
 
 
 def test_output_length_predictor_is_the_conditional_p90_bounded_by_max_tokens():
-    from engine_hooks.vllm.predict import OutputLengths
-
     lengths = OutputLengths(window=100, quantile=0.9, min_samples=8)
     for n in range(10, 110, 10):  # 10, 20, ..., 100
         lengths.add(n)
@@ -425,8 +460,6 @@ def test_output_length_predictor_is_the_conditional_p90_bounded_by_max_tokens():
 
 
 def test_output_length_predictor_forgets_the_oldest():
-    from engine_hooks.vllm.predict import OutputLengths
-
     lengths = OutputLengths(window=8, quantile=1.0, min_samples=8)
     for _ in range(8):
         lengths.add(1000)
@@ -474,8 +507,6 @@ def _escape_run(engine, attach, ledger, after: int) -> tuple[list, dict[str, int
     the 3072-token KV cache, with the escape valve in "predicted" mode after ``after`` preemptions.
     Returns the grants and every request's preemptions. Checks, step by step, that a request under
     protection is preempted only in a step where every running request was protected."""
-    from engine_hooks.vllm.predict import OutputLengths
-
     exporter = attach(ledger.url)
     sch = engine.scheduler
     sch.output_lengths = OutputLengths()
