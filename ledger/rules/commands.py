@@ -23,8 +23,9 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import sqlalchemy as sa
@@ -106,6 +107,7 @@ class Pending:
     model: str | None
     decided_ts: float
     targets: dict[str, str]  # source id -> "engine" | "gateway", still to confirm
+    gateway: str | None = None  # the gateway target it has (or had: confirmed, moot), if any
     delivered: set[str] = field(default_factory=set)
     sends: int = 0  # deliveries so far (ingest responses and polls, re-sends included)
     stored_sends: int = 0  # what ``cutoffs.deliveries`` holds
@@ -134,6 +136,9 @@ class CommandBook:
         self.by_source: dict[str, dict[str, Pending]] = {}
         self.by_request: dict[str, list[Pending]] = {}
         self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        # request id -> the gateway that joined it after a decision (``add_gateway``), for a decision
+        # recorded just after the join (decided on the ticker while the join was observed)
+        self._joined: OrderedDict[str, str] = OrderedDict()
 
     # -- storage helpers ---------------------------------------------------------------------------
     def _exec(self, sql: str | Any, params: Any = None) -> Any:
@@ -178,7 +183,13 @@ class CommandBook:
                 cmd = ev.Command(
                     id=r.command_id, request_id=r.request_id, action=r.action, rule=r.rule, detail=r.detail
                 )
-                p = Pending(command=cmd, model=r.model, decided_ts=r.decided_ts, targets=targets)
+                p = Pending(
+                    command=cmd,
+                    model=r.model,
+                    decided_ts=r.decided_ts,
+                    targets=targets,
+                    gateway=r.gateway_source_id,
+                )
                 p.sends = p.stored_sends = int(r.deliveries)
                 if r.delivered_ts is not None and r.source_id:
                     p.delivered.add(r.source_id)
@@ -220,6 +231,15 @@ class CommandBook:
         replica) is skipped: it is stored and delivered once."""
         if not decisions:
             return []
+        with self._lock:
+            joined = self._joined
+            if joined:
+                decisions = [
+                    replace(d, gateway_source_id=joined[d.request_id])
+                    if d.gateway_source_id is None and d.request_id in joined
+                    else d
+                    for d in decisions
+                ]
         ids = [uuid.uuid4().hex for _ in decisions]
         if self.engine is not None:
             rows = [
@@ -263,7 +283,13 @@ class CommandBook:
             if d.gateway_source_id:
                 targets[d.gateway_source_id] = "gateway"
             cmd = ev.Command(id=cid, request_id=d.request_id, action=d.action, rule=d.rule, detail=d.detail)  # type: ignore[arg-type]
-            p = Pending(command=cmd, model=d.model, decided_ts=d.decided_ts, targets=targets)
+            p = Pending(
+                command=cmd,
+                model=d.model,
+                decided_ts=d.decided_ts,
+                targets=targets,
+                gateway=d.gateway_source_id,
+            )
             if targets:
                 with self._lock:
                     self._index(p)
@@ -272,6 +298,35 @@ class CommandBook:
         if woken:
             self._wake(sorted(woken))
         return out
+
+    def add_gateway(self, request_id: str, source_id: str) -> None:
+        """A gateway began streaming ``request_id`` after commands were decided on it (its events
+        reached the ledger after the engine's): it becomes a target of those still pending, as it would
+        have been had its events come first, and of a decision recorded just after this call."""
+        with self._lock:
+            self._joined[request_id] = source_id
+            while len(self._joined) > 4096:
+                self._joined.popitem(last=False)
+            added = []
+            for p in self.by_request.get(request_id, ()):
+                if p.gateway is None:
+                    p.gateway = source_id
+                    p.targets[source_id] = "gateway"
+                    self.by_source.setdefault(source_id, {})[p.command.id] = p
+                    added.append(p.command.id)
+        if not added:
+            return
+        log.info("gateway %s joined request %s after its cutoff: also a target", source_id, request_id)
+        if self.engine is not None:
+            with self._db_lock, self.engine.begin() as conn:
+                conn.execute(
+                    sa.text(
+                        "UPDATE cutoffs SET gateway_source_id = :gw WHERE command_id = :id AND "
+                        "gateway_source_id IS NULL"
+                    ),
+                    [{"gw": source_id, "id": cid} for cid in added],
+                )
+        self._wake([source_id])
 
     # -- delivery ----------------------------------------------------------------------------------
     def for_source(self, source_id: str) -> list[ev.Command]:
@@ -400,6 +455,7 @@ class CommandBook:
     def request_done(self, request_id: str, source_id: str) -> None:
         """The source finished the request: whatever it has not confirmed is moot there."""
         with self._lock:
+            self._joined.pop(request_id, None)  # no decision on it follows
             lst = list(self.by_request.get(request_id, ()))
             closed = [p for p in lst if source_id in p.targets and self._unindex_target(p, source_id)]
         if closed and self.engine is not None:

@@ -54,6 +54,7 @@ class Hooks(Protocol):
     def decided(self, decisions: list[Decision]) -> None: ...
     def confirmed(self, source_id: str, command_id: str, ts: float) -> None: ...
     def request_done(self, request_id: str, source_id: str, kind: str) -> None: ...
+    def gateway_joined(self, request_id: str, source_id: str) -> None: ...
     def dropped(self, source: ev.Source, count: int, reason: str, ts: float) -> None: ...
     def starving(self, r: R.LiveRequest, waited_s: float, now: float) -> None: ...
 
@@ -156,6 +157,8 @@ class RuleEngine:
                 hooks.confirmed(*sig[1:])
             elif sig[0] == "done":
                 hooks.request_done(*sig[1:])
+            elif sig[0] == "gateway":
+                hooks.gateway_joined(*sig[1:])
             else:
                 hooks.dropped(*sig[1:])
         if decisions:
@@ -248,7 +251,10 @@ class RuleEngine:
             r.running, r.waiting_since = True, None
             r.last_progress_ts = t
         elif kind == "arrived":
+            joined = e.stream and not r.gateway_streaming
             r.gateway_streaming = bool(e.stream)
+            if joined and r.decided:  # decided before the gateway's events came: it is a target too
+                signals.append(("gateway", rid, source.id))
         elif kind == "admitted":
             r.admitted_ts = t if r.admitted_ts is None else min(r.admitted_ts, t)
 

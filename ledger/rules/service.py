@@ -296,6 +296,9 @@ class RunawayService:
                 self._observed.pop(next(iter(self._observed)))
             self._to_observe.append((self.clock() + OBSERVE_DELAY_S, request_id))
 
+    def gateway_joined(self, request_id: str, source_id: str) -> None:
+        self.book.add_gateway(request_id, source_id)
+
     def dropped(self, source: ev.Source, count: int, reason: str, ts: float) -> None:
         self.metrics.source_dropped.labels(source.id, reason).inc(count)
         self._alert(

@@ -172,6 +172,46 @@ def test_streaming_gateway_gets_the_command_too_and_each_target_confirms(db_url)
     assert row["applied_ts"] is not None and row["state"] == "applied"
 
 
+def test_a_gateway_whose_events_come_after_the_decision_still_gets_the_command(db_url):
+    """The engine's batch reached the ledger first (a gateway flushes on its own timer): the gateway
+    becomes a target when its arrival is seen, on its own answer and on a long-poll."""
+    with TestClient(create_app(settings(db_url))) as c:
+        gw, eng = Src(c, GATEWAY), Src(c, ENGINE)
+        cmd = eng.send(*looping_tokens("r1"))["commands"][0]
+        assert gw.send(ev.Admitted(seq=0, ts=time.time(), request_id="other"))["commands"] == []
+        assert gw.send(ev.Arrived(seq=0, ts=time.time(), request_id="r1", stream=True))["commands"] == [cmd]
+        polled = c.get("/v1/commands", params={"source_id": "g0"}, headers=ING).json()["commands"]
+        assert polled == [cmd]
+        gw.send(ev.StreamCut(seq=0, ts=time.time(), request_id="r1", rule="loop", command_id=cmd["id"]))
+        assert gw.send(ev.Admitted(seq=0, ts=time.time(), request_id="q"))["commands"] == []
+        assert eng.send(ev.Queued(seq=0, ts=time.time(), request_id="z", prompt_tokens=1))["commands"] == [
+            cmd
+        ]
+    (row,) = cutoff_rows(db_url)
+    assert row["gateway_source_id"] == "g0" and row["gateway_applied_ts"] is not None
+    assert row["applied_ts"] is None and row["state"] == "pending"  # the engine has not confirmed
+
+
+def test_a_long_poll_is_woken_when_its_gateway_joins_a_decided_request(db_url):
+    with TestClient(create_app(settings(db_url))) as c:
+        gw, eng = Src(c, GATEWAY), Src(c, ENGINE)
+        cmd = eng.send(*looping_tokens("r1"))["commands"][0]
+        answer: dict = {}
+
+        def poll() -> None:
+            started = time.monotonic()
+            r = c.get("/v1/commands", params={"source_id": "g0", "wait_s": 20}, headers=ING)
+            answer.update(r.json(), took=time.monotonic() - started)
+
+        t = threading.Thread(target=poll)
+        t.start()
+        time.sleep(0.5)
+        assert not answer  # nothing for g0 yet: the poll waits
+        gw.send(ev.Arrived(seq=0, ts=time.time(), request_id="r1", stream=True))  # the poll answers now
+        t.join(10)
+        assert answer["commands"] == [cmd] and answer["took"] < 5
+
+
 def test_a_request_that_ends_on_its_own_makes_its_command_moot(db_url):
     with TestClient(create_app(settings(db_url))) as c:
         eng = Src(c, ENGINE)
@@ -317,3 +357,25 @@ def test_an_older_batch_replayed_after_newer_ones_is_still_seen_by_the_rules(db_
         again = Src(c, ENGINE, seq=1).send(*looping_tokens("r2"))  # a plain retry: no new decision
         assert again["duplicates"] == len(looping_tokens("r2"))
     assert len(cutoff_rows(db_url)) == 1
+
+
+def test_a_decision_recorded_just_after_its_gateway_joined_targets_that_gateway():
+    """The ticker decided (a timeout) before the gateway's arrival was observed, and records it just
+    after: the joined gateway is a target all the same, until the request is done."""
+    from ledger.rules.commands import CommandBook
+    from ledger.rules.engine import Decision
+
+    book = CommandBook(None)
+    book.add_gateway("r1", "g0")  # nothing pending yet
+    (_, p), (_, q) = book.record(
+        [
+            Decision("r1", "wall_clock_timeout", "abort", "d", "m", "e0", None, 1.0),
+            Decision("r2", "wall_clock_timeout", "abort", "d", "m", "e0", None, 1.0),
+        ]
+    )
+    assert p.targets == {"e0": "engine", "g0": "gateway"} and q.targets == {"e0": "engine"}
+    assert [c.request_id for c in book.for_source("g0")] == ["r1"]
+    book.request_done("r1", "g0")
+    assert book.for_source("g0") == []
+    ((_, later),) = book.record([Decision("r1", "stall_timeout", "abort", "d", "m", "e0", None, 2.0)])
+    assert later.targets == {"e0": "engine"}  # the gateway finished it: no stream left to cut

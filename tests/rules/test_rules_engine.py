@@ -14,6 +14,7 @@ T0 = 1_800_000_000.0
 class Hooks:
     def __init__(self):
         self.decisions, self.confirms, self.done, self.drops, self.starved = [], [], [], [], []
+        self.joined = []
 
     def decided(self, ds):
         self.decisions += ds
@@ -23,6 +24,9 @@ class Hooks:
 
     def request_done(self, rid, sid, kind):
         self.done.append((rid, sid, kind))
+
+    def gateway_joined(self, rid, sid):
+        self.joined.append((rid, sid))
 
     def dropped(self, source, count, reason, ts):
         self.drops.append((source.id, count, reason))
@@ -92,6 +96,20 @@ def test_streaming_gateway_is_a_second_target_until_it_completes():
     eng.observe(GATEWAY, seqs([ev.Arrived(seq=0, ts=T0, request_id="q", stream=False)], 5), T0)
     eng.observe(ENGINE, seqs([tokens("q", 16)], 5), T0)
     assert hooks.decisions[1].gateway_source_id is None  # not streaming: nothing to cut at the gateway
+
+
+def test_a_gateway_whose_events_come_after_the_decision_is_reported_as_joined():
+    eng, hooks, _ = make({"rules": {"max_output_tokens": 10}})
+    eng.observe(ENGINE, seqs([tokens("r", 16)]), T0)  # decided before the gateway's arrival is seen
+    assert hooks.decisions[0].gateway_source_id is None and hooks.joined == []
+    eng.observe(GATEWAY, seqs([ev.Arrived(seq=0, ts=T0, request_id="r", stream=True)]), T0)
+    assert hooks.joined == [("r", "g0")]
+    eng.observe(GATEWAY, seqs([ev.FirstByte(seq=0, ts=T0, request_id="r")], 2), T0)
+    assert hooks.joined == [("r", "g0")]  # once
+    eng.observe(ENGINE, seqs([tokens("q", 16)], 2), T0)
+    eng.observe(GATEWAY, seqs([ev.Arrived(seq=0, ts=T0, request_id="q", stream=False)], 3), T0)
+    eng.observe(GATEWAY, seqs([ev.Arrived(seq=0, ts=T0, request_id="n", stream=True)], 4), T0)
+    assert hooks.joined == [("r", "g0")]  # not streaming (nothing to cut), or nothing decided on it
 
 
 def test_stall_and_wall_clock_timeouts_fire_on_the_ticker():
