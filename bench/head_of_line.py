@@ -125,7 +125,11 @@ def scene(args: argparse.Namespace) -> list[tuple[float, str, int, int]]:
 
 
 def worker(args: argparse.Namespace) -> None:
+    from engine_hooks.vllm.cpu import engine_settings
     from engine_hooks.vllm.tiny_model import vllm_env
+
+    settings = engine_settings()  # fp32 without native bf16, one OpenMP thread on a shared host
+    settings.apply_threads()
 
     os.environ.update(vllm_env(args.workdir))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -140,6 +144,7 @@ def worker(args: argparse.Namespace) -> None:
     chunked = cfg.get("chunked", True)
     llm = LLM(
         args.model,
+        **settings.llm_kwargs(),
         enforce_eager=True,
         kv_cache_memory_bytes=args.kv_mib << 20,
         max_num_batched_tokens=cfg["budget"] if chunked else max_len,
@@ -193,7 +198,9 @@ def worker(args: argparse.Namespace) -> None:
             )
             tokens = [rng.randrange(10, 1300) for _ in range(n_prompt)]
             engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens), params)
-            arrived[rid] = now
+            # TTFT counts from the arrival the scene gave it, as a client's would: a request due
+            # during a step cannot be added before the step ends, and that wait is part of its TTFT.
+            arrived[rid] = arrivals[i][0]
             i += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[i][0] - (time.monotonic() - start)))

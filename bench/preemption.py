@@ -59,7 +59,11 @@ def scene(args: argparse.Namespace) -> list[tuple[float, str, int, int]]:
 
 
 def worker(args: argparse.Namespace) -> None:
+    from engine_hooks.vllm.cpu import engine_settings
     from engine_hooks.vllm.tiny_model import vllm_env
+
+    settings = engine_settings()  # fp32 without native bf16, one OpenMP thread on a shared host
+    settings.apply_threads()
 
     os.environ.update(vllm_env(args.workdir))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -78,8 +82,9 @@ def worker(args: argparse.Namespace) -> None:
         plugin["preempt_escape_for"] = "predicted" if args.config == "escape-predicted" else "finish"
     llm = LLM(
         args.model,
+        **settings.llm_kwargs(),
         enforce_eager=True,
-        kv_cache_memory_bytes=args.kv_tokens * args.kv_bytes_per_token,
+        kv_cache_memory_bytes=args.kv_tokens * settings.kv_bytes_per_token(args.layers, args.hidden),
         max_num_batched_tokens=args.budget,
         enable_chunked_prefill=True,
         enable_prefix_caching=False,
@@ -192,7 +197,6 @@ def main() -> None:
     if not 1 <= low <= high:
         raise SystemExit(f"--short-out: need 1 <= MIN <= MAX, got {args.short_out!r}")
     args.short_out = (low, high)
-    args.kv_bytes_per_token = args.layers * 2 * args.hidden * 2  # K and V, bf16, every layer
     if args.worker:
         worker(args)
         return

@@ -45,7 +45,11 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def worker(args: argparse.Namespace) -> None:
+    from engine_hooks.vllm.cpu import engine_settings
     from engine_hooks.vllm.tiny_model import vllm_env
+
+    settings = engine_settings()  # fp32 without native bf16, one OpenMP thread on a shared host
+    settings.apply_threads()
 
     os.environ.update(vllm_env(args.workdir))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -57,6 +61,7 @@ def worker(args: argparse.Namespace) -> None:
 
     llm = LLM(
         args.model,
+        **settings.llm_kwargs(),
         enforce_eager=True,
         kv_cache_memory_bytes=256 << 20,
         max_num_batched_tokens=args.budget,

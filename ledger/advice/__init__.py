@@ -16,7 +16,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ledger.advice.advisor import DEFAULT_ARRIVAL_SHARE, AdviceError, Advisor
+from ledger.advice.advisor import DEFAULT_ARRIVAL_SHARE, MIN_USEFUL_CHUNK, AdviceError, Advisor
 from ledger.advice.fit import FitError, StepData, StepTimeFit, fit_step_time
 from ledger.advice.query import DEFAULT_MAX_STEPS, read_steps
 
@@ -32,6 +32,7 @@ def chunk_size_advice(
     depth: int | None = None,
     arrival_share: float = DEFAULT_ARRIVAL_SHARE,
     max_steps: int = DEFAULT_MAX_STEPS,
+    min_chunk: int = MIN_USEFUL_CHUNK,
 ) -> dict[str, Any]:
     """Advice for ``itl_target_ms`` from the ledger's steps; AdviceError (with an HTTP status) if none."""
     window = read_steps(
@@ -42,7 +43,7 @@ def chunk_size_advice(
     except FitError as exc:
         raise AdviceError(exc.reason, str(exc), status=409, window=window.as_dict(), **exc.details) from None
     try:
-        advice = advisor.advise(itl_target_ms, depth=depth, arrival_share=arrival_share)
+        advice = advisor.advise(itl_target_ms, depth=depth, arrival_share=arrival_share, min_chunk=min_chunk)
     except AdviceError as exc:
         exc.details["window"] = window.as_dict()
         raise
@@ -51,6 +52,7 @@ def chunk_size_advice(
 
 __all__ = [
     "DEFAULT_ARRIVAL_SHARE",
+    "MIN_USEFUL_CHUNK",
     "AdviceError",
     "Advisor",
     "FitError",

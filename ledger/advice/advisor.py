@@ -24,8 +24,11 @@ it) when there are enough of them — step noise is roughly proportional to step
 residual p99 (dominated by long steps) would overstate it — else the global residual p99.
 
 Refusals (``AdviceError``): the fit's (too little data, degenerate design), a depth outside the data,
-a target at or below decode time plus margin, and a target that needs chunks smaller than any prefill
-step in the data at that depth. Chunks larger than the data covers are capped at the largest seen.
+a target at or below decode time plus margin, a target that leaves fewer than ``min_chunk`` (64) prefill
+tokens per step (the budget would not hold the decode batch plus a useful chunk: a smaller chunk pays
+the step's fixed cost for too little work, and vLLM needs ``max_num_batched_tokens >= max_num_seqs``;
+the refusal gives the target that would allow one), and a target that needs chunks smaller than any
+prefill step in the data at that depth. Chunks larger than the data covers are capped at the largest.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ledger.advice.fit import StepData, StepTimeFit, check_data, fit_step_time
 NOISY_FIT = 0.25  # cross-validated relative error above which the advice says the fit is poor
 MARGIN_MIN_STEPS = 50  # steps near the target needed to use their residual p99 as the margin
 DEFAULT_ARRIVAL_SHARE = 0.25
+MIN_USEFUL_CHUNK = 64  # prefill tokens per step below which the advice refuses (see the docstring)
 SETTING_MULTIPLE = 16  # engine settings are rounded down to a multiple of this (vLLM's KV block size)
 
 
@@ -187,11 +191,14 @@ class Advisor:
         *,
         depth: int | None = None,
         arrival_share: float = DEFAULT_ARRIVAL_SHARE,
+        min_chunk: int = MIN_USEFUL_CHUNK,
     ) -> dict[str, Any]:
         if not itl_target_ms > 0:
             raise AdviceError("bad_target", "itl_target_ms must be > 0", status=422)
         if not 0 <= arrival_share < 1:
             raise AdviceError("bad_arrival_share", "arrival_share must be in [0, 1)", status=422)
+        if min_chunk < 1:
+            raise AdviceError("bad_min_chunk", "min_chunk must be >= 1", status=422)
         target_s = itl_target_ms / 1e3
         load, ranges = self.load, self.fit.ranges
         d_hi = int(ranges.max_prefill_depth[1])
@@ -259,6 +266,20 @@ class Advisor:
                 advice=base,
             )
         chunk = main.chunk_tokens
+        if chunk < min_chunk:
+            need_s = float(self.predict_s(min_chunk, depth, b99)) + allowance_s
+            raise AdviceError(
+                "chunk_too_small",
+                f"at depth {depth} a {itl_target_ms:g} ms ITL target leaves {chunk} prefill tokens per "
+                f"step (decode {decode99 * 1e3:.1f} ms for {b99} decodes, margin {margin_s * 1e3:.1f} ms, "
+                f"gap {gap_s * 1e3:.1f} ms), fewer than a useful chunk ({min_chunk}): a budget of "
+                f"{chunk + b99} tokens could not hold the decode batch and a chunk. Raise itl_target_ms "
+                f"to at least {math.ceil(need_s * 1e3)} ms, or lower the decode batch (max_num_seqs)",
+                advice=base,
+                needed_itl_target_ms=math.ceil(need_s * 1e3),
+                chunk_tokens=chunk,
+                min_chunk=min_chunk,
+            )
         settings = {
             "max_num_batched_tokens": _floor_to(chunk + b99, SETTING_MULTIPLE),
             "long_prefill_token_threshold": _floor_to((1 - arrival_share) * chunk, SETTING_MULTIPLE),
@@ -314,6 +335,7 @@ def advise(
     *,
     depth: int | None = None,
     arrival_share: float = DEFAULT_ARRIVAL_SHARE,
+    min_chunk: int = MIN_USEFUL_CHUNK,
 ) -> dict[str, Any]:
     """Fit ``data`` and advise for ``itl_target_ms`` (see the module docstring)."""
-    return Advisor(data).advise(itl_target_ms, depth=depth, arrival_share=arrival_share)
+    return Advisor(data).advise(itl_target_ms, depth=depth, arrival_share=arrival_share, min_chunk=min_chunk)

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ledger.advice.advisor import DEFAULT_ARRIVAL_SHARE
+from ledger.advice.advisor import DEFAULT_ARRIVAL_SHARE, MIN_USEFUL_CHUNK
 from ledger.advice.query import DEFAULT_MAX_STEPS
 
 DEFAULT_LEDGER_URL = "http://127.0.0.1:8321"
@@ -105,6 +105,9 @@ def advise(
     max_steps: Annotated[
         int, typer.Option(min=100, help="newest steps of the window to fit on")
     ] = DEFAULT_MAX_STEPS,
+    min_chunk: Annotated[
+        int, typer.Option(min=1, help="refuse a target that leaves fewer prefill tokens per step")
+    ] = MIN_USEFUL_CHUNK,
     token: Annotated[
         str | None,
         typer.Option(help="read token (env CHUNKLEDGER_READ_TOKEN)", envvar="CHUNKLEDGER_READ_TOKEN"),
@@ -132,6 +135,7 @@ def advise(
         "depth": depth,
         "arrival_share": arrival_share,
         "max_steps": max_steps,
+        "min_chunk": min_chunk,
     }
     status, body = _via_db(db, params) if db else _via_http(ledger or DEFAULT_LEDGER_URL, token, params)
     if format == "json":

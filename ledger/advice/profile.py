@@ -301,12 +301,16 @@ def _run(
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from engine_hooks.vllm.cpu import engine_settings
         from engine_hooks.vllm.scheduler import iter_schedulers
     except ImportError as exc:
         raise ProfileError(
             f"vLLM with chunkledger's plugin is needed ({exc}); install chunkledger[vllm]"
         ) from None
+    settings = engine_settings(dtype=(engine_kwargs or {}).get("dtype"))
+    settings.apply_threads()
     kwargs: dict[str, Any] = {
+        **settings.llm_kwargs(),
         "model": model,
         "served_model_name": name,
         "scheduler_cls": "engine_hooks.vllm.LedgerScheduler",

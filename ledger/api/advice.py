@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
-from ledger.advice import DEFAULT_ARRIVAL_SHARE, AdviceError, chunk_size_advice
+from ledger.advice import DEFAULT_ARRIVAL_SHARE, MIN_USEFUL_CHUNK, AdviceError, chunk_size_advice
 from ledger.advice.query import DEFAULT_MAX_STEPS
 from ledger.api.deps import StoreDep, require
 
@@ -39,6 +39,12 @@ def chunk_size(
         DEFAULT_ARRIVAL_SHARE, ge=0, lt=1, description="share of each step's prefill kept for arrivals"
     ),
     max_steps: int = Query(DEFAULT_MAX_STEPS, ge=100, le=1_000_000, description="newest steps to fit on"),
+    min_chunk: int = Query(
+        MIN_USEFUL_CHUNK,
+        ge=1,
+        le=1_000_000,
+        description="refuse a target leaving fewer prefill tokens per step",
+    ),
 ) -> dict[str, Any] | JSONResponse:
     if store.dialect == "null":
         return JSONResponse(
@@ -56,6 +62,7 @@ def chunk_size(
             depth=depth,
             arrival_share=arrival_share,
             max_steps=max_steps,
+            min_chunk=min_chunk,
         )
     except AdviceError as exc:
         return JSONResponse({"detail": str(exc), "reason": exc.reason, **exc.details}, status_code=exc.status)

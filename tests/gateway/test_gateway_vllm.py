@@ -69,7 +69,10 @@ class Proc:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A real ledger and a real vLLM OpenAI server whose engine reports to it."""
+    from engine_hooks.vllm.cpu import engine_settings
     from engine_hooks.vllm.tiny_model import build_tiny_model, vllm_env
+
+    settings = engine_settings()
 
     base = tmp_path_factory.mktemp("gateway-vllm")
     model = build_tiny_model(base / "tiny-llama")
@@ -94,6 +97,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     env = {
         **os.environ,
         **vllm_env(base / "env"),
+        **settings.env,
         "CHUNKLEDGER_URL": ledger_url,
         "CHUNKLEDGER_SOURCE_ID": "vllm-gw-test",
         "CHUNKLEDGER_SPOOL_DIR": str(base / "spool"),
@@ -113,6 +117,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
                 "--served-model-name",
                 MODEL,
                 "--enforce-eager",
+                *settings.cli_args(),
                 "--max-model-len",
                 "2048",
                 "--max-num-seqs",

@@ -332,3 +332,45 @@ def test_linear_and_measured_costs_match_the_figures_they_are_built_from():
     assert m.cost_s(0, 0, 32) * 1e3 == pytest.approx(4.75)
     assert m.cost_s(0, 0, 128) * 1e3 == pytest.approx(13.9)
     assert LinearCost(2, 0.03, 0, 0.0625).cost_s(0, 0, 128) * 1e3 == pytest.approx(10.0)
+
+
+def test_advice_refuses_a_target_that_leaves_no_useful_chunk_and_names_the_target_that_would():
+    # Data with small prefill steps too, so the fit covers chunks below the useful minimum (64).
+    data = as_data(
+        synthetic_steps(
+            WORKED_EXAMPLE,
+            n=3000,
+            chunk_sizes=(16, 32, 64, 128, 256, 512),
+            max_depth=2048,
+            decode_batches=WORKED_BATCHES,
+            seed=1,
+        )
+    )
+    advisor = Advisor(data)
+    refused = []
+    advised = None
+    for tenths in range(100, 400, 5):  # 10.0 .. 40 ms
+        try:
+            advised = advisor.advise(tenths / 10)
+            break
+        except AdviceError as exc:
+            refused.append((tenths / 10, exc))
+    assert advised is not None
+    # every target below the first advised one is refused: unreachable, below the data, or too small a chunk
+    assert {e.reason for _, e in refused} <= {"target_unreachable", "outside_data", "chunk_too_small"}
+    small = [(t, e) for t, e in refused if e.reason == "chunk_too_small"]
+    assert small, [e.reason for _, e in refused]
+    target, err = small[-1]
+    assert err.status == 409
+    assert "fewer than a useful chunk (64)" in str(err) and "Raise itl_target_ms to at least" in str(err)
+    assert err.details["chunk_tokens"] < 64
+    # the target it names does give a useful chunk, and the budget holds the decode batch and the chunk
+    needed = err.details["needed_itl_target_ms"]
+    assert needed > target
+    a = advisor.advise(needed)
+    b99 = a["load"]["decode_batch_p99"]
+    assert a["prefill_tokens_per_step"] >= 64
+    assert a["settings"]["max_num_batched_tokens"] >= b99 + 48  # rounded down to a multiple of 16
+    assert a["settings"]["long_prefill_token_threshold"] >= 48
+    # a caller can ask for a smaller minimum
+    assert advisor.advise(target, min_chunk=1)["prefill_tokens_per_step"] == err.details["chunk_tokens"]

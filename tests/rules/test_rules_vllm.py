@@ -21,6 +21,7 @@ vllm = pytest.importorskip("vllm")
 
 from engine_hooks.config import ExporterConfig  # noqa: E402
 from engine_hooks.exporter import Exporter  # noqa: E402
+from engine_hooks.vllm.cpu import engine_settings  # noqa: E402
 from engine_hooks.vllm.tiny_model import build_tiny_model, vllm_env  # noqa: E402
 from tests.conftest import LedgerServer  # noqa: E402
 
@@ -36,12 +37,15 @@ def llm(tmp_path_factory):
     os.environ.update(vllm_env(d / "env"))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.pop("CHUNKLEDGER_URL", None)
+    settings = engine_settings()
+    settings.apply_threads()
     from vllm import LLM
 
     llm = LLM(
         build_tiny_model(d / "tiny-llama"),
+        **settings.llm_kwargs(),
         enforce_eager=True,
-        kv_cache_memory_bytes=4096 * 1024,
+        kv_cache_memory_bytes=4096 * settings.kv_bytes_per_token(2, 128),
         max_num_batched_tokens=128,
         enable_chunked_prefill=True,
         max_model_len=2560,

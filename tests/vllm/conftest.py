@@ -24,6 +24,7 @@ from vllm_helpers import BUDGET, KV_TOKENS, Engine
 
 from engine_hooks.config import ExporterConfig
 from engine_hooks.exporter import Exporter
+from engine_hooks.vllm.cpu import engine_settings
 from engine_hooks.vllm.tiny_model import build_tiny_model, vllm_env
 
 FAST = {
@@ -53,12 +54,15 @@ def engine(vllm_dir: Path, tiny_model: str) -> Iterator[Engine]:
     os.environ.update(vllm_env(vllm_dir / "env"))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.pop("CHUNKLEDGER_URL", None)
+    settings = engine_settings()  # fp32 and one OpenMP thread on a small CPU host
+    settings.apply_threads()
     from vllm import LLM
 
     llm = LLM(
         tiny_model,
+        **settings.llm_kwargs(),
         enforce_eager=True,
-        kv_cache_memory_bytes=KV_TOKENS * 1024,  # 2 layers x (K, V) x 128 x bf16 = 1 KiB per token
+        kv_cache_memory_bytes=KV_TOKENS * settings.kv_bytes_per_token(2, 128),  # 2 layers x (K, V) x 128
         max_num_batched_tokens=BUDGET,
         enable_chunked_prefill=True,
         enable_prefix_caching=True,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from engine_hooks.vllm.cpu import engine_settings
 from engine_hooks.vllm.tiny_model import vllm_env
 
 pytestmark = pytest.mark.vllm
@@ -28,7 +29,9 @@ SCRIPT = textwrap.dedent(
     from vllm.inputs import TokensPrompt
     from engine_hooks.events import Chunk, Finished, Step, Tokens
     from engine_hooks.vllm.scheduler import iter_schedulers
-    llm = LLM(sys.argv[1], enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=128,
+    from engine_hooks.vllm.cpu import engine_settings
+    llm = LLM(sys.argv[1], **engine_settings().llm_kwargs(), enforce_eager=True,
+              kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=128,
               max_model_len=2048, async_scheduling=True,
               scheduler_cls="engine_hooks.vllm.AsyncLedgerScheduler")
     (sch,) = iter_schedulers(llm)
@@ -56,6 +59,7 @@ def test_async_scheduler_variant_reports_the_same_stream(tiny_model: str, tmp_pa
     env = {
         **os.environ,
         **vllm_env(tmp_path / "env"),
+        **engine_settings().env,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "CHUNKLEDGER_SOURCE_ID": "vllm-async-test",
         "CHUNKLEDGER_SPOOL_DIR": str(tmp_path / "spool"),

@@ -16,6 +16,7 @@ import pytest
 from fake_ledger import FakeLedger, wait_until
 
 from engine_hooks.events import Command, CutoffApplied, Finished, Queued
+from engine_hooks.vllm.cpu import engine_settings
 from engine_hooks.vllm.tiny_model import vllm_env
 
 pytestmark = pytest.mark.vllm
@@ -33,9 +34,11 @@ def _free_port() -> int:
 def server(tiny_model: str, tmp_path: Path):
     ledger = FakeLedger()
     port = _free_port()
+    settings = engine_settings()
     env = {
         **os.environ,
         **vllm_env(tmp_path / "env"),
+        **settings.env,
         "CHUNKLEDGER_URL": ledger.url,
         "CHUNKLEDGER_SOURCE_ID": "vllm-http-test",
         "CHUNKLEDGER_SPOOL_DIR": str(tmp_path / "spool"),
@@ -55,6 +58,7 @@ def server(tiny_model: str, tmp_path: Path):
             "--port",
             str(port),
             "--enforce-eager",
+            *settings.cli_args(),
             "--kv-cache-memory-bytes",
             str(64 << 20),
             "--max-num-batched-tokens",
