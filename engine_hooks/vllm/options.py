@@ -46,11 +46,13 @@ class LedgerOptions(msgspec.Struct, kw_only=True, frozen=True):
     admission_depth_tokens: NonNegInt = 0  # with the reserve on and other requests running in the
     # step, a running prefill chunk at depth d is also capped at (1 - share) * budget / (1 + d / this),
     # so a deep chunk (whose attention cost grows with d) does not make their step long (0: no depth cap)
-    admission_step_target_s: NonNegFloat = 0.0  # with the reserve on and other requests running in
-    # the step, a running prefill chunk is also capped so that the step's predicted duration stays
-    # within this many seconds, predicted from the engine's own measured steps
-    # (engine_hooks.vllm.predict.StepTimes; no cap until it has seen enough steps) (0: off)
-    admission_min_chunk: Annotated[int, msgspec.Meta(ge=1)] = 64  # the caps never go below this
+    admission_step_target_s: NonNegFloat = 0.0  # with the reserve on, a prefill chunk is also capped
+    # so that the step's predicted duration stays within this many seconds, predicted from the
+    # engine's own measured steps (engine_hooks.vllm.predict.StepTimes; no cap until it has seen
+    # enough steps), in every step: also when the prefill runs alone, since a request arriving
+    # during a step waits for it to end (0: off)
+    admission_min_chunk: Annotated[int, msgspec.Meta(ge=1)] = 64  # the caps never go below this, nor
+    # below another prefill that runs whole in the step (a short prompt is never split by the cap)
 
     # -- commands ---------------------------------------------------------------------------------
     slow_pool_every: Annotated[int, msgspec.Meta(ge=1)] = 4  # a slow_pool request that got no token

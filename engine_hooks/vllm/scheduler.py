@@ -220,6 +220,8 @@ class _LedgerHooks(_Base):
         self.step_caps: deque[tuple[int, int, int]] = deque(maxlen=4096)  # (step, depth, cap) of the
         # steps whose chunk cap came from admission_step_target_s, newest last
         self._cl_blocks = self._block_counter()
+        self._cl_alone = False  # this step's cap is for a prefill running alone (set by the cap)
+        self._cl_budget_restore: int | None = None  # the token budget to restore after schedule()
         # The reserve and the commands set long_prefill_token_threshold per step: on a private copy.
         self.scheduler_config = copy.copy(self.scheduler_config)
         manager = self.kv_cache_manager
@@ -392,6 +394,9 @@ class _LedgerHooks(_Base):
             self._cl_current = None
             if restore is not None:
                 self.scheduler_config.long_prefill_token_threshold = restore
+            if self._cl_budget_restore is not None:
+                self.max_num_scheduled_tokens = self._cl_budget_restore
+                self._cl_budget_restore = None
         if self._cl_active:
             t0 = time.monotonic()
             try:
@@ -466,6 +471,12 @@ class _LedgerHooks(_Base):
                 room = max(self.options.admission_min_chunk, self.max_num_scheduled_tokens - promoted)
                 cap = room if cap is None else min(cap, room)
         if cap is None:
+            return None
+        if self._cl_alone:
+            # vLLM ignores long_prefill_token_threshold when one request is eligible ("nobody to
+            # starve"); the step target still holds (arrivals wait for the step): cap the budget.
+            self._cl_budget_restore = self.max_num_scheduled_tokens
+            self.max_num_scheduled_tokens = min(cap, self.max_num_scheduled_tokens)
             return None
         old = self.scheduler_config.long_prefill_token_threshold
         self.scheduler_config.long_prefill_token_threshold = min(cap, old) if old else cap
@@ -679,8 +690,9 @@ class _LedgerHooks(_Base):
         opts = self.options
         waiting = self.waiting
         running = self.running
+        self._cl_alone = False
         if len(waiting) + len(self.kv_holding_waiting) + len(running) <= 1:
-            return None
+            return self._cl_alone_cap() if opts.admission_step_target_s else None
         if isinstance(waiting, deque) and len(waiting) > 1:
             aging = opts.admission_aging_s
             states = self._cl_states
@@ -694,9 +706,10 @@ class _LedgerHooks(_Base):
             waiting.clear()
             waiting.extend(ordered)
         budget = self.max_num_scheduled_tokens
-        demand, deepest, work = self._cl_others_walk(int(budget * opts.admission_reserve))
+        demand, deepest, work, whole = self._cl_others_walk(int(budget * opts.admission_reserve))
         if demand <= 0:
-            return None  # nobody else can run this step: the prefill keeps the whole budget
+            # nobody else can run this step: the prefill keeps the whole budget, save the step target
+            return self._cl_alone_cap() if opts.admission_step_target_s else None
         cap = float(budget - demand)
         if opts.admission_depth_tokens and deepest > 0:
             cap = cap / (1.0 + deepest / opts.admission_depth_tokens)
@@ -705,20 +718,42 @@ class _LedgerHooks(_Base):
             if fit is not None and fit < cap:
                 cap = fit
                 self.step_caps.append(
-                    (self._cl_step, max(deepest, 0), max(opts.admission_min_chunk, int(cap)))
+                    (self._cl_step, max(deepest, 0), max(opts.admission_min_chunk, int(cap), whole))
                 )
-        return max(opts.admission_min_chunk, int(cap))
+        # The cap is vLLM's long_prefill_token_threshold, which applies to every request: never
+        # below the largest other prefill that runs whole this step (splitting a short prompt would
+        # cost its TTFT a step; the long prefill gives up its extra tokens in the next steps).
+        return max(opts.admission_min_chunk, int(cap), whole)
+
+    def _cl_alone_cap(self) -> int | None:
+        """The step target's cap on a prefill that is the only request that can run this step (a
+        request may arrive at any moment and waits for the step to end), None when none binds."""
+        opts = self.options
+        req = next((r for r in self.running if r.is_prefill_chunk), None)
+        if req is None:
+            req = next(iter(self.kv_holding_waiting), None) or next(iter(self.waiting), None)
+        if req is None:
+            return None
+        need = req.num_tokens - req.num_computed_tokens
+        fit = self.step_times.max_chunk(opts.admission_step_target_s, 0, 0.0, req.num_computed_tokens)
+        if fit is None or fit >= min(need, self.max_num_scheduled_tokens):
+            return None
+        cap = max(opts.admission_min_chunk, fit)
+        self.step_caps.append((self._cl_step, req.num_computed_tokens, cap))
+        self._cl_alone = True
+        return cap
 
     def _cl_others_demand(self, most: int) -> tuple[int, int]:
         """(tokens that the requests other than the largest prefill can take this step, at most
         ``most``; the depth of the deepest running prefill, -1 for none): see :meth:`_cl_others_walk`."""
-        demand, deepest, _ = self._cl_others_walk(most)
+        demand, deepest, _, _ = self._cl_others_walk(most)
         return demand, deepest
 
-    def _cl_others_walk(self, most: int) -> tuple[int, int, float]:
+    def _cl_others_walk(self, most: int) -> tuple[int, int, float, int]:
         """(tokens that the requests other than the largest prefill can take this step, at most
         ``most``; the depth of the deepest running prefill, -1 for none; the attention work of those
-        tokens, :func:`engine_hooks.vllm.predict.attention_work`).
+        tokens, :func:`engine_hooks.vllm.predict.attention_work`; the largest whole prompt among them of
+        at most half the budget, which a cap must not split, 0 for none).
 
         Walked in vLLM's order: running requests (a decode's one token plus speculative ones, another
         prefill's remaining chunk), then waiting requests (those holding KV first, then the queue as
@@ -772,15 +807,21 @@ class _LedgerHooks(_Base):
                 depths.append(req.num_computed_tokens)
         demand = 0
         work = 0.0
+        whole = 0
         for i, need in enumerate(needs):
             if i != big_at:
                 take = min(need, most - demand)
                 at = depths[i]
-                work += attention_work(take, at) if at >= 0 else attention_work(take, -1 - at, False)
+                if at >= 0:
+                    work += attention_work(take, at)
+                    if need <= budget // 2:  # a short prompt, which the cap must not split
+                        whole = max(whole, need)
+                else:
+                    work += attention_work(take, -1 - at, False)
                 demand += take
                 if demand >= most:
-                    return most, deepest, work
-        return demand, deepest, work
+                    return most, deepest, work, whole
+        return demand, deepest, work, whole
 
     # -- after schedule: what the step runs --------------------------------------------------------
 

@@ -480,7 +480,7 @@ def _prefills_between(
         .where(E.c.source_id == source_id, E.c.kind == "chunk", E.c.ts >= lo, E.c.ts <= hi)
         .where(E.c.request_id != exclude)
     ).all()
-    return _rank_chunks(rows, top)
+    return _rank_chunks(conn, rows, top)
 
 
 def _prefills_in_steps(
@@ -498,10 +498,16 @@ def _prefills_in_steps(
             E.c.ts <= max(s.ts for s in steps),
         )
     ).all()
-    return _rank_chunks(rows, top, only_steps={s.step for s in steps})
+    return _rank_chunks(conn, rows, top, only_steps={s.step for s in steps})
 
 
-def _rank_chunks(rows: Sequence[Any], top: int, only_steps: set[int] | None = None) -> list[dict[str, Any]]:
+def _rank_chunks(
+    conn: sa.Connection, rows: Sequence[Any], top: int, only_steps: set[int] | None = None
+) -> list[dict[str, Any]]:
+    """Culprits, most prefill tokens first: ``prefill_tokens``, ``chunks`` and ``max_depth`` count the
+    chunks in ``rows`` (the item's window or steps); ``prompt_tokens`` and ``request_chunks`` are the
+    culprit's whole prompt and all its chunks (from its request row), so a long prompt whose last chunk
+    alone shared a step is still named as what it is."""
     tokens: dict[str, int] = defaultdict(int)
     chunks: dict[str, int] = defaultdict(int)
     depth: dict[str, int] = defaultdict(int)
@@ -513,10 +519,28 @@ def _rank_chunks(rows: Sequence[Any], top: int, only_steps: set[int] | None = No
         chunks[rid] += 1
         depth[rid] = max(depth[rid], d.get("computed_before", 0) + d.get("tokens", 0))
     ranked = sorted(tokens, key=lambda r: -tokens[r])[:top]
-    return [
-        {"request_id": r, "prefill_tokens": tokens[r], "chunks": chunks[r], "max_depth": depth[r]}
-        for r in ranked
-    ]
+    whole: dict[str, Any] = {}
+    if ranked:
+        whole = {
+            r.request_id: r
+            for r in conn.execute(
+                sa.select(R.c.request_id, R.c.prompt_tokens, R.c.chunks).where(R.c.request_id.in_(ranked))
+            )
+        }
+    out = []
+    for r in ranked:
+        row = whole.get(r)
+        out.append(
+            {
+                "request_id": r,
+                "prefill_tokens": tokens[r],
+                "chunks": chunks[r],
+                "max_depth": depth[r],
+                "prompt_tokens": row.prompt_tokens if row is not None else None,
+                "request_chunks": row.chunks if row is not None else None,
+            }
+        )
+    return out
 
 
 def kv_stalls(

@@ -161,6 +161,17 @@ def test_why_lists_the_steps_a_decode_sat_out_and_who_filled_them(loaded):
     assert kinds.index("sat_out") < kinds.index("shared_prefill_steps")  # biggest first
 
 
+def test_why_names_a_culprit_by_its_whole_prompt_not_only_the_chunk_that_shared_the_step(loaded):
+    with _conn(loaded) as conn:
+        out = q.why(conn, "dec")
+    shared = next(i for i in out["items"] if i["kind"] == "shared_prefill_steps")
+    assert shared["steps"] == [1]
+    (culprit,) = shared["culprits"]
+    # one 512-token chunk of the long prompt shared the step; the prompt is 1536 tokens in 3 chunks
+    assert (culprit["prefill_tokens"], culprit["chunks"]) == (512, 1)
+    assert (culprit["prompt_tokens"], culprit["request_chunks"]) == (1536, 3)
+
+
 def test_why_reports_preemptions_with_their_wait(store):
     evs = _seq(
         [

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 from fake_ledger import FakeLedger
-from vllm_helpers import events_of, prompt, rid, set_options
+from vllm_helpers import BUDGET, events_of, prompt, rid, set_options
 
 from engine_hooks.config import ConfigError
 from engine_hooks.events import Chunk, Preempted, Queued, Step
@@ -225,6 +225,58 @@ def test_step_target_caps_deep_chunks_to_what_the_fit_predicts_fits(engine, atta
     assert deep and max(deep) <= allowed(900, 10) < 127  # the cap binds deeper down
     tokens = [c.tokens for c in chunks[1:]]
     assert tokens == sorted(tokens, reverse=True) and tokens[-1] < deep[0]  # smaller the deeper
+
+
+def test_step_target_caps_a_prefill_running_alone(engine, attach, ledger, monkeypatch):
+    # vLLM ignores long_prefill_token_threshold for a lone request; a request arriving during the
+    # step still waits for it, so the step target caps the lone prefill through the token budget.
+    exporter = attach(ledger.url)
+    sch = engine.scheduler
+    fit = _fixed_fit(2e-3, 1e-6, 1e-7)
+    monkeypatch.setattr(sch, "step_times", fit)
+    sch.step_caps.clear()
+    target = fit.predict(128, attention_work(128, 400))  # a whole chunk up to depth 400
+    assert target is not None
+    set_options(engine, admission_reserve=0.25, admission_step_target_s=target, admission_min_chunk=16)
+    long = rid("long")
+    engine.add(long, prompt(1800), max_tokens=2)
+    engine.run()
+    assert exporter.force_flush(10.0)
+    chunks = events_of(list(ledger.store.events), Chunk, long)[:-1]
+    assert sch.max_num_scheduled_tokens == BUDGET  # the budget is restored after every step
+    for c in chunks:
+        n = fit.max_chunk(target, 0, 0.0, c.computed_before)
+        assert n is not None
+        assert c.tokens == min(BUDGET, max(16, n)), c
+    assert [c.tokens for c in chunks if c.computed_before <= 300] == [128] * 3
+    assert max(c.tokens for c in chunks if c.computed_before >= 900) < 128
+
+
+def test_step_target_never_splits_a_short_prompt_running_beside_the_long_one(
+    engine, attach, ledger, monkeypatch
+):
+    exporter = attach(ledger.url)
+    sch = engine.scheduler
+    fit = _fixed_fit(2e-3, 1e-6, 1e-7)
+    monkeypatch.setattr(sch, "step_times", fit)
+    target = fit.predict(40, attention_work(40, 1200))  # deep down, a 40-token chunk at most
+    assert target is not None
+    set_options(engine, admission_reserve=0.25, admission_step_target_s=target, admission_min_chunk=16)
+    long, short = rid("long"), rid("short")
+    engine.add(long, prompt(1800), max_tokens=2)
+    while True:
+        engine.step()
+        st = next(r for k, r in sch.requests.items() if k.startswith(long))
+        if st.num_computed_tokens >= 1400:
+            break
+    engine.add(short, prompt(60), max_tokens=2)
+    engine.run()
+    assert exporter.force_flush(10.0)
+    events = list(ledger.store.events)
+    (first,) = [c for c in events_of(events, Chunk, short) if c.computed_before == 0]
+    assert first.tokens == 60  # whole, though the cap at that depth is under 60
+    beside = {c.step: c.tokens for c in events_of(events, Chunk, long)}
+    assert beside[first.step] == 60  # the long prompt's chunk in that step is no smaller than the short
 
 
 def test_step_target_is_off_until_the_fit_has_data(engine, attach, ledger, monkeypatch):
