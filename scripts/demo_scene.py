@@ -1,16 +1,20 @@
 """The demo's load generator and its report (used by scripts/demo.sh).
 
+    python scripts/demo_scene.py size --model DIR --workdir DIR [--long-prefill-s 3]
     python scripts/demo_scene.py run --phase NAME --gateway URL --ledger URL --engine-source ID \
-        --duration 30 --long-tokens 20000 --out phases.json
+        --duration 30 --long-tokens 20000 --short-rps 4 --out phases.json
     python scripts/demo_scene.py advise --ledger URL --engine-source ID --itl-target-ms 50
     python scripts/demo_scene.py report --ledger URL --phases phases.json [--check]
 
-The scene (ARCHITECTURE.md, "Chunk-size advice"): a stream of short requests (Poisson arrivals,
-~64-token prompts, 24 output tokens), a long prompt arriving at the head of the queue a few seconds in,
-and a runaway request that never stops on its own (no max_tokens, EOS ignored) for the ledger's rules
-to cut. Prompts are token ids, so their lengths are exact. Every figure in the report comes from the
-ledger's API: the short requests' TTFT p99 and its split into layers, the decode ITL p99 of the phase's
-window, the culprit the "why" list names for the slowest short request, and the cutoff that fired.
+The scene: a stream of short requests (Poisson arrivals, 48-80-token prompts, 24 output tokens), a long
+prompt arriving at the head of the queue a few seconds in, and a runaway request that never stops on
+its own (no max_tokens, EOS ignored) for the ledger's rules to cut. Prompts are token ids, so their
+lengths are exact. ``size`` sizes it for the engine at hand (ledger.advice.scene, from a short
+``chunkledger profile`` plan): the shorts' rate keeps the engine at most half busy, the long prompt's
+prefill takes at least 3 s. Every figure in the report comes from the ledger's API: the short requests'
+TTFT p99 before the long prompt arrived (the phase's own baseline) and overall, its split into layers,
+the decode ITL p99 of the phase's window, the culprit the "why" list names for the slowest short
+request (the long prompt, with its length and chunks), and the cutoff that fired.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ def run_phase(args: argparse.Namespace) -> None:
     fire({**runaway, "max_tokens": args.runaway_max_tokens}, "runaway")
     long_at = args.long_at_s
     sent_long = False
+    long_sent_ts = None
     next_short = 0.0
     while time.monotonic() - t0 < args.duration:
         now = time.monotonic() - t0
@@ -87,6 +92,7 @@ def run_phase(args: argparse.Namespace) -> None:
             body = {"model": args.model, "prompt": _prompt(rng, args.long_tokens), "max_tokens": LONG_OUTPUT}
             fire({**body, "temperature": 0}, "long")
             sent_long = True
+            long_sent_ts = time.time()
         if now >= next_short:
             n = rng.randint(*SHORT_PROMPT)
             fire(
@@ -112,6 +118,7 @@ def run_phase(args: argparse.Namespace) -> None:
         "engine_source_id": args.engine_source,
         "since": started,
         "until": ended,
+        "long_sent_ts": long_sent_ts,
         "sent": {"short": len(shorts), "long": int(sent_long), "runaway": 1},
         "client_errors": len(errors),
         "client_short_ttft_p99_s": _p([r["client_ttft_s"] for r in shorts if r.get("client_ttft_s")], 0.99),
@@ -134,6 +141,34 @@ def _p(xs: list[float], q: float) -> float | None:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def size(args: argparse.Namespace) -> None:
+    """Profile the engine in this process and print the scene's size as JSON (ledger.advice.scene)."""
+    import logging
+    import os
+
+    from engine_hooks.vllm.tiny_model import vllm_env
+
+    os.environ.update(vllm_env(args.workdir))
+    os.environ.pop("CHUNKLEDGER_URL", None)
+    logging.disable(logging.WARNING)
+    from ledger.advice.fit import fit_step_time
+    from ledger.advice.profile import ProfilePlan, run_profile
+    from ledger.advice.scene import size_scene
+
+    t0 = time.monotonic()
+    plan = ProfilePlan(chunk_sizes=(64, 128, 256), max_depth=2048, decode_batches=(1, 4), tail_steps=8)
+    result = run_profile(args.model, plan, kv_cache_bytes=256 << 20)
+    scene = size_scene(
+        fit_step_time(result.data()),
+        short_prompt=sum(SHORT_PROMPT) // 2,
+        short_output=SHORT_OUTPUT,
+        long_prefill_s=args.long_prefill_s,
+        max_long_tokens=args.max_long_tokens,
+    )
+    print(scene.describe().replace("\n", "\n# "), file=sys.stderr)
+    print(json.dumps({**scene.as_dict(), "profile_s": round(time.monotonic() - t0, 1)}))
 
 
 def _ledger(url: str) -> httpx.Client:
@@ -198,6 +233,13 @@ def _phase_figures(c: httpx.Client, p: dict[str, Any]) -> dict[str, Any]:
     longs = [r for r in rows if (r["prompt_tokens"] or 0) > SHORT_MAX_PROMPT]
     runaway = [r for r in rows if r["prompt_tokens"] == RUNAWAY_PROMPT]
     ttft = [r["ttft_s"] for r in shorts if r["ttft_s"] is not None]
+    # the phase's own baseline: the shorts that arrived (and got their first token) before the long one
+    long_ts = p.get("long_sent_ts") or float("inf")
+    before = [
+        r["ttft_s"]
+        for r in shorts
+        if r["ttft_s"] is not None and r["start_ts"] is not None and r["start_ts"] + r["ttft_s"] < long_ts
+    ]
     bw = [r["backend_wait_ttft_s"] for r in shorts if r["backend_wait_ttft_s"] is not None]
     itl = c.get("/v1/itl", params={"since": p["since"], "until": p["until"] + 60}).json()["itl"]
     slowest = max(shorts, key=lambda r: r["ttft_s"] or 0, default=None)
@@ -219,6 +261,8 @@ def _phase_figures(c: httpx.Client, p: dict[str, Any]) -> dict[str, Any]:
         "shorts": len(shorts),
         "short_ttft_p50_s": _p(ttft, 0.5),
         "short_ttft_p99_s": _p(ttft, 0.99),
+        "short_ttft_p99_before_long_s": _p(before, 0.99),
+        "shorts_before_long": len(before),
         "short_backend_wait_share": (sum(bw) / sum(ttft)) if ttft and sum(ttft) else None,
         "itl_p99_s": itl[0]["p99"] if itl else None,
         "slowest_short": slowest["request_id"] if slowest else None,
@@ -245,16 +289,20 @@ def report(args: argparse.Namespace) -> int:
         figures = [(p, _phase_figures(c, p)) for p in phases]
     print()
     print(
-        f"{'phase':<34}{'short TTFT p50':>16}{'short TTFT p99':>16}{'backend wait':>14}"
-        f"{'ITL p99':>11}  cutoff"
+        f"{'phase':<34}{'short TTFT p50':>16}{'short TTFT p99':>16}{'p99 before long':>17}"
+        f"{'backend wait':>14}{'ITL p99':>11}{'long TTFT':>11}  cutoff"
     )
     for p, f in figures:
         share = "-" if f["short_backend_wait_share"] is None else f"{f['short_backend_wait_share']:.0%}"
         cut = ", ".join(f"{x['rule']}→{x['action']} ({x['state']})" for x in f["cutoffs"]) or "none"
         print(
             f"{p['phase'] + ' (' + p['settings'] + ')':<34}{_ms(f['short_ttft_p50_s']):>16}"
-            f"{_ms(f['short_ttft_p99_s']):>16}{share:>14}{_ms(f['itl_p99_s']):>11}  {cut}"
+            f"{_ms(f['short_ttft_p99_s']):>16}{_ms(f['short_ttft_p99_before_long_s']):>17}"
+            f"{share:>14}{_ms(f['itl_p99_s']):>11}{_ms(f['long_ttft_s']):>11}  {cut}"
         )
+    print()
+    for line in story(figures):
+        print(line)
     print()
     for p, f in figures:
         lay = f["slowest_short_layers"]
@@ -268,7 +316,9 @@ def report(args: argparse.Namespace) -> int:
         if cu:
             print(
                 f"   why: {_ms(cu['seconds'])} in {cu['kind'].replace('_', ' ')} behind the long prompt "
-                f"{cu['request_id']} ({cu['prefill_tokens']:,} prefill tokens in {cu['chunks']} chunks)"
+                f"{cu['request_id']} ({cu['prompt_tokens'] or 0:,} prompt tokens, prefilled in "
+                f"{cu['request_chunks'] or 0} chunks; {cu['prefill_tokens']:,} of them in "
+                f"{cu['chunks']} chunk{'s' if cu['chunks'] != 1 else ''} during this wait)"
             )
         if f["runaway_output_tokens"] is not None:
             print(
@@ -281,6 +331,27 @@ def report(args: argparse.Namespace) -> int:
     if args.check:
         return check(figures)
     return 0
+
+
+def story(figures: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[str]:
+    """The seed's story in the phases' own figures (A no chunking, B chunking alone, C advised)."""
+    f = {p["phase"]: (p, x) for p, x in figures}
+    lines = []
+    labels = {
+        "A": "no chunking: the long prompt's one prefill step holds every arrival",
+        "B": "chunking alone: running decodes keep their ITL, arrivals still wait behind the chunks",
+        "C": "the ledger's advice + the admission reserve: arrivals run beside the long prompt",
+    }
+    for name in sorted(f):
+        p, x = f[name]
+        if x["short_ttft_p99_s"] is None:
+            continue
+        lines.append(
+            f"{name}, {labels.get(name, p['settings'])}: short TTFT p99 {_ms(x['short_ttft_p99_s'])} "
+            f"(before the long prompt {_ms(x['short_ttft_p99_before_long_s'])}), decode ITL p99 "
+            f"{_ms(x['itl_p99_s'])}, long TTFT {_ms(x['long_ttft_s'])}"
+        )
+    return lines
 
 
 def check(figures: list[tuple[dict[str, Any], dict[str, Any]]]) -> int:
@@ -301,10 +372,19 @@ def check(figures: list[tuple[dict[str, Any], dict[str, Any]]]) -> int:
                 f"advised short TTFT p99 {c:.3f}s is not below unchunked {a:.3f}s "
                 f"and half of chunked {b:.3f}s"
             )
-        if not f[sorted(f)[1]]["culprit"]:
+        elif a < 1.0:
+            problems.append(
+                f"unchunked short TTFT p99 {a:.3f}s: the long prompt did not hold arrivals for seconds"
+            )
+        elif not c < a / 3:
+            problems.append(f"advised short TTFT p99 {c:.3f}s is not under a third of unchunked {a:.3f}s")
+        cu = f[sorted(f)[1]]["culprit"]
+        if not cu:
             problems.append(
                 "the ledger did not name the long prompt behind the slowest short request (chunked)"
             )
+        elif not ((cu.get("prompt_tokens") or 0) > SHORT_MAX_PROMPT and (cu.get("request_chunks") or 0) > 1):
+            problems.append(f"the long prompt is named without its real length and chunks: {cu}")
     for name, x in f.items():
         if not x["cutoffs"]:
             problems.append(f"phase {name}: no cutoff for the runaway request")
@@ -332,6 +412,11 @@ def main() -> int:
     r.add_argument("--runaway-max-tokens", type=int, default=8000)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", required=True)
+    z = sub.add_parser("size")
+    z.add_argument("--model", required=True)
+    z.add_argument("--workdir", required=True, help="vLLM's runtime folder (short path: its sockets)")
+    z.add_argument("--long-prefill-s", type=float, default=3.0)
+    z.add_argument("--max-long-tokens", type=int, default=24000)
     a = sub.add_parser("advise")
     a.add_argument("--ledger", required=True)
     a.add_argument("--model", default="tiny")
@@ -349,6 +434,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.cmd == "run":
         run_phase(args)
+        return 0
+    if args.cmd == "size":
+        size(args)
         return 0
     if args.cmd == "advise":
         advise(args)
