@@ -624,7 +624,8 @@ def main() -> None:
         if fit:
             print(
                 f"  {r['config']:19} {r['step_caps']} chunks capped by the step target; step time fit "
-                f"{fit[0] * 1e3:.1f} ms + {fit[1] * 1e6:.1f} us/token + {fit[2] * 1e9:.1f} ns/attention work"
+                f"{fit[0] * 1e3:.1f} ms + {fit[1] * 1e6:.1f} us/token + {fit[2] * 1e9:.1f} ns/attention work "
+                f"+ {fit[3] * 1e9:.0f} ns/token of chunk depth"
             )
     loads = ", ".join(f"{r['config']} {r.get('load', float('nan')):.1f}" for r in results)
     print(f"  load average (1 min) at the end of each run, on {os.cpu_count()} cores: {loads}")

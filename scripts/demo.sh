@@ -190,7 +190,7 @@ else
   BUDGET=$(.venv/bin/python -c "import json,sys; print(json.loads(sys.argv[1])['max_num_batched_tokens'])" "$ADVICE")
   THRESHOLD=$(.venv/bin/python -c "import json,sys; print(json.loads(sys.argv[1])['long_prefill_token_threshold'])" "$ADVICE")
   TARGET_S=$(.venv/bin/python -c "import json,sys; print(json.loads(sys.argv[1]).get('itl_target_ms', 100) / 1e3)" "$ADVICE")
-  phase C "advised $BUDGET/$THRESHOLD + reserve" \
+  phase C "advised $BUDGET/$THRESHOLD + reserve, step target ${TARGET_S}s" \
     "CHUNKLEDGER_VLLM_ADMISSION_RESERVE=0.25 CHUNKLEDGER_VLLM_ADMISSION_STEP_TARGET_S=$TARGET_S CHUNKLEDGER_VLLM_ADMISSION_MIN_CHUNK=16" \
     --enable-chunked-prefill --max-num-batched-tokens "$BUDGET" --long-prefill-token-threshold "$THRESHOLD"
   .venv/bin/python scripts/demo_scene.py report --ledger "$URL" --phases "$PHASES" $CHECK

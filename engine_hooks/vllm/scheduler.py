@@ -990,7 +990,7 @@ class _LedgerHooks(_Base):
             duration = max(now - info[2], 0.0)
             self._e_step(info[0], info[1], duration, *info[3:15])
             if self.options.admission_step_target_s:
-                self.step_times.add(info[3] + info[4], info[15], duration)
+                self.step_times.add(info[3] + info[4], info[15], duration, info[12] if info[3] else 0)
 
     def _cl_flush(self, rid: str, st: _ReqState, ts: float) -> None:
         ids = st.pending

@@ -169,7 +169,8 @@ def _fixed_fit(a: float, b: float, c: float) -> StepTimes:
             work = attention_work(tokens, depth)
             StepTimes.add(fit, tokens, work, a + b * tokens + c * work)
     coef = fit.coefficients()
-    assert coef is not None and all(abs(x - y) <= 1e-4 * y for x, y in zip(coef, (a, b, c), strict=True))
+    assert coef is not None and all(abs(x - y) <= 1e-4 * y for x, y in zip(coef[:3], (a, b, c), strict=True))
+    assert coef[3] == 0.0  # no chunk depths fed
     return fit
 
 
@@ -401,8 +402,8 @@ def test_step_time_fit_recovers_a_linear_cost_and_solves_for_the_chunk():
         tokens, depth = rng.randint(1, 2048), rng.randint(0, 8000)
         work = attention_work(tokens, depth)
         fit.add(tokens, work, 0.002 + 1e-5 * tokens + 2e-8 * work)
-    a, b, c = fit.coefficients()
-    assert a == pytest.approx(0.002, rel=1e-4) and b == pytest.approx(1e-5, rel=1e-4)
+    a, b, c, e = fit.coefficients()
+    assert a == pytest.approx(0.002, rel=1e-4) and b == pytest.approx(1e-5, rel=1e-4) and e == 0.0
     assert c == pytest.approx(2e-8, rel=1e-4)
     others, others_work = 30, attention_work(30, 0)
     n = fit.max_chunk(0.2, others, others_work, 6000)
@@ -411,6 +412,34 @@ def test_step_time_fit_recovers_a_linear_cost_and_solves_for_the_chunk():
     assert fit.predict(others + n + 1, others_work + attention_work(n + 1, 6000)) > 0.2
     assert fit.max_chunk(0.2, others, others_work, 12000) < n  # deeper: smaller
     assert fit.max_chunk(0.001, others, others_work, 0) == 0  # even the rest is over the target
+
+
+def test_step_time_fit_learns_what_a_chunk_pays_for_its_depth_and_caps_small_deep_chunks_by_it():
+    import random
+
+    # 5 ms a step, 40 us a token, 50 ns a unit of attention work, and 1 us per token of chunk depth (a
+    # 16-token chunk at depth 10k pays 10 ms reading its prefix, on top of its attention)
+    def cost(tokens: int, work: float, depth: int) -> float:
+        return 0.005 + 4e-5 * tokens + 5e-8 * work + 1e-6 * depth
+
+    with_depth, without = StepTimes(decay=1.0), StepTimes(decay=1.0)
+    rng = random.Random(5)
+    for _ in range(300):
+        n, depth = rng.choice((16, 32, 64, 256)), rng.randint(0, 12000)
+        decodes = rng.randint(0, 8)
+        work = attention_work(n, depth) + decodes * 100.0
+        with_depth.add(n + decodes, work, cost(n + decodes, work, depth), depth)
+        without.add(n + decodes, work, cost(n + decodes, work, depth))
+    a, b, c, e = with_depth.coefficients()
+    assert (a, b, c, e) == pytest.approx((0.005, 4e-5, 5e-8, 1e-6), rel=1e-3)
+    target = 0.030
+    n = with_depth.max_chunk(target, 0, 0.0, 10000)
+    assert n is not None and 0 < n < 64
+    assert (
+        cost(n, attention_work(n, 10000), 10000) <= target < cost(n + 1, attention_work(n + 1, 10000), 10000)
+    )
+    blind = without.max_chunk(target, 0, 0.0, 10000)  # a fit without the term lets the chunk overrun
+    assert blind is not None and cost(blind, attention_work(blind, 10000), 10000) > target * 1.05
 
 
 def test_step_time_fit_keeps_costs_non_negative_and_forgets_old_steps():
