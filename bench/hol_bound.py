@@ -79,6 +79,42 @@ def fit(
     return coef[:3]
 
 
+def fit_with_depth(
+    results: list[dict[str, Any]], exclude: tuple[str, ...] = ("unchunked",)
+) -> tuple[float, float, float, float] | None:
+    """(a, b, c, e): the same fit with the plugin's per-chunk depth term (e s per token of the deepest
+    chunk's start, what a chunk pays to read its prefix's KV whatever its size); None without steps."""
+    times = StepTimes(decay=1.0, min_samples=1)
+    for r in results:
+        if r["config"] in exclude:
+            continue
+        for prefill, decode, work, deepest, seconds in r.get("step_records", ()):
+            times.add(int(prefill + decode), float(work), float(seconds), int(deepest) if prefill else 0)
+    return times.coefficients()
+
+
+def greedy_cost(
+    coef: tuple[float, float, float, float], long_tokens: int, s_max: float
+) -> tuple[int, float] | None:
+    """(steps, seconds) of prefilling the long prompt alone in the largest chunk within ``s_max`` at
+    each depth, under ``a + b n + c n (depth + n / 2) + e depth``; None when a step cannot carry a token."""
+    a, b, c, e = coef
+    depth = steps = 0
+    total = 0.0
+    while depth < long_tokens:
+        qa, qb, qc = c / 2.0, b + c * depth, a + e * depth - s_max
+        if qc >= 0:
+            return None
+        n = int(-qc / qb) if qa <= 0 else int((-qb + math.sqrt(qb * qb - 4 * qa * qc)) / (2 * qa))
+        if n < 1:
+            return None
+        n = min(n, long_tokens - depth)
+        total += a + b * n + c * attention_work(n, depth) + e * depth
+        depth += n
+        steps += 1
+    return steps, total
+
+
 def min_long_ttft(
     coef: tuple[float, float, float],
     long_tokens: int,
@@ -155,6 +191,15 @@ def bound(scene: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any
             out[f"ttft_{name}{tag}"] = None if res is None else res[1]
             out[f"ratio_{name}{tag}"] = None if res is None else res[1] / U
     out["greedy_steps"] = greedy_steps(coef, L, s_max)
+    coef4 = fit_with_depth(results) if not any(r.get("coef") for r in results) else None
+    if coef4 is not None and coef4[3] > 0:
+        res = greedy_cost(coef4, L, s_max)
+        out["depth_term"] = {
+            "coef": coef4,
+            "steps": None if res is None else res[0],
+            "ttft": None if res is None else res[1],
+            "ratio": None if res is None else res[1] / U,
+        }
     ratios = [out[k] for k in ("ratio_fit_slack", "ratio_meas_slack") if out[k] is not None]
     out["ratio"] = min(ratios) if ratios else math.inf
 
@@ -209,6 +254,19 @@ def report(scene: dict[str, Any], results: list[dict[str, Any]]) -> str:
         f"  bound: long TTFT >= {out['ratio']:.2f}x unchunked (goal <= {LONG_FACTOR:g}x; without the p99 "
         f"slack {f('ratio_fit', 1, '.2f')} / {f('ratio_meas', 1, '.2f')}x)",
     ]
+    dt = out.get("depth_term")
+    if dt:
+        a4, b4, c4, e4 = dt["coef"]
+        lines.append(
+            f"  with the per-chunk depth term ({a4 * ms:.2f} ms + {b4 * 1e6:.2f} us/token + {c4 * 1e9:.3f} "
+            f"ns/work + {e4 * 1e9:.0f} ns/token of chunk depth): "
+            + (
+                f"greedy chunking within S_max takes {dt['steps']} steps, long TTFT {dt['ttft'] * ms:.0f} ms "
+                f"= {dt['ratio']:.2f}x unchunked with the shorts' work free (no p99 slack)"
+                if dt["steps"]
+                else "no chunking keeps a step within S_max at the prompt's end"
+            )
+        )
     if out["ratio"] > LONG_FACTOR:
         need = []
         if "s_needed" in out:
