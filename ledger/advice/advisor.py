@@ -253,8 +253,11 @@ class Advisor:
                 f"a {itl_target_ms:g} ms ITL target is at or below decode time at the p99 batch "
                 f"({decode99 * 1e3:.1f} ms for {b99} decodes), the gap between steps ({gap_s * 1e3:.1f} ms) "
                 f"and the margin ({margin_s * 1e3:.1f} ms): "
-                f"no prefill fits; lower max_num_seqs or raise the target",
+                f"no prefill fits; raise itl_target_ms above "
+                f"{math.ceil((decode99 + gap_s + margin_s) * 1e3)} ms (more for a useful chunk) or lower "
+                f"the decode batch (max_num_seqs)",
                 advice=base,
+                needed_itl_target_ms=math.ceil((decode99 + gap_s + margin_s) * 1e3),
             )
         if main.chunk_tokens is None:
             smallest = int(ranges.prefill_tokens[0])

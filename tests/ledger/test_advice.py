@@ -179,6 +179,8 @@ def test_advice_refuses_a_target_below_decode_time():
     assert err.value.reason == "target_unreachable"
     assert err.value.status == 409
     assert "10.0 ms for 128 decodes" in str(err.value)
+    needed = err.value.details["needed_itl_target_ms"]
+    assert f"raise itl_target_ms above {needed} ms" in str(err.value) and needed > 10
 
 
 def test_advice_caps_the_chunk_at_the_largest_step_the_data_covers():
