@@ -1,44 +1,45 @@
 """Head-of-line blocking by one long prompt, under vLLM's chunking options and the plugin's reserve.
 
 The scene (fixed by ``--seed``): short requests (32-64 prompt tokens, ``--short-output`` output tokens)
-arrive every 20-50 ms for ``--duration`` seconds; one ``--long-tokens`` prompt arrives at ``--long-at``
-seconds. The engine (tiny random-weight Llama on CPU, vLLM in-process) is driven step by step by this
-script, which adds each request when its arrival time has come. Each configuration runs in its own
-engine process with ``LedgerScheduler`` reporting to a real ledger (``chunkledger serve``, DuckDB), so
-the ledger's own view of the same run is printed beside the client-side figures:
+arrive at uniform random gaps for ``--duration`` seconds; one long prompt arrives at ``--long-at``
+seconds. Unless ``--gap-ms`` and ``--long-tokens`` are given, the scene is sized for the engine first
+(:mod:`ledger.advice.scene`, from a 30-second ``chunkledger profile`` plan): the shorts' rate keeps the
+engine at most half busy even if each were served alone, and the long prompt is the shortest whose
+prefill takes at least ``--long-prefill-s`` (3 s). The engine (tiny random-weight Llama on CPU, vLLM
+in-process, with :func:`engine_hooks.vllm.cpu.engine_settings`: fp32 without native bf16, one OpenMP
+thread on 2 cores) is driven step by step by this script, which adds each request when its arrival
+time has come; a request's TTFT counts from that arrival time (one due during a step waits for the
+step, as a client would). Each configuration runs in its own engine process with ``LedgerScheduler``
+reporting to a real ledger (``chunkledger serve``, DuckDB), so the ledger's own view of the same run
+is printed beside the client-side figures. The default table:
 
 * no-long: the shorts alone (the baseline for short-request TTFT), budget 2048;
 * unchunked: chunked prefill off (the long prompt is one step);
-* chunk-N: vLLM chunked prefill with ``max_num_batched_tokens`` N;
+* chunk-N (256, 512, 2048): vLLM chunked prefill with ``max_num_batched_tokens`` N;
 * chunk-2048-thr256: plus vLLM's ``long_prefill_token_threshold=256``;
 * reserve: the plugin's admission reserve (up to a quarter of the budget, as much as the waiting
-  requests and running decodes can take in the step, shortest prompt first); reserve-depth: plus the
-  depth cap ``admission_depth_tokens=4096`` (reserve-depth-1024, -512: 1024, 512); reserve-step-150,
-  -250, -400: the reserve plus ``admission_step_target_s`` 0.15, 0.25, 0.4 s (chunks capped so that
-  each step's duration, predicted from the engine's measured steps, stays within it); reserve-step-50,
-  -30: 0.05, 0.03 s with ``admission_min_chunk=16`` (so the cap can go below 64 tokens deep in the prompt).
+  requests and running decodes can take in the step, shortest prompt first);
+* reserve-step-100, -50, -40, -30: the reserve plus ``admission_step_target_s`` 0.1 ... 0.03 s with
+  ``admission_min_chunk=16`` (every step capped so that its duration, predicted from the engine's
+  measured steps, stays within the target).
 
-After the table: the lower bound of :mod:`bench.hol_bound` (``bench/hol_bound.py``), from a step-time fit
-of every measured step of the run's configurations: the least long-request TTFT that any chunking can
-reach while every step the long prompt is in stays short enough for the short-TTFT goal (see there).
-``--json PATH`` also writes the results (with every step's tokens, attention work and duration), which
-``bench/hol_bound.py PATH`` reads again.
+With ``--only``: reserve-depth (-1024, -512: the depth cap ``admission_depth_tokens``), reserve-step-75,
+-150, -250, -400.
 
-Printed per configuration: short TTFT p50/p99/max, ITL p99/max of the shorts decoding while the long
-prefill runs, the long request's TTFT, the steps from its arrival to its first token (count and mean
-duration, the long prefill's own cost), step time p50/p99, and from the ledger: the shorts' TTFT p99
-and the share of it attributed to backend wait.
+After the table: the baseline (its TTFT p99 in step times, the engine's busy share), each
+configuration's short TTFT p99 over baseline and long TTFT over unchunked, the best plugin setting and
+whether any vLLM knob matches or beats it on both axes, the goal (3x / 1.2x); no ratios when the
+baseline is overloaded (short TTFT p99 above 10 step times: a growing queue). Then the lower bound of
+:mod:`bench.hol_bound`: the least long-request TTFT that any chunking can reach while every step the
+long prompt is in stays short enough for the short-TTFT goal. ``--json PATH`` also writes the results
+(with every step's tokens, attention work, deepest chunk and duration), which ``bench/hol_bound.py
+PATH`` reads again.
 
-Run it on an idle machine: vLLM's CPU backend binds its OpenMP threads to the cores, and with other
-CPU-bound processes on them (a test run, another engine) steps were seen 20-50x slower (about 300 ms
-where an idle machine gives about 10 ms; threads waiting on a descheduled sibling at every operator is
-the likely cause): the engine falls behind the arrivals and the figures mean nothing. The 1-minute
-load average at the end of each configuration is printed under the table for that reason.
+Run it on an idle machine (the 1-minute load average at the end of each configuration is printed):
+with other CPU-bound processes on the two cores the steps slow down and the figures mean little.
 
-    .venv/bin/python bench/head_of_line.py                                   # the issue's scene
-    .venv/bin/python bench/head_of_line.py --long-tokens 8000 --hidden 256 --only no-long,chunk-256,reserve
-    .venv/bin/python bench/head_of_line.py --only no-long,unchunked,chunk-256,chunk-2048-thr256,\\
-        reserve-step-150,reserve-step-50,reserve-step-30 --json /tmp/hol.json   # the figures with the bound
+    .venv/bin/python bench/head_of_line.py --json /tmp/hol.json          # the seed's table, sized
+    .venv/bin/python bench/head_of_line.py --long-tokens 16000 --gap-ms 20,50 --only no-long,chunk-256,reserve
 """
 
 from __future__ import annotations
@@ -99,6 +100,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "budget": 2048,
         "plugin": {"admission_reserve": 0.25, "admission_step_target_s": 0.075, "admission_min_chunk": 16},
     },
+    "reserve-step-40": {
+        "budget": 2048,
+        "plugin": {"admission_reserve": 0.25, "admission_step_target_s": 0.04, "admission_min_chunk": 16},
+    },
     "reserve-step-30": {
         "budget": 2048,
         "plugin": {"admission_reserve": 0.25, "admission_step_target_s": 0.03, "admission_min_chunk": 16},
@@ -118,6 +123,7 @@ DEFAULT_CONFIGS = (
     "reserve",
     "reserve-step-100",
     "reserve-step-50",
+    "reserve-step-40",
     "reserve-step-30",
 )
 VLLM_KNOBS = ("unchunked", "chunk-")  # name prefixes of the configurations that use vLLM's knobs only
