@@ -309,23 +309,17 @@ def size_worker(args: argparse.Namespace) -> None:
     import logging
 
     logging.disable(logging.WARNING)
-    from ledger.advice.fit import fit_step_time
-    from ledger.advice.profile import ProfilePlan, run_profile
-    from ledger.advice.scene import size_scene
+    from ledger.advice.scene import profile_scene
 
-    t0 = time.monotonic()
-    plan = ProfilePlan(chunk_sizes=(64, 128, 256), max_depth=2048, decode_batches=(1, 4), tail_steps=8)
-    result = run_profile(args.model, plan, kv_cache_bytes=args.kv_mib << 20)
-    fit = fit_step_time(result.data())
-    size = size_scene(
-        fit,
+    size, info = profile_scene(
+        args.model,
+        kv_cache_bytes=args.kv_mib << 20,
         short_prompt=sum(SHORT_PROMPT) // 2,
         short_output=args.short_output,
         long_prefill_s=args.long_prefill_s,
         max_long_tokens=MAX_LONG_TOKENS,
     )
-    out = {"size": size.as_dict(), "fit": fit.as_dict(), "steps": len(result.steps)}
-    out["seconds"] = time.monotonic() - t0
+    out = {"size": size.as_dict(), **info}
     print(json.dumps(out), flush=True)
 
 

@@ -153,22 +153,17 @@ def size(args: argparse.Namespace) -> None:
     os.environ.update(vllm_env(args.workdir))
     os.environ.pop("CHUNKLEDGER_URL", None)
     logging.disable(logging.WARNING)
-    from ledger.advice.fit import fit_step_time
-    from ledger.advice.profile import ProfilePlan, run_profile
-    from ledger.advice.scene import size_scene
+    from ledger.advice.scene import profile_scene
 
-    t0 = time.monotonic()
-    plan = ProfilePlan(chunk_sizes=(64, 128, 256), max_depth=2048, decode_batches=(1, 4), tail_steps=8)
-    result = run_profile(args.model, plan, kv_cache_bytes=256 << 20)
-    scene = size_scene(
-        fit_step_time(result.data()),
+    scene, info = profile_scene(
+        args.model,
         short_prompt=sum(SHORT_PROMPT) // 2,
         short_output=SHORT_OUTPUT,
         long_prefill_s=args.long_prefill_s,
         max_long_tokens=args.max_long_tokens,
     )
     print(scene.describe().replace("\n", "\n# "), file=sys.stderr)
-    print(json.dumps({**scene.as_dict(), "profile_s": round(time.monotonic() - t0, 1)}))
+    print(json.dumps({**scene.as_dict(), "profile_s": round(info["seconds"], 1)}))
 
 
 def _ledger(url: str) -> httpx.Client:

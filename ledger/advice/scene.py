@@ -13,16 +13,22 @@ the engine (:mod:`ledger.advice.profile`, a small plan) and size the scene from 
 * **the long prompt**: the shortest (rounded up to ``round_to``) whose prefill, predicted chunk by chunk
   at depth, takes at least ``long_prefill_s`` (3 s), capped at ``max_long_tokens``.
 
-Pure functions over a fit; no vLLM import.
+:func:`size_scene` is a pure function of a fit; :func:`profile_scene` runs the profile first (vLLM in
+this process, imported only then).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ledger.advice.fit import StepTimeFit
+from ledger.advice.fit import StepTimeFit, fit_step_time
+from ledger.advice.profile import ProfilePlan, run_profile
+
+# ~30 s on a 2-core CPU with the tiny model: chunks of 64-256 tokens to depth 2k, beside 1 and 4 decodes
+SIZING_PLAN = ProfilePlan(chunk_sizes=(64, 128, 256), max_depth=2048, decode_batches=(1, 4), tail_steps=8)
 
 
 @dataclass(frozen=True)
@@ -106,10 +112,22 @@ def size_scene(
     )
 
 
+def profile_scene(
+    model: str, *, kv_cache_bytes: int = 256 << 20, plan: ProfilePlan = SIZING_PLAN, **size: Any
+) -> tuple[SceneSize, dict[str, Any]]:
+    """Profile ``model`` on vLLM in this process (``plan``) and size the scene from the fit (``size``:
+    the keyword arguments of :func:`size_scene`); the size and {"fit", "steps", "seconds"}."""
+    t0 = time.monotonic()
+    result = run_profile(model, plan, kv_cache_bytes=kv_cache_bytes)
+    fit = fit_step_time(result.data())
+    scene = size_scene(fit, **size)
+    return scene, {"fit": fit.as_dict(), "steps": len(result.steps), "seconds": time.monotonic() - t0}
+
+
 def overloaded(ttft_p99_s: float, step_p50_s: float, factor: float = 10.0) -> bool:
     """Whether a baseline's short TTFT p99 is above ``factor`` step times: the queue grew, and ratios
     against it would measure queue growth, not the long prompt."""
     return not math.isfinite(ttft_p99_s) or ttft_p99_s > factor * step_p50_s
 
 
-__all__ = ["SceneSize", "overloaded", "prefill_s", "size_scene"]
+__all__ = ["SIZING_PLAN", "SceneSize", "overloaded", "prefill_s", "profile_scene", "size_scene"]
