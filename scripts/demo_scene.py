@@ -82,30 +82,28 @@ def run_phase(args: argparse.Namespace) -> None:
         "temperature": 0,
     }
     fire({**runaway, "max_tokens": args.runaway_max_tokens}, "runaway")
-    long_at = args.long_at_s
-    sent_long = False
+    # The arrivals are fixed in advance (seeded): shorts at Poisson times over the phase, the long prompt
+    # at long_at. Each is sent at its time, or at once when the driver is late (a stalled host once
+    # held this loop for 13 s): a late scene is still the whole scene.
+    plan: list[tuple[float, str, int]] = []
+    t = rng.expovariate(args.short_rps)
+    while t < args.duration:
+        plan.append((t, "short", rng.randint(*SHORT_PROMPT)))
+        t += rng.expovariate(args.short_rps)
+    plan.append((args.long_at_s, "long", args.long_tokens))
+    plan.sort()
     long_sent_ts = None
-    next_short = 0.0
-    while time.monotonic() - t0 < args.duration:
-        now = time.monotonic() - t0
-        if not sent_long and now >= long_at:
-            body = {"model": args.model, "prompt": _prompt(rng, args.long_tokens), "max_tokens": LONG_OUTPUT}
-            fire({**body, "temperature": 0}, "long")
-            sent_long = True
+    for at, label, n in plan:
+        time.sleep(max(0.0, at - (time.monotonic() - t0)))
+        max_tokens = LONG_OUTPUT if label == "long" else SHORT_OUTPUT
+        fire(
+            {"model": args.model, "prompt": _prompt(rng, n), "max_tokens": max_tokens, "temperature": 0},
+            label,
+        )
+        if label == "long":
             long_sent_ts = time.time()
-        if now >= next_short:
-            n = rng.randint(*SHORT_PROMPT)
-            fire(
-                {
-                    "model": args.model,
-                    "prompt": _prompt(rng, n),
-                    "max_tokens": SHORT_OUTPUT,
-                    "temperature": 0,
-                },
-                "short",
-            )
-            next_short = now + rng.expovariate(args.short_rps)
-        time.sleep(0.005)
+    time.sleep(max(0.0, args.duration - (time.monotonic() - t0)))
+    sent_long = long_sent_ts is not None
     for t in threads:
         t.join(args.drain_s)
     ended = time.time()
