@@ -104,6 +104,33 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "budget": 2048,
         "plugin": {"admission_reserve": 0.25, "admission_step_target_s": 0.04, "admission_min_chunk": 16},
     },
+    "first-step-100": {
+        "budget": 2048,
+        "plugin": {
+            "admission_reserve": 0.25,
+            "admission_step_target_s": 0.1,
+            "admission_min_chunk": 16,
+            "admission_arrivals_first": True,
+        },
+    },
+    "first-step-75": {
+        "budget": 2048,
+        "plugin": {
+            "admission_reserve": 0.25,
+            "admission_step_target_s": 0.075,
+            "admission_min_chunk": 16,
+            "admission_arrivals_first": True,
+        },
+    },
+    "first-step-50": {
+        "budget": 2048,
+        "plugin": {
+            "admission_reserve": 0.25,
+            "admission_step_target_s": 0.05,
+            "admission_min_chunk": 16,
+            "admission_arrivals_first": True,
+        },
+    },
     "reserve-step-30": {
         "budget": 2048,
         "plugin": {"admission_reserve": 0.25, "admission_step_target_s": 0.03, "admission_min_chunk": 16},

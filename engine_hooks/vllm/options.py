@@ -51,6 +51,9 @@ class LedgerOptions(msgspec.Struct, kw_only=True, frozen=True):
     # engine's own measured steps (engine_hooks.vllm.predict.StepTimes; no cap until it has seen
     # enough steps), in every step: also when the prefill runs alone, since a request arriving
     # during a step waits for it to end (0: off)
+    admission_arrivals_first: bool = False  # with the reserve on: a step that admits waiting short
+    # prompts (at most half the budget each) leaves the largest running prefill out (its KV kept),
+    # never two steps in a row, so an arrival waits for the step it arrived in and its own short one
     admission_min_chunk: Annotated[int, msgspec.Meta(ge=1)] = 64  # the caps never go below this, nor
     # below another prefill that runs whole in the step (a short prompt is never split by the cap)
 
@@ -108,8 +111,9 @@ class LedgerOptions(msgspec.Struct, kw_only=True, frozen=True):
         return opts
 
 
-_BOOLS = {"kv_idle_victim", "token_ids"}
-_NEED_RESERVE = ("admission_step_target_s",)  # options that do nothing without admission_reserve
+_BOOLS = {"kv_idle_victim", "token_ids", "admission_arrivals_first"}
+# options that do nothing without admission_reserve
+_NEED_RESERVE = ("admission_step_target_s", "admission_arrivals_first")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 

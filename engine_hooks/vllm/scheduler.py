@@ -222,6 +222,9 @@ class _LedgerHooks(_Base):
         self._cl_blocks = self._block_counter()
         self._cl_alone = False  # this step's cap is for a prefill running alone (set by the cap)
         self._cl_budget_restore: int | None = None  # the token budget to restore after schedule()
+        self._cl_held: tuple[int, Any] | None = None  # (index, request) left out of running this step
+        self._cl_held_last = False  # the previous step left the long prefill out (arrivals first)
+        self.arrival_steps = 0  # steps that left a long prefill out for arrivals (arrivals first)
         # The reserve and the commands set long_prefill_token_threshold per step: on a private copy.
         self.scheduler_config = copy.copy(self.scheduler_config)
         manager = self.kv_cache_manager
@@ -397,6 +400,10 @@ class _LedgerHooks(_Base):
             if self._cl_budget_restore is not None:
                 self.max_num_scheduled_tokens = self._cl_budget_restore
                 self._cl_budget_restore = None
+            if self._cl_held is not None:
+                index, held = self._cl_held
+                self._cl_held = None
+                self.running.insert(min(index, len(self.running)), held)
         if self._cl_active:
             t0 = time.monotonic()
             try:
@@ -465,6 +472,8 @@ class _LedgerHooks(_Base):
         elif type(self.running) is _RunningList:
             self.running.chooser = None
         cap = self._cl_admission_cap(now) if opts.admission_reserve else None
+        if opts.admission_arrivals_first and self._cl_hold_for_arrivals():
+            cap = None  # the long prefill sits this step out: no cap for the arrivals
         if self._cl_marked:
             promoted = self._cl_yield_tokens()
             if promoted:
@@ -724,6 +733,35 @@ class _LedgerHooks(_Base):
         # below the largest other prefill that runs whole this step (splitting a short prompt would
         # cost its TTFT a step; the long prefill gives up its extra tokens in the next steps).
         return max(opts.admission_min_chunk, int(cap), whole)
+
+    def _cl_hold_for_arrivals(self) -> bool:
+        """Arrivals first: when short prompts wait and can all be admitted, leave the largest running
+        prefill out of this step (put back after ``schedule()``, its KV kept), so the arrivals' first
+        step is short: a short's TTFT is then the step it arrived in plus its own, not two long-prompt
+        steps. Never two steps in a row, so the long prefill runs at least every other step."""
+        if self._cl_held_last:
+            self._cl_held_last = False
+            return False
+        waiting = self.waiting
+        running = self.running
+        if not waiting or len(running) + len(waiting) >= self.max_num_running_reqs:
+            return False
+        half = self.max_num_scheduled_tokens // 2
+        if any(r.num_tokens - r.num_computed_tokens > half for r in waiting):
+            return False  # a long prompt waits too: no arrivals-only step
+        big, big_need = None, half
+        for i, req in enumerate(running):
+            if req.is_prefill_chunk:
+                need = req.num_tokens - req.num_computed_tokens
+                if need > big_need:
+                    big, big_need = (i, req), need
+        if big is None:
+            return False
+        running.pop(big[0])
+        self._cl_held = big
+        self._cl_held_last = True
+        self.arrival_steps += 1
+        return True
 
     def _cl_alone_cap(self) -> int | None:
         """The step target's cap on a prefill that is the only request that can run this step (a

@@ -280,6 +280,35 @@ def test_step_target_never_splits_a_short_prompt_running_beside_the_long_one(
     assert beside[first.step] == 60  # the long prompt's chunk in that step is no smaller than the short
 
 
+def test_arrivals_first_leaves_the_long_prefill_out_of_the_arrivals_first_step(engine, attach, ledger):
+    exporter = attach(ledger.url)
+    sch = engine.scheduler
+    set_options(engine, admission_reserve=0.25, admission_arrivals_first=True)
+    long = rid("long")
+    engine.add(long, prompt(1800), max_tokens=2)
+    for _ in range(3):
+        engine.step()
+    shorts = [rid("short") for _ in range(3)]
+    held = sch.arrival_steps
+    for s in shorts:
+        engine.add(s, prompt(30), max_tokens=4)
+    engine.run()
+    assert exporter.force_flush(10.0)
+    events = list(ledger.store.events)
+    long_steps = {c.step for c in events_of(events, Chunk, long)}
+    firsts = {c.step for s in shorts for c in events_of(events, Chunk, s) if c.computed_before == 0}
+    assert len(firsts) == 1 and not firsts & long_steps  # the arrivals' step ran without the long chunk
+    (first,) = firsts
+    assert first + 1 in long_steps  # ... and the long prefill went on in the next step
+    assert sch.arrival_steps == held + 1
+    steps = {s.step: s for s in events if isinstance(s, Step)}
+    assert long in {r for r in steps[first].stalled_request_ids}  # reported as sitting the step out
+    assert sch.running == [] and sch._cl_held is None  # nothing left out of vLLM's queues
+    ends = max(long_steps)
+    gaps = [b - a for a, b in itertools.pairwise(sorted(long_steps))]
+    assert max(gaps) <= 2, (gaps, ends)  # never two steps in a row without it
+
+
 def test_step_target_is_off_until_the_fit_has_data(engine, attach, ledger, monkeypatch):
     exporter = attach(ledger.url)
     sch = engine.scheduler
