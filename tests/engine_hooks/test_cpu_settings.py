@@ -29,8 +29,8 @@ def test_native_bf16_only_with_avx512_bf16_amx_or_arm_bf16():
 def test_cpu_without_native_bf16_runs_fp32_with_one_thread_fewer_than_the_cores():
     s = engine_settings(device="cpu", environ={}, flags=cpu_flags(EPYC_AVX2), cores=2)
     assert s.dtype == "float32" and s.llm_kwargs() == {"dtype": "float32"}
-    assert s.cli_args() == ["--dtype", "float32"]
-    assert s.env == {"OMP_NUM_THREADS": "1"} and s.threads == 1
+    assert s.cli_args() == ["--dtype", "float32", "--distributed-executor-backend", "uni"]
+    assert s.env == {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} and s.threads == 1
     assert s.kv_bytes_per_token(2, 128) == 2 * 2 * 128 * 4
     assert "no native bf16" in s.describe() and "1 OpenMP thread" in s.describe()
     assert engine_settings(device="cpu", environ={}, flags=frozenset(), cores=8).threads == 7
@@ -49,10 +49,28 @@ def test_the_users_dtype_and_omp_threads_win():
     s = engine_settings(
         device="cpu", dtype="bfloat16", environ={"OMP_NUM_THREADS": "2"}, flags=frozenset(), cores=2
     )
-    assert s.dtype == "bfloat16" and s.env == {"OMP_NUM_THREADS": "2"}
+    assert s.dtype == "bfloat16" and s.env["OMP_NUM_THREADS"] == "2"
     assert engine_settings(device="cpu", dtype="auto", environ={}, flags=frozenset(), cores=2).dtype == (
         "float32"
     )
+
+
+def test_a_shared_cpu_engine_runs_the_model_in_the_engine_core_unless_the_user_asked_for_workers():
+    s = engine_settings(device="cpu", environ={}, flags=cpu_flags(SAPPHIRE_RAPIDS), cores=2)
+    assert s.executor == "uni" and s.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert s.cli_args() == ["--distributed-executor-backend", "uni"]
+    assert "the model in the engine core" in s.describe() and "sched_yield" in s.describe()
+    # an in-process engine (the tests, benches and profile set it to 0 themselves) is the same choice
+    inproc = engine_settings(
+        device="cpu", environ={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, flags=frozenset(), cores=2
+    )
+    assert inproc.executor == "uni"
+    given = engine_settings(
+        device="cpu", environ={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, flags=frozenset(), cores=2
+    )
+    assert given.executor is None and given.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert "--distributed-executor-backend" not in given.cli_args()
+    assert "given" in given.describe()
 
 
 def test_gpu_engines_are_left_alone():
@@ -69,6 +87,6 @@ def test_module_prints_cli_args_and_env_for_shell_scripts():
     env["CHUNKLEDGER_ENGINE_DEVICE"] = "cpu"
     env["OMP_NUM_THREADS"] = "3"
     out = subprocess.run([*run, "--env"], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.strip() == "OMP_NUM_THREADS=3"
+    assert out.stdout.strip() == "OMP_NUM_THREADS=3 VLLM_ENABLE_V1_MULTIPROCESSING=0"
     out = subprocess.run(run, capture_output=True, text=True, env=env, check=True)
     assert out.stdout.startswith("engine settings: device cpu")

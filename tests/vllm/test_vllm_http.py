@@ -44,7 +44,6 @@ def server(tiny_model: str, tmp_path: Path):
         "CHUNKLEDGER_SPOOL_DIR": str(tmp_path / "spool"),
         "CHUNKLEDGER_SPOOL_FSYNC": "0",
     }
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [
@@ -87,7 +86,7 @@ def server(tiny_model: str, tmp_path: Path):
             time.sleep(0.25)
         else:
             raise AssertionError(f"server not ready: {(tmp_path / 'server.log').read_text()[-3000:]}")
-        yield url, ledger
+        yield url, ledger, proc.pid
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -99,8 +98,38 @@ def server(tiny_model: str, tmp_path: Path):
         ledger.stop()
 
 
+def _descendants(pid: int) -> list[str]:
+    """The command lines (process titles) of every process below ``pid``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        try:
+            out.append((Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+        todo += children.get(child, [])
+    return out
+
+
+def test_api_server_with_the_machines_settings_runs_the_model_in_the_engine_core(server):
+    # engine_settings() on CPU: no worker process for the engine core to busy-wait on each step
+    # (a core burnt, other processes stalled for seconds on a 2-core host).
+    _, _, pid = server
+    titles = _descendants(pid)
+    assert any("EngineCore" in t for t in titles), titles
+    assert not any("Worker" in t for t in titles), titles
+
+
 def test_abort_command_reaches_the_http_client_as_finish_reason_abort(server):
-    url, ledger = server
+    url, ledger, _ = server
     rid = "http-runaway-1"
     body = {
         "model": "tiny",
