@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import Annotated, Any
 
 import typer
@@ -56,14 +57,27 @@ def serve(
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvicorn.run(
-        create_app(settings, tune_gc=settings.gc_tuning),
+    ledger_app = create_app(settings, tune_gc=settings.gc_tuning)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            # SIGTERM/SIGINT: the sources' command long-polls (up to 60 s each) answer now, so the
+            # graceful shutdown does not wait out its timeout for them.
+            # (From a thread: the handler may run while this thread holds the book's lock.)
+            service = getattr(ledger_app.state, "runaway", None)
+            if service is not None:
+                threading.Thread(target=service.book.release_waiters, daemon=True).start()
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    config = uvicorn.Config(
+        ledger_app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         access_log=access_log,
         timeout_graceful_shutdown=10,
     )
+    Server(config).run()
 
 
 @app.command()

@@ -136,6 +136,7 @@ class CommandBook:
         self.by_source: dict[str, dict[str, Pending]] = {}
         self.by_request: dict[str, list[Pending]] = {}
         self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._closing = False  # the server is shutting down: long-polls answer at once
         # request id -> the gateway that joined it after a decision (``add_gateway``), for a decision
         # recorded just after the join (decided on the ticker while the join was observed)
         self._joined: OrderedDict[str, str] = OrderedDict()
@@ -387,7 +388,7 @@ class CommandBook:
     async def wait(self, source_id: str, timeout_s: float) -> list[ev.Command]:
         """The source's pending commands; when there are none, wait up to ``timeout_s`` for one."""
         cmds = self.for_source(source_id)
-        if cmds or timeout_s <= 0:
+        if cmds or timeout_s <= 0 or self._closing:
             return cmds
         loop = asyncio.get_running_loop()
         event = asyncio.Event()
@@ -396,7 +397,7 @@ class CommandBook:
             self._waiters.setdefault(source_id, set()).add(key)
         try:
             cmds = self.for_source(source_id)
-            if not cmds:
+            if not cmds and not self._closing:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), timeout_s)
                 cmds = self.for_source(source_id)
@@ -408,6 +409,14 @@ class CommandBook:
                     if not ws:
                         del self._waiters[source_id]
         return cmds
+
+    def release_waiters(self) -> None:
+        """The server is shutting down: answer every held long-poll now (with what is pending) and every
+        later one at once, so open connections close instead of holding the shutdown for their wait."""
+        self._closing = True
+        with self._lock:
+            sources = list(self._waiters)
+        self._wake(sources)
 
     def _wake(self, source_ids: list[str]) -> None:
         with self._lock:

@@ -110,3 +110,34 @@ def test_a_source_that_disconnects_mid_upload_is_not_a_server_error(ledger_serve
     ledger_server.stop()
     log = ledger_server.log_path.read_text()
     assert "Traceback" not in log and "disconnected while sending a batch" in log
+
+
+def test_sigterm_answers_held_command_long_polls_and_exits_without_waiting_them_out(ledger_server):
+    """A gateway's or engine's long-poll (wait_s up to 60) must not hold the shutdown: it is answered
+    at once with no commands, and the server exits well inside uvicorn's 10 s graceful timeout."""
+    import threading
+    import time
+
+    answers: list[httpx.Response] = []
+
+    def poll() -> None:
+        answers.append(
+            httpx.get(
+                f"{ledger_server.url}/v1/commands",
+                params={"source_id": "gw-1", "wait_s": 60},
+                timeout=90,
+            )
+        )
+
+    polls = [threading.Thread(target=poll) for _ in range(2)]
+    for t in polls:
+        t.start()
+    time.sleep(1.0)  # both are held by the server now
+    assert not answers
+    t0 = time.monotonic()
+    ledger_server.stop()
+    took = time.monotonic() - t0
+    for t in polls:
+        t.join(10)
+    assert took < 5.0, f"shutdown took {took:.1f} s"
+    assert [(r.status_code, r.json()) for r in answers] == [(200, {"commands": []})] * 2
