@@ -471,9 +471,13 @@ class _LedgerHooks(_Base):
             running.chooser = self._cl_choose_victim
         elif type(self.running) is _RunningList:
             self.running.chooser = None
-        cap = self._cl_admission_cap(now) if opts.admission_reserve else None
+        self._cl_alone = False
         if opts.admission_arrivals_first and self._cl_hold_for_arrivals():
             cap = None  # the long prefill sits this step out: no cap for the arrivals
+            if opts.admission_reserve:
+                self._cl_order_waiting(now)
+        else:
+            cap = self._cl_admission_cap(now) if opts.admission_reserve else None
         if self._cl_marked:
             promoted = self._cl_yield_tokens()
             if promoted:
@@ -697,23 +701,9 @@ class _LedgerHooks(_Base):
         ``1 + depth / admission_depth_tokens`` at the deepest running prefill.
         """
         opts = self.options
-        waiting = self.waiting
-        running = self.running
-        self._cl_alone = False
-        if len(waiting) + len(self.kv_holding_waiting) + len(running) <= 1:
+        if len(self.waiting) + len(self.kv_holding_waiting) + len(self.running) <= 1:
             return self._cl_alone_cap() if opts.admission_step_target_s else None
-        if isinstance(waiting, deque) and len(waiting) > 1:
-            aging = opts.admission_aging_s
-            states = self._cl_states
-
-            def key(req: Any) -> tuple[int, float]:
-                st = states.get(req.request_id)
-                aged = st is None or req.status != RequestStatus.WAITING or now - st.queued_t >= aging
-                return (0, st.queued_t if st is not None else 0.0) if aged else (1, req.num_tokens)
-
-            ordered = sorted(waiting, key=key)
-            waiting.clear()
-            waiting.extend(ordered)
+        self._cl_order_waiting(now)
         budget = self.max_num_scheduled_tokens
         demand, deepest, work, whole = self._cl_others_walk(int(budget * opts.admission_reserve))
         if demand <= 0:
@@ -733,6 +723,24 @@ class _LedgerHooks(_Base):
         # below the largest other prefill that runs whole this step (splitting a short prompt would
         # cost its TTFT a step; the long prefill gives up its extra tokens in the next steps).
         return max(opts.admission_min_chunk, int(cap), whole)
+
+    def _cl_order_waiting(self, now: float) -> None:
+        """The reserve's queue order: aged and preempted requests first (arrival order), then the
+        shortest prompt first."""
+        waiting = self.waiting
+        if not isinstance(waiting, deque) or len(waiting) <= 1:
+            return
+        aging = self.options.admission_aging_s
+        states = self._cl_states
+
+        def key(req: Any) -> tuple[int, float]:
+            st = states.get(req.request_id)
+            aged = st is None or req.status != RequestStatus.WAITING or now - st.queued_t >= aging
+            return (0, st.queued_t if st is not None else 0.0) if aged else (1, req.num_tokens)
+
+        ordered = sorted(waiting, key=key)
+        waiting.clear()
+        waiting.extend(ordered)
 
     def _cl_hold_for_arrivals(self) -> bool:
         """Arrivals first: when short prompts wait and can all be admitted, leave the largest running
