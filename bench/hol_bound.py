@@ -94,15 +94,25 @@ def fit_with_depth(
 
 
 def greedy_cost(
-    coef: tuple[float, float, float, float], long_tokens: int, s_max: float
+    coef: tuple[float, float, float, float],
+    long_tokens: int,
+    s_max: float,
+    boost_at: int | None = None,
+    boost: float = 0.0,
 ) -> tuple[int, float] | None:
     """(steps, seconds) of prefilling the long prompt alone in the largest chunk within ``s_max`` at
-    each depth, under ``a + b n + c n (depth + n / 2) + e depth``; None when a step cannot carry a token."""
+    each depth, under ``a + b n + c n (depth + n / 2) + e depth``; None when a step cannot carry a token.
+    ``boost_at``: the step (0-based) that may run ``boost`` s longer (the p99's slack spent at once).
+
+    Under this model the greedy chunking is the fastest within ``s_max``: the attention work of all
+    chunks sums to ``L^2 / 2`` whatever the chunking, so a chunking's cost beyond that is
+    ``a + e depth`` per chunk, and the greedy one has the fewest chunks starting past every depth."""
     a, b, c, e = coef
     depth = steps = 0
     total = 0.0
     while depth < long_tokens:
-        qa, qb, qc = c / 2.0, b + c * depth, a + e * depth - s_max
+        limit = s_max + (boost if steps == boost_at else 0.0)
+        qa, qb, qc = c / 2.0, b + c * depth, a + e * depth - limit
         if qc >= 0:
             return None
         n = int(-qc / qb) if qa <= 0 else int((-qb + math.sqrt(qb * qb - 4 * qa * qc)) / (2 * qa))
@@ -194,11 +204,26 @@ def bound(scene: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any
     coef4 = fit_with_depth(results) if not any(r.get("coef") for r in results) else None
     if coef4 is not None and coef4[3] > 0:
         res = greedy_cost(coef4, L, s_max)
+        best = res
+        if res is not None and slack > 0:
+            # the p99's slack spent on one longer step, wherever it saves the most
+            tries = (greedy_cost(coef4, L, s_max, k, slack) for k in range(res[0]))
+            best = min((t for t in tries if t is not None), key=lambda t: t[1], default=res)
+        # as in the bound above, also with the long prompt's work as measured (U - a): the chunking's
+        # own cost (the per-chunk a + e depth) kept, the fit's view of the whole prefill replaced
+        a4, b4, c4, _ = coef4
+        w4 = b4 * L + c4 * attention_work(L, 0)
+
+        def least(t: float) -> float:
+            return min(t, t - w4 + (U - a4))
+
         out["depth_term"] = {
             "coef": coef4,
             "steps": None if res is None else res[0],
-            "ttft": None if res is None else res[1],
-            "ratio": None if res is None else res[1] / U,
+            "ttft": None if res is None else least(res[1]),
+            "ratio": None if res is None else least(res[1]) / U,
+            "ttft_slack": None if best is None else least(best[1]),
+            "ratio_slack": None if best is None else least(best[1]) / U,
         }
     ratios = [out[k] for k in ("ratio_fit_slack", "ratio_meas_slack") if out[k] is not None]
     out["ratio"] = min(ratios) if ratios else math.inf
@@ -261,13 +286,22 @@ def report(scene: dict[str, Any], results: list[dict[str, Any]]) -> str:
             f"  with the per-chunk depth term ({a4 * ms:.2f} ms + {b4 * 1e6:.2f} us/token + {c4 * 1e9:.3f} "
             f"ns/work + {e4 * 1e9:.0f} ns/token of chunk depth): "
             + (
-                f"greedy chunking within S_max takes {dt['steps']} steps, long TTFT {dt['ttft'] * ms:.0f} ms "
-                f"= {dt['ratio']:.2f}x unchunked with the shorts' work free (no p99 slack)"
+                f"greedy chunking within S_max (the fastest under this model) takes {dt['steps']} steps, "
+                f"long TTFT >= {dt['ttft'] * ms:.0f} ms = {dt['ratio']:.2f}x unchunked with the shorts' work "
+                f"free (the lesser of the fit's and the measured prefill work); "
+                f"{dt['ratio_slack']:.2f}x with the p99's slack spent on one longer step"
                 if dt["steps"]
                 else "no chunking keeps a step within S_max at the prompt's end"
             )
         )
-    if out["ratio"] > LONG_FACTOR:
+    depth_ratio = (dt or {}).get("ratio_slack")
+    if out["ratio"] <= LONG_FACTOR and depth_ratio is not None and depth_ratio > LONG_FACTOR:
+        lines.append(
+            f"  => without the depth term the bound ({out['ratio']:.2f}x) does not rule the goal out; with "
+            f"it, the step cost measured here does: no chunking within S_max reaches {LONG_FACTOR:g}x "
+            f"({depth_ratio:.2f}x at best), so the goal is out of reach on this engine at this baseline"
+        )
+    elif out["ratio"] > LONG_FACTOR:
         need = []
         if "s_needed" in out:
             need.append(
