@@ -34,6 +34,13 @@ The derivation:
    prompt's work as measured, ``W = U - a`` (the unchunked run is one step of it, plus a wait), so a fit
    that misjudges the 16k-token step does not decide the answer: the smaller ratio is the bound.
 
+5. With the plugin's per-chunk depth term (``+ e depth``: what a chunk pays to read its prefix's KV
+   whatever its size, fitted to the same steps) the chunking's cost beyond the fixed work is
+   ``a + e depth`` per chunk, which the greedy chunking (the largest chunk within ``S_max`` at every
+   depth) minimises; its long TTFT, with the p99's slack spent on the one step where it saves most and
+   the lesser of the fit's and the measured prefill work, is the second bound. When it is above 1.2x
+   while the first is not, the engine's per-chunk cost is what rules the goal out.
+
 Roughly, the bound is ``1 + a / (S_max - a)`` (times W / U): the goals can meet only where the step's
 fixed cost is at most about a sixth of the longest step the shorts tolerate.
 
