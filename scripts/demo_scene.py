@@ -8,7 +8,9 @@
 
 The scene: a stream of short requests (Poisson arrivals, 48-80-token prompts, 24 output tokens), a long
 prompt arriving at the head of the queue a few seconds in, and a runaway request that never stops on
-its own (no max_tokens, EOS ignored) for the ledger's rules to cut. Prompts are token ids, so their
+its own (no max_tokens, EOS ignored) for the ledger's rules to cut, and a witness: a request decoding
+(64 tokens) when the long prompt arrives, whose largest gap between tokens is what the long prompt's
+steps cost a running decode. Prompts are token ids, so their
 lengths are exact. ``size`` sizes it for the engine at hand (ledger.advice.scene, from a short
 ``chunkledger profile`` plan): the shorts' rate keeps the engine at most half busy, the long prompt's
 prefill takes at least 3 s. Every figure in the report comes from the ledger's API: the short requests'
@@ -35,6 +37,12 @@ SHORT_OUTPUT = 24
 LONG_OUTPUT = 8
 SHORT_MAX_PROMPT = 1000  # what counts as a "short" request in the report
 RUNAWAY_PROMPT = 32  # the runaway's prompt length: how the report finds it (shorts have 48..80)
+# A request decoding when the long prompt arrives (sent WITNESS_LEAD_S before it, 40 prompt tokens, 64
+# out: under the loop rule's 128-token span and the cap): its largest inter-token gap is what the long
+# prompt's steps cost a running decode (the whole prefill unchunked, one chunk's step chunked).
+WITNESS_PROMPT = 40
+WITNESS_OUTPUT = 64
+WITNESS_LEAD_S = 0.1
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -91,15 +99,16 @@ def run_phase(args: argparse.Namespace) -> None:
         plan.append((t, "short", rng.randint(*SHORT_PROMPT)))
         t += rng.expovariate(args.short_rps)
     plan.append((args.long_at_s, "long", args.long_tokens))
+    plan.append((args.long_at_s - WITNESS_LEAD_S, "witness", WITNESS_PROMPT))
     plan.sort()
     long_sent_ts = None
     for at, label, n in plan:
         time.sleep(max(0.0, at - (time.monotonic() - t0)))
-        max_tokens = LONG_OUTPUT if label == "long" else SHORT_OUTPUT
-        fire(
-            {"model": args.model, "prompt": _prompt(rng, n), "max_tokens": max_tokens, "temperature": 0},
-            label,
-        )
+        max_tokens = {"long": LONG_OUTPUT, "witness": WITNESS_OUTPUT}.get(label, SHORT_OUTPUT)
+        body = {"model": args.model, "prompt": _prompt(rng, n), "max_tokens": max_tokens, "temperature": 0}
+        if label == "witness":
+            body["ignore_eos"] = True
+        fire(body, label)
         if label == "long":
             long_sent_ts = time.time()
     time.sleep(max(0.0, args.duration - (time.monotonic() - t0)))
@@ -222,7 +231,11 @@ def _phase_figures(c: httpx.Client, p: dict[str, Any]) -> dict[str, Any]:
         offset += 1000
         if offset >= page["total"]:
             break
-    shorts = [r for r in rows if RUNAWAY_PROMPT < (r["prompt_tokens"] or 0) <= SHORT_MAX_PROMPT]
+    shorts = [r for r in rows if SHORT_PROMPT[0] <= (r["prompt_tokens"] or 0) <= SHORT_MAX_PROMPT]
+    witness = next((r for r in rows if r["prompt_tokens"] == WITNESS_PROMPT), None)
+    witness_itl = None
+    if witness is not None:
+        witness_itl = c.get(f"/v1/requests/{witness['request_id']}/itl").json().get("max")
     longs = [r for r in rows if (r["prompt_tokens"] or 0) > SHORT_MAX_PROMPT]
     runaway = [r for r in rows if r["prompt_tokens"] == RUNAWAY_PROMPT]
     ttft = [r["ttft_s"] for r in shorts if r["ttft_s"] is not None]
@@ -258,6 +271,7 @@ def _phase_figures(c: httpx.Client, p: dict[str, Any]) -> dict[str, Any]:
         "shorts_before_long": len(before),
         "short_backend_wait_share": (sum(bw) / sum(ttft)) if ttft and sum(ttft) else None,
         "itl_p99_s": itl[0]["p99"] if itl else None,
+        "witness_itl_max_s": witness_itl,
         "slowest_short": slowest["request_id"] if slowest else None,
         "slowest_short_layers": {
             k: slowest[k] for k in ("ttft_s", "entry_s", "admission_s", "backend_wait_ttft_s", "prefill_s")
@@ -283,7 +297,7 @@ def report(args: argparse.Namespace) -> int:
     print()
     print(
         f"{'phase':<34}{'short TTFT p50':>16}{'short TTFT p99':>16}{'p99 before long':>17}"
-        f"{'backend wait':>14}{'ITL p99':>11}{'long TTFT':>11}  cutoff"
+        f"{'backend wait':>14}{'ITL p99':>11}{'decode gap':>12}{'long TTFT':>11}  cutoff"
     )
     for p, f in figures:
         share = "-" if f["short_backend_wait_share"] is None else f"{f['short_backend_wait_share']:.0%}"
@@ -291,7 +305,8 @@ def report(args: argparse.Namespace) -> int:
         print(
             f"{p['phase'] + ' (' + p['settings'] + ')':<34}{_ms(f['short_ttft_p50_s']):>16}"
             f"{_ms(f['short_ttft_p99_s']):>16}{_ms(f['short_ttft_p99_before_long_s']):>17}"
-            f"{share:>14}{_ms(f['itl_p99_s']):>11}{_ms(f['long_ttft_s']):>11}  {cut}"
+            f"{share:>14}{_ms(f['itl_p99_s']):>11}{_ms(f['witness_itl_max_s']):>12}"
+            f"{_ms(f['long_ttft_s']):>11}  {cut}"
         )
     print()
     for line in story(figures):
@@ -342,7 +357,8 @@ def story(figures: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[str]:
         lines.append(
             f"{name}, {labels.get(name, p['settings'])}: short TTFT p99 {_ms(x['short_ttft_p99_s'])} "
             f"(before the long prompt {_ms(x['short_ttft_p99_before_long_s'])}), decode ITL p99 "
-            f"{_ms(x['itl_p99_s'])}, long TTFT {_ms(x['long_ttft_s'])}"
+            f"{_ms(x['itl_p99_s'])}, a decode running when it came waited {_ms(x['witness_itl_max_s'])} "
+            f"for one token, long TTFT {_ms(x['long_ttft_s'])}"
         )
     return lines
 
@@ -371,6 +387,14 @@ def check(figures: list[tuple[dict[str, Any], dict[str, Any]]]) -> int:
             )
         elif not c < a / 3:
             problems.append(f"advised short TTFT p99 {c:.3f}s is not under a third of unchunked {a:.3f}s")
+        # chunking protects running decodes: the decode running when the long prompt came waits for
+        # one chunk's step, not the whole prefill (checked when the unchunked prefill did hit it)
+        wa, wb = (f[k]["witness_itl_max_s"] for k in sorted(f)[:2])
+        if wa is not None and wb is not None and wa > 1.0 and not wb < wa / 3:
+            problems.append(
+                f"chunking alone did not protect the running decode: its largest gap {wb:.3f}s against "
+                f"{wa:.3f}s unchunked"
+            )
         cu = f[sorted(f)[1]]["culprit"]
         if not cu:
             problems.append(

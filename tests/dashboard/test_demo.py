@@ -55,3 +55,8 @@ def test_demo_reproduces_the_long_prompt_scene_and_its_fix(tmp_path: Path) -> No
     phases = {p["phase"]: p for p in json.loads(report.read_text())}
     assert phases["B"]["culprit"]["prefill_tokens"] > 1000  # the long prompt, named by the ledger
     assert all(p["cutoffs"] for p in phases.values())  # the runaway was cut in every phase
+    # the decode running when the long prompt came: measured in every phase, and where the unchunked
+    # prefill hit it, chunking kept its largest gap to a third or less
+    gaps = {k: p["witness_itl_max_s"] for k, p in phases.items()}
+    assert all(g is not None for g in gaps.values()), gaps
+    assert gaps["A"] <= 1.0 or gaps["B"] < gaps["A"] / 3, gaps
