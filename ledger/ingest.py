@@ -80,6 +80,9 @@ def decode_batch(body: bytes, *, max_events: int) -> ev.Batch:
         raise BadBatch([_from_validation_error(exc)]) from None
     except msgspec.DecodeError as exc:
         raise BadBatch([FieldError(None, "body", f"malformed JSON: {exc}")]) from None
+    except RecursionError:
+        # msgspec recurses per nesting level, also through unknown fields it skips
+        raise BadBatch([FieldError(None, "body", "JSON nested deeper than the decoder allows")]) from None
     errors: list[FieldError] = []
     if batch.schema_version > ev.SCHEMA_VERSION:
         errors.append(

@@ -32,6 +32,8 @@ async def put_policy(request: Request) -> Any:
         data = await request.json()
     except ValueError as exc:
         return JSONResponse({"detail": f"body: not valid JSON: {exc}"}, status_code=422)
+    except RecursionError:
+        return JSONResponse({"detail": "body: JSON nested deeper than the decoder allows"}, status_code=422)
     try:
         policy = parse_policy(data)
     except PolicyError as exc:

@@ -61,6 +61,19 @@ def test_wrong_field_type_is_a_422_naming_event_index_and_field_and_nothing_is_s
     assert client.get("/v1/requests/r0", headers=RD).status_code == 404  # all-or-nothing
 
 
+@pytest.mark.parametrize("depth", [1_000, 20_000])
+def test_deeply_nested_json_is_a_422_naming_the_body_and_the_next_batch_is_stored(client, depth):
+    _, en = lifecycle("after-nest")
+    raw = body(ENGINE, numbered(en))
+    nested = raw[:-1] + b', "junk": ' + b"[" * depth + b"]" * depth + b"}"
+    r = _post(client, nested)
+    assert r.status_code == 422
+    assert r.json()["errors"] == [
+        {"index": None, "field": "body", "reason": "JSON nested deeper than the decoder allows"}
+    ]
+    assert _post(client, raw).json()["accepted"] == len(en)
+
+
 @pytest.mark.parametrize(
     ("mutate", "index", "field", "reason_part"),
     [

@@ -244,6 +244,8 @@ def test_policy_api_versions_validates_and_takes_effect(db_url, tmp_path):
         bad = c.put("/v1/policy", json={"rules": {"max_output_tokens": -1}}, headers=ADM)
         assert bad.status_code == 422 and "rules.max_output_tokens" in bad.json()["detail"]
         assert c.put("/v1/policy", content=b"{", headers=ADM).status_code == 422
+        deep = c.put("/v1/policy", content=b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", headers=ADM)
+        assert deep.status_code == 422 and "nested deeper" in deep.json()["detail"]
         new = c.put("/v1/policy", json={"rules": {"max_output_tokens": 20}}, headers=ADM).json()
         assert new["version"] == cur["version"] + 1 and new["origin"] == "api"
         resp = Src(c, ENGINE).send(ev.Tokens(seq=0, ts=time.time(), request_id="r", count=32, total=32))
