@@ -84,6 +84,8 @@ def decode_batch(body: bytes, *, max_events: int) -> ev.Batch:
         # msgspec recurses per nesting level, also through unknown fields it skips
         raise BadBatch([FieldError(None, "body", "JSON nested deeper than the decoder allows")]) from None
     errors: list[FieldError] = []
+    if b"\\u0000" in body:  # JSON can carry NUL only escaped; PostgreSQL text cannot store it
+        errors += _nul_fields(msgspec.json.decode(body))
     if batch.schema_version > ev.SCHEMA_VERSION:
         errors.append(
             FieldError(None, "schema_version", f"{batch.schema_version} is newer than {ev.SCHEMA_VERSION}")
@@ -106,6 +108,33 @@ def decode_batch(body: bytes, *, max_events: int) -> ev.Batch:
     if errors:
         raise BadBatch(errors)
     return batch
+
+
+def _nul_fields(raw: Any) -> list[FieldError]:
+    """The fields of a decoded batch whose text holds a NUL character (at most 20)."""
+    found: list[FieldError] = []
+
+    def walk(value: Any, index: int | None, path: str) -> None:
+        if len(found) >= 20:
+            return
+        if isinstance(value, str):
+            if "\x00" in value:
+                found.append(FieldError(index, path, "text must not contain NUL (\\u0000)"))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, index, f"{path}.{key}" if path else str(key))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                walk(item, index, f"{path}[{i}]")
+
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            if key == "events" and isinstance(value, list):
+                for i, event in enumerate(value):
+                    walk(event, i, "")
+            else:
+                walk(value, None, key)
+    return found
 
 
 class WriterUnavailable(RuntimeError):

@@ -61,6 +61,30 @@ def test_wrong_field_type_is_a_422_naming_event_index_and_field_and_nothing_is_s
     assert client.get("/v1/requests/r0", headers=RD).status_code == 404  # all-or-nothing
 
 
+def test_nul_in_any_text_field_is_a_422_naming_each_field_and_nothing_is_stored(client):
+    # PostgreSQL text cannot hold NUL (it answered 503 "retry" for a batch that can never succeed)
+    evs = numbered(
+        [
+            ev.Queued(seq=0, ts=5.0, request_id="nul\x00id", prompt_tokens=3),
+            ev.Finished(seq=0, ts=6.0, request_id="ok", reason="stop", stop_reason="x\x00"),
+            ev.Step(seq=0, ts=6.0, step=1, duration_s=0.01, request_ids=["ok", "b\x00ad"]),
+        ]
+    )
+    src = ev.Source(id="eng\x00ine", kind="engine", model="m")
+    r = _post(client, msgspec.json.encode(ev.Batch(source=src, events=evs)))
+    assert r.status_code == 422
+    assert [(e["index"], e["field"]) for e in r.json()["errors"]] == [
+        (None, "source.id"),
+        (0, "request_id"),
+        (1, "stop_reason"),
+        (2, "request_ids[1]"),
+    ]
+    assert client.get("/v1/requests/ok", headers=RD).status_code == 404
+    # an escaped backslash before "u0000" is text, not a NUL
+    fine = numbered([ev.Queued(seq=0, ts=5.0, request_id="back\\u0000slash", prompt_tokens=3)])
+    assert _post(client, body(ENGINE, fine)).json()["accepted"] == 1
+
+
 @pytest.mark.parametrize("depth", [1_000, 20_000])
 def test_deeply_nested_json_is_a_422_naming_the_body_and_the_next_batch_is_stored(client, depth):
     _, en = lifecycle("after-nest")
