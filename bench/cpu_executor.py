@@ -20,7 +20,6 @@ import multiprocessing
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
+
+from bench.head_of_line import _free_port, _pct  # noqa: E402
 
 EXECUTORS = {
     "mp": ({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, []),
@@ -50,17 +51,6 @@ def _probe(seconds: float, out: Any) -> None:
         gaps.append(now - last - 0.01)
         last = now
     out.put(gaps)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def run_row(model: str, executor: str, rps: float, seconds: float, seed: int) -> dict[str, Any]:
