@@ -53,6 +53,11 @@ class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
     backoff_initial_s: PositiveFloat = 0.05  # first retry delay; doubles per failure (with jitter)
     backoff_max_s: PositiveFloat = 2.0  # cap of the retry delay and of the probe interval while down
 
+    replay_max_events: PositiveInt = 8192  # a backlog is replayed in POSTs of up to this many events
+    # (consecutive spooled batches merged; the ledger's default cap is 20,000 per batch), max_in_flight
+    # of them at a time
+    replay_max_bytes: PositiveInt = 4 << 20  # and of up to this many bytes (the ledger's default: 16 MiB)
+
     spool_dir: str | None = ".chunkledger/spool"  # parent folder; each source spools to spool_dir/source_id
     spool_max_bytes: NonNegInt = 256 << 20  # disk cap of the spool; 0 disables spooling
     spool_segment_bytes: PositiveInt = 8 << 20  # the spool rolls to a new file past this size
@@ -124,7 +129,7 @@ class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 def _parse_env_value(name: str, var: str, value: str) -> Any:
     """Environment strings to Python values; numbers are left to msgspec's lax conversion."""
-    if name in ("spool_max_bytes", "spool_segment_bytes"):
+    if name in ("spool_max_bytes", "spool_segment_bytes", "replay_max_bytes"):
         return parse_size(value, var)
     if name in ("spool_dir", "model", "ingest_token", "seq_start"):
         return value if value.strip() else None

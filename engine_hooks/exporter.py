@@ -8,7 +8,8 @@ Shape (OpenTelemetry's BatchProcessor, plus a disk spool and a window of POSTs i
              never raises)        |                                      backoff + jitter; counts the answer
                                   |  settle outcomes oldest first  <---  commands -> on_command (host)
                                   |    failed fresh batch -> spool (the backlog)
-                                  |  backlog: replay it oldest first, one POST at a time, nothing else out
+                                  |  backlog: replay it oldest first, spooled batches merged into
+                                  |    POSTs of replay_max_events, max_in_flight at a time
                                   v  ledger backing off: fresh batches go to the spool behind the backlog
 
 The hot path is a closure that appends ``(layout, values)`` to a deque after one length check: no
@@ -31,8 +32,13 @@ that decides order stays on the worker thread:
   high-water mark, checked against stored events. Both are delivered once; the ledger dedupes
   (source_id, seq) should an answer have been lost.
 * Only the worker touches the spool, and it keeps a fresh batch (spools it) only once no older batch is
-  in flight, so the spool holds batches in seq order. The backlog is replayed oldest first with nothing
-  else in flight, one POST at a time; fresh batches wait behind it.
+  in flight, so the spool holds batches in seq order. The backlog is replayed oldest first with no
+  fresh batch in flight: consecutive spooled batches are merged into POSTs of up to
+  ``replay_max_events`` (one probe after a failure, then ``max_in_flight`` at a time, read ahead of
+  the ones out), and the spool is released up to a POST only once it and every one before it were
+  taken; after a failure the rest of the window is sent again (the ledger dedupes). A merged POST the
+  ledger refuses (4xx) is sent again batch by batch, so only the batch it refuses is dropped. Fresh
+  batches wait in the queue behind the backlog, and past half the queue go to the spool behind it.
 * With ``max_in_flight=1`` the window is one batch: the next POST starts after the previous answer and
   the ledger stores batches in seq order, as before this window existed.
 * ``force_flush`` waits for the batches in flight; ``shutdown`` gives each batch one attempt until 80%
@@ -80,7 +86,7 @@ from engine_hooks.events import (
     commands_decoder,
     response_decoder,
 )
-from engine_hooks.spool import Spool, SpoolError
+from engine_hooks.spool import Spool, SpoolError, SpoolPos, SpoolRecord
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +98,54 @@ _RETRY_STATUSES = frozenset({401, 403, 404, 408, 429})  # 401/403/404: the ledge
 # not the batch: keep it (spool) so that it is delivered once that is fixed, instead of dropping it.
 _COMMAND_MEMORY = 4096  # command ids remembered to hand each command to the host once
 _TAKE_CHUNKS = 4  # batches the worker numbers and encodes per take
-_FRESH, _SPOOLED, _HELD = 0, 1, 2  # what a job sends: a fresh batch, the spool's oldest record, _held[0]
+_FRESH, _SPOOLED, _HELD = 0, 1, 2  # what a job sends: a fresh batch, spooled records, _held[0]
 _ACKED, _REJECTED = "acked", "rejected"  # a job's outcome; a float instead: it failed (retry hint, s)
+_SPLIT = "split"  # a merged replay was refused: its records are sent again one per POST
+
+
+class _RawBatch(msgspec.Struct):
+    """A spooled body, its events left encoded (to merge consecutive records into one POST)."""
+
+    source: msgspec.Raw
+    events: list[msgspec.Raw]
+    schema_version: int = 1
+
+
+_raw_batch = msgspec.json.Decoder(_RawBatch)
+
+
+def merge_records(records: Sequence[SpoolRecord]) -> tuple[bytes, int, int]:
+    """One body from the longest prefix of ``records`` that shares its source and schema version.
+
+    Returns (body, records used, events). The events keep their seq order (the spool holds batches in
+    seq order), so the ledger takes the merged batch as it would take the records one by one.
+    """
+    if len(records) == 1:
+        return records[0].payload, 1, records[0].events
+    first = _raw_batch.decode(records[0].payload)
+    events = list(first.events)
+    used, count = 1, records[0].events
+    for record in records[1:]:
+        nxt = _raw_batch.decode(record.payload)
+        if bytes(nxt.source) != bytes(first.source) or nxt.schema_version != first.schema_version:
+            break
+        events.extend(nxt.events)
+        used += 1
+        count += record.events
+    if used == 1:
+        return records[0].payload, 1, records[0].events
+    body = b"".join(
+        (
+            b'{"source":',
+            bytes(first.source),
+            b',"events":[',
+            b",".join(bytes(e) for e in events),
+            b'],"schema_version":',
+            str(first.schema_version).encode(),
+            b"}",
+        )
+    )
+    return body, used, count
 
 
 class _Layout(NamedTuple):
@@ -118,11 +170,15 @@ class Prepared(NamedTuple):
 class _Job:
     """One batch handed to a sender thread; the worker settles jobs in the order it submitted them."""
 
-    __slots__ = ("abandoned", "attempts", "done", "kind", "outcome", "prepared")
+    __slots__ = ("abandoned", "attempts", "done", "end", "kind", "outcome", "prepared", "records")
 
-    def __init__(self, kind: int, prepared: Prepared, attempts: int):
+    def __init__(
+        self, kind: int, prepared: Prepared, attempts: int, end: SpoolPos | None = None, records: int = 1
+    ):
         self.kind = kind
         self.prepared = prepared
+        self.end = end  # spooled: the spool position just past its records (released once acknowledged)
+        self.records = records  # spooled: how many spool records it merges
         self.attempts = attempts  # POSTs before giving up: max_attempts for a fresh batch, else 1
         self.outcome: str | float | None = None  # set under _counts_lock once the answer is known
         self.done = False  # set after the outcome, once the answer's commands are handed over
@@ -274,6 +330,10 @@ class Exporter:
         self._held: deque[Prepared] = deque()  # batches neither delivered nor spooled (spool full/off)
         self._ready: deque[Prepared] = deque()  # numbered and encoded, not yet sent or kept
         self._inflight: deque[_Job] = deque()  # sent and not yet settled, oldest first
+        self._replay_pos: SpoolPos | None = None  # where the next replay reads (None: the spool's head)
+        self._replay_broken = False  # a replay in the window failed: later ones are not released
+        self._replay_single_until: SpoolPos | None = None  # a merged replay was refused: one record
+        # per POST until past this position, so that only the record the ledger refuses is dropped
         self._max_in_flight = self.config.max_in_flight
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # worker -> sender threads
         self._senders: list[threading.Thread] = []
@@ -633,6 +693,7 @@ class Exporter:
                 break
             self._guarded_cycle(final=False)
         self._guarded_cycle(final=True)
+        self._report_spooled()
         self._close_resources()
 
     def _sleep_time(self) -> float:
@@ -713,6 +774,20 @@ class Exporter:
                 "chunkledger exporter %s: %d events could be neither delivered nor spooled at shutdown",
                 self._source.id,
                 lost,
+            )
+
+    def _report_spooled(self) -> None:
+        """Shutdown: say what stays in the spool for the next start of this source."""
+        spool = self._spool
+        if spool is not None and spool:
+            log.warning(
+                "chunkledger exporter %s: %d events (%d batches) stay spooled in %s; they are sent when "
+                "source %s starts again with this spool folder",
+                self._source.id,
+                spool.pending_events,
+                spool.pending_records,
+                spool.directory,
+                self._source.id,
             )
 
     def _close_resources(self) -> None:
@@ -842,10 +917,28 @@ class Exporter:
         now = time.monotonic()
         gate_closed = now < self._down_until or (final and now >= self._send_deadline)
         if gate_closed or self._backlog():
-            if self._inflight:
+            inflight = self._inflight
+            if not gate_closed and all(j.kind == _SPOOLED for j in inflight):
+                # Replay: up to max_in_flight POSTs of merged spool records. Fresh events wait in the
+                # queue behind the backlog; past half the queue they are spooled behind it.
+                # After a failure one replay probes the ledger; the window opens once it is taken.
+                window = 1 if self._failures else self._max_in_flight
+                if len(inflight) < window and self._submit_replay():
+                    return True
+                if (
+                    inflight
+                    and not self._held  # the spool took the last one: held batches would pile up
+                    and len(self._queue) + self._extra >= self._queue_size // 2
+                ):
+                    if not self._ready:
+                        self._fill_ready()
+                    if self._ready:
+                        self._keep(self._ready.popleft())
+                        return True
+                return progressed or not (inflight or self._backlog())
+            if inflight:
                 return progressed  # their outcomes come first, so that the spool stays in seq order
-            if not gate_closed:
-                return self._submit_replay() or progressed or not self._backlog()
+            # the ledger is backing off (or shutdown's send deadline passed): keep fresh batches
             if not self._ready and not self._held and self._queue:
                 self._fill_ready()
                 progressed = True
@@ -871,22 +964,43 @@ class Exporter:
     def _fill_ready(self) -> None:
         self._ready.extend(self._prepare(self._take(self._batch_size * _TAKE_CHUNKS)))
 
-    def _submit(self, kind: int, prepared: Prepared, attempts: int) -> None:
-        job = _Job(kind, prepared, attempts)
+    def _submit(
+        self, kind: int, prepared: Prepared, attempts: int, end: SpoolPos | None = None, records: int = 1
+    ) -> None:
+        job = _Job(kind, prepared, attempts, end, records)
         self._inflight.append(job)
         self._jobs.put(job)
 
     def _submit_replay(self) -> bool:
-        """Send the oldest backlog batch (spool first, then held); False when there was none after all."""
+        """Send the next backlog batch: spool records after those in flight, merged up to
+        ``replay_max_events``, else (nothing in flight) the oldest held batch. False when none."""
         spool = self._spool
-        record = spool.peek() if spool is not None and spool else None
-        if spool is not None:
+        replaying = any(j.kind == _SPOOLED for j in self._inflight)
+        if not replaying:  # the window is empty: read from the head (again, after a failure)
+            self._replay_pos, self._replay_broken = None, False
+        if spool is not None and spool and not self._replay_broken:
+            single = self._replay_single_until is not None
+            got = spool.read(
+                self._replay_pos,
+                max_events=0 if single else self.config.replay_max_events,
+                max_bytes=self.config.replay_max_bytes,
+            )
             torn_records, torn_events = spool.take_torn()
             if torn_records:
                 self._record_drop("spool_torn", torn_events)
-        if record is not None:
-            self._submit(_SPOOLED, Prepared(record.payload, record.events, -1, -1), 1)
-            return True
+            if got.records:
+                body, used, events = merge_records(got.records)
+                end = got.ends[used - 1] if used < len(got.records) else got.end
+                self._replay_pos = end
+                until = self._replay_single_until
+                if until is not None and end >= until:
+                    self._replay_single_until = None
+                self._submit(_SPOOLED, Prepared(body, events, -1, -1), 1, end, used)
+                return True
+            if not replaying and got.end != spool.head():
+                spool.release(got.end, 0, 0)  # only torn records were left
+        if replaying:
+            return False
         if self._held:
             self._submit(_HELD, self._held[0], 1)
             return True
@@ -911,14 +1025,20 @@ class Exporter:
                     self._enter_down(None)
                 self._keep(job.prepared)
             else:
+                if job.kind == _SPOOLED:
+                    self._replay_broken = True  # its records stay; the ones after it are sent again
                 self._enter_down(outcome)
             return
         if outcome == _ACKED:
             self._failures = 0
             self._down_until = 0.0
         if job.kind == _SPOOLED:
-            assert self._spool is not None
-            self._spool.pop()  # the record peeked for this job: nothing else peeks while it is in flight
+            assert self._spool is not None and job.end is not None
+            if outcome == _SPLIT:
+                self._replay_broken = True
+                self._replay_single_until = job.end
+            elif not self._replay_broken:  # settled oldest first: everything before it is released
+                self._spool.release(job.end, job.records, job.prepared.events)
         elif job.kind == _HELD:
             self._held.popleft()
 
@@ -1010,6 +1130,20 @@ class Exporter:
                 response.text[:200],
             )
             return _retry_after(response) or 0.0
+        if job.records > 1:  # merged spool records: find the one it refuses, drop only that
+            self._log(
+                logging.WARNING,
+                f"split:{status}",
+                "chunkledger exporter: ledger refused a merged replay with HTTP %d (%s); sending its "
+                "%d batches one by one",
+                status,
+                response.text[:200],
+                job.records,
+            )
+            with self._counts_lock:
+                if not job.abandoned:
+                    job.outcome = _SPLIT
+            return _SPLIT
         self._log(
             logging.ERROR,
             f"rejected:{status}",

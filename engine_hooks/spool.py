@@ -6,10 +6,12 @@ Layout: one folder per source holding segment files ``<12-digit id>.seg``, a ``c
     magic b"CLS1" | payload length u32 | event count u32 | crc32(payload) u32 | crc32(first 12 bytes) u32
 
 Records are appended to the newest segment; a segment past ``segment_bytes`` is closed and a new one
-started. The reader walks from the cursor (segment id, byte offset) in order; ``pop()`` moves the cursor
-past the record just delivered and deletes a segment once it is consumed. The cursor is replaced
-atomically but not fsynced: after a crash at most the last few delivered records are replayed again,
-which the ledger dedupes by (source, seq).
+started. The reader walks from the cursor (segment id, byte offset) in order. ``read(start, ...)``
+returns consecutive records from a position without consuming them (the exporter reads ahead of the
+batches it has in flight), ``release(end)`` moves the cursor to a position returned by ``read`` and
+deletes the segments consumed before it; ``peek()``/``pop()`` do the same one record at a time. The
+cursor is replaced atomically but not fsynced: after a crash at most the last few delivered records are
+replayed again, which the ledger dedupes by (source, seq).
 
 Torn records: a process killed mid-append leaves a short last record; at open the spool truncates that
 tail. A record whose header or payload checksum fails (a truncated file that was appended to again, or
@@ -21,6 +23,7 @@ The spool is used by one thread (the exporter's worker) and one process (an excl
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fcntl
 import logging
@@ -46,6 +49,22 @@ class SpoolError(RuntimeError):
 class SpoolRecord(NamedTuple):
     payload: bytes  # the encoded batch, sent as is
     events: int  # events in the batch
+
+
+class SpoolPos(NamedTuple):
+    """A place in the spool: segment id and byte offset in it."""
+
+    seg: int
+    off: int
+
+
+class SpoolRead(NamedTuple):
+    """What ``read`` found: records in order, the position just past each, and where the next read
+    continues (past any torn records after the last one)."""
+
+    records: list[SpoolRecord]
+    ends: list[SpoolPos]
+    end: SpoolPos
 
 
 def _header(payload: bytes, events: int) -> bytes:
@@ -90,8 +109,8 @@ class Spool:
             ) from exc
         self._pending_events = 0
         self._pending_records = 0
-        self._next_off = -1  # offset just past the record returned by peek(), -1 when none
-        self._next_events = 0
+        self._peeked: SpoolRead | None = None  # what the last peek() returned, for pop()
+        self._torn_at: set[SpoolPos] = set()  # torn records counted already (read() may pass them again)
         self._write_fd: int | None = None
         self._read_fd: int | None = None
         self._read_fd_seg = -1
@@ -173,35 +192,86 @@ class Spool:
         self._pending_events += events
         return True
 
+    def read(self, start: SpoolPos | None, *, max_events: int, max_bytes: int) -> SpoolRead:
+        """Consecutive records from ``start`` (None: the oldest undelivered one), without consuming them.
+
+        Stops before the record that would pass ``max_events`` or ``max_bytes`` (but returns at least
+        one record when there is one) and at the end of the spool. Torn records are skipped and counted
+        once. ``end`` is where the next read continues and what ``release`` takes.
+        """
+        pos = self.head() if start is None else start
+        records: list[SpoolRecord] = []
+        ends: list[SpoolPos] = []
+        events = size = 0
+        while True:
+            seg_size = self._sizes.get(pos.seg)
+            if seg_size is None or pos.off >= seg_size:
+                i = bisect.bisect_right(self._segments, pos.seg)
+                if i >= len(self._segments):
+                    break
+                pos = SpoolPos(self._segments[i], 0)
+                continue
+            fd = self._reader(pos.seg)
+            parsed = _parse_header(os.pread(fd, HEADER_SIZE, pos.off))
+            if parsed is not None:
+                length, n, crc = parsed
+                if records and (events + n > max_events or size + length > max_bytes):
+                    break
+                payload = os.pread(fd, length, pos.off + HEADER_SIZE)
+                if len(payload) == length and zlib.crc32(payload) == crc:
+                    records.append(SpoolRecord(payload, n))
+                    events += n
+                    size += length
+                    pos = SpoolPos(pos.seg, pos.off + HEADER_SIZE + length)
+                    ends.append(pos)
+                    continue
+            if pos not in self._torn_at:
+                self._torn_at.add(pos)
+                self._count_torn(parsed[1] if parsed is not None else 0)
+            pos = SpoolPos(pos.seg, self._resync(fd, pos.off + 1, seg_size))
+        return SpoolRead(records, ends, pos)
+
+    def head(self) -> SpoolPos:
+        """The position of the oldest undelivered record (the cursor)."""
+        if not self._segments:
+            return SpoolPos(self._next_id, 0)
+        return SpoolPos(self._segments[0], self._read_off)
+
+    def release(self, end: SpoolPos, records: int, events: int) -> None:
+        """Mark everything before ``end`` delivered (``records`` and ``events``: what that was)."""
+        while self._segments and self._segments[0] < end.seg:
+            self._drop_segment(self._segments[0])
+        if self._segments and self._segments[0] == end.seg:
+            self._read_off = max(self._read_off, end.off)
+            if self._read_off >= self._sizes[end.seg]:  # consumed: delete it (the newest one too)
+                self._drop_segment(end.seg)
+        self._pending_records = max(0, self._pending_records - records)
+        self._pending_events = max(0, self._pending_events - events)
+        head = self.head()
+        self._torn_at = {p for p in self._torn_at if p >= head}
+        if not self._segments:
+            self._pending_records = self._pending_events = 0
+        self._save_cursor()
+
     def peek(self) -> SpoolRecord | None:
         """The oldest undelivered record, skipping (and counting) torn ones; None when empty."""
-        self._next_off = -1
-        while self._segments:
-            seg = self._segments[0]
-            size = self._sizes[seg]
-            if self._read_off >= size:
-                if len(self._segments) == 1:
-                    break
-                self._drop_segment(seg)
-                continue
-            record = self._read_record(seg, self._read_off, size)
-            if record is not None:
-                return record
-        self._pending_records = self._pending_events = 0
-        return None
+        got = self.read(None, max_events=0, max_bytes=0)
+        if not got.records:
+            self._peeked = None
+            # nothing valid left: forget the torn tail read passed, and any segments it consumed
+            self.release(got.end, 0, 0)
+            self._pending_records = self._pending_events = 0
+            return None
+        self._peeked = got
+        return got.records[0]
 
     def pop(self) -> None:
         """Mark the record returned by the last ``peek()`` delivered."""
-        if self._next_off < 0:
+        got = self._peeked
+        if got is None:
             raise RuntimeError("pop() without a successful peek()")
-        self._read_off = self._next_off
-        self._next_off = -1
-        self._pending_records = max(0, self._pending_records - 1)
-        self._pending_events = max(0, self._pending_events - self._next_events)
-        seg = self._segments[0]
-        if self._read_off >= self._sizes[seg]:  # consumed: delete it (the newest one too, to stay tidy)
-            self._drop_segment(seg)
-        self._save_cursor()
+        self._peeked = None
+        self.release(got.ends[0], 1, got.records[0].events)
 
     def close(self) -> None:
         for fd in (self._write_fd, self._read_fd, self._lock_fd):
@@ -276,21 +346,6 @@ class Spool:
         self._segments.remove(seg)
         del self._sizes[seg]
         self._read_off = 0
-
-    def _read_record(self, seg: int, off: int, size: int) -> SpoolRecord | None:
-        """The record at ``off``; on damage, count it and move the read offset to the next valid header."""
-        fd = self._reader(seg)
-        parsed = _parse_header(os.pread(fd, HEADER_SIZE, off))
-        if parsed is not None:
-            length, events, crc = parsed
-            payload = os.pread(fd, length, off + HEADER_SIZE)
-            if len(payload) == length and zlib.crc32(payload) == crc:
-                self._next_off = off + HEADER_SIZE + length
-                self._next_events = events
-                return SpoolRecord(payload, events)
-        self._count_torn(parsed[1] if parsed is not None else 0)
-        self._read_off = self._resync(fd, off + 1, size)
-        return None
 
     def _resync(self, fd: int, start: int, size: int) -> int:
         """Offset of the next valid header at or after ``start`` (``size`` when there is none)."""

@@ -9,12 +9,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from ledger.api import advice as advice_api
-from ledger.api import analytics, events, health, requests
+from ledger.api import analytics, events, health, openapi, requests
 from ledger.api import commands as commands_api
 from ledger.api import metrics as metrics_api
 from ledger.api import policy as policy_api
 from ledger.api import sql as sql_api
 from ledger.api import webhooks as webhooks_api
+from ledger.api.body_timeout import BodyTimeoutMiddleware
 from ledger.config import Settings, get_settings
 from ledger.ingest import IngestWriter
 from ledger.metrics import LedgerMetrics
@@ -22,6 +23,7 @@ from ledger.rules.service import RunawayService
 from ledger.sql import open_runner as open_sql_runner
 from ledger.store import Store, open_store
 from ledger.watchdog import LoopWatchdog
+from ledger.webhooks.targets import TargetPolicy
 
 # Ingest allocates a few objects per event and makes almost no reference cycles; with CPython's default
 # thresholds (a young collection every 700 allocations) the collector ran every few hundred events and
@@ -76,6 +78,7 @@ def create_app(
                 "base_backoff_s": settings.webhook_backoff_s,
                 "max_backoff_s": settings.webhook_backoff_max_s,
                 "timeout_s": settings.webhook_timeout_s,
+                "targets": TargetPolicy.parse(settings.webhook_allow),
             },
         )
         app.state.runaway.start()
@@ -103,6 +106,7 @@ def create_app(
     app = FastAPI(title="chunkledger", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = LedgerMetrics()
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)
     app.include_router(health.router)
     app.include_router(events.router)
     app.include_router(requests.router)
@@ -113,4 +117,5 @@ def create_app(
     app.include_router(analytics.router)
     app.include_router(advice_api.router)
     app.include_router(sql_api.router)
+    openapi.install(app)
     return app

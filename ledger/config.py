@@ -21,8 +21,17 @@ class Settings(BaseSettings):
     read_token: str = ""  # bearer token for the read API
     admin_token: str = ""  # bearer token for admin endpoints; also allowed wherever the others are
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="413 above this request body size")
+    body_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="408 when a request body stops arriving for this long"
+    )
     max_events_per_batch: int = Field(20_000, ge=1)
     group_commit_max_events: int = Field(50_000, ge=1, description="events per storage transaction")
+    max_clock_ahead_s: float = Field(
+        300.0,
+        ge=0,
+        description="event timestamps further than this ahead of the ledger's clock are stored as the "
+        "receive time (counted in chunkledger_ingest_future_timestamps_total)",
+    )
     persist_token_ids: bool = False  # store output token ids in events.data (they are user content)
     policy_file: str = Field(
         "", description="runaway policy (TOML/YAML/JSON) loaded at start; empty: stored or defaults"
@@ -33,6 +42,12 @@ class Settings(BaseSettings):
         1.0, gt=0, description="first webhook retry delay (doubles, with jitter)"
     )
     webhook_backoff_max_s: float = Field(300.0, gt=0, description="longest webhook retry delay")
+    webhook_allow: str = Field(
+        "",
+        description="networks (CIDR) and host names webhooks may go to besides public addresses, comma "
+        "separated (e.g. 10.20.0.0/16,relay.internal); private, loopback, link-local and metadata "
+        "targets are refused otherwise",
+    )
     webhook_timeout_s: float = Field(5.0, gt=0, le=120, description="webhook HTTP timeout per attempt")
     log_level: str = "info"
     gc_tuning: bool = Field(
@@ -41,6 +56,11 @@ class Settings(BaseSettings):
     sql_timeout_s: float = Field(10.0, gt=0, le=3600, description="POST /v1/sql: time limit per query")
     sql_max_rows: int = Field(
         10_000, ge=1, le=1_000_000, description="POST /v1/sql: most rows one query returns"
+    )
+    sql_max_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=1024,
+        description="POST /v1/sql: about the most bytes of values one answer holds (then truncated_by=bytes)",
     )
     sql_reader_url: str = Field(
         "", description="PostgreSQL: URL of the read-only role /v1/sql connects as (`chunkledger sql-reader`)"

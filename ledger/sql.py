@@ -86,6 +86,7 @@ class SqlResult:
     rows: list[list[Any]]
     truncated: bool
     elapsed_s: float
+    truncated_by: str | None = None  # "rows" (max_rows) or "bytes" (sql_max_bytes) when truncated
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -93,8 +94,39 @@ class SqlResult:
             "types": self.types,
             "rows": self.rows,
             "truncated": self.truncated,
+            "truncated_by": self.truncated_by,
             "elapsed_s": round(self.elapsed_s, 6),
         }
+
+
+def _value_bytes(v: Any) -> int:
+    """About how many bytes a result value takes in the answer."""
+    if isinstance(v, (str, bytes)):
+        return len(v) + 2
+    if isinstance(v, (list, tuple)):
+        return 2 + sum(_value_bytes(x) + 1 for x in v)
+    if isinstance(v, dict):
+        return 2 + sum(len(str(k)) + 4 + _value_bytes(x) for k, x in v.items())
+    return 8
+
+
+def fetch_capped(cur: Any, max_rows: int, max_bytes: int | None) -> tuple[list[Any], str | None]:
+    """Rows of an executed cursor up to ``max_rows`` and about ``max_bytes`` of values, fetched in
+    chunks (a 10,000-row cap over 50 KB strings must not build a 500 MB answer); (rows, what cut them)."""
+    rows: list[Any] = []
+    size = 0
+    while len(rows) <= max_rows:
+        chunk = cur.fetchmany(min(1000, max_rows + 1 - len(rows)))
+        if not chunk:
+            return rows, None
+        if max_bytes is not None:
+            for i, row in enumerate(chunk):
+                size += 4 + sum(_value_bytes(v) + 1 for v in row)
+                if size > max_bytes:
+                    rows.extend(chunk[:i])
+                    return rows, "bytes"
+        rows.extend(chunk)
+    return rows[:max_rows], "rows"
 
 
 # -- statement classification (DuckDB's parser) --------------------------------------------------
@@ -394,18 +426,26 @@ class SqlRunner:
     def __init__(self) -> None:
         self._slots = threading.BoundedSemaphore(self.max_concurrent)
 
-    def run(self, sql: str, params: Params = None, *, max_rows: int, timeout_s: float) -> SqlResult:
+    def run(
+        self,
+        sql: str,
+        params: Params = None,
+        *,
+        max_rows: int,
+        timeout_s: float,
+        max_bytes: int | None = None,
+    ) -> SqlResult:
         if not self._slots.acquire(timeout=1.0):
             raise SqlError(
                 "busy", f"{self.max_concurrent} SQL queries are already running; retry shortly", 503
             )
         try:
-            return self._run(sql, params, max_rows=max_rows, timeout_s=timeout_s)
+            return self._run(sql, params, max_rows=max_rows, timeout_s=timeout_s, max_bytes=max_bytes)
         finally:
             self._slots.release()
 
     def _run(
-        self, sql: str, params: Params, *, max_rows: int, timeout_s: float
+        self, sql: str, params: Params, *, max_rows: int, timeout_s: float, max_bytes: int | None = None
     ) -> SqlResult:  # pragma: no cover - interface
         raise NotImplementedError
 
@@ -420,7 +460,9 @@ class UnavailableRunner(SqlRunner):
         super().__init__()
         self.why = why
 
-    def _run(self, sql: str, params: Params, *, max_rows: int, timeout_s: float) -> SqlResult:
+    def _run(
+        self, sql: str, params: Params, *, max_rows: int, timeout_s: float, max_bytes: int | None = None
+    ) -> SqlResult:
         raise SqlError("unavailable", self.why, status=503)
 
 
@@ -469,7 +511,9 @@ class DuckDBRunner(SqlRunner):
                 cur.execute("ROLLBACK")
             cur.close()
 
-    def _run(self, sql: str, params: Params, *, max_rows: int, timeout_s: float) -> SqlResult:
+    def _run(
+        self, sql: str, params: Params, *, max_rows: int, timeout_s: float, max_bytes: int | None = None
+    ) -> SqlResult:
         bound = _check_params(params)
         with self.read_transaction() as cur:
             inner = sql if classify(sql, cur) == "SELECT" else explained_statement(sql)
@@ -482,7 +526,7 @@ class DuckDBRunner(SqlRunner):
             try:
                 cur.execute(sql, bound)
                 desc = cur.description or []
-                raw = cur.fetchmany(max_rows + 1) if desc else []
+                raw, cut = fetch_capped(cur, max_rows, max_bytes) if desc else ([], None)
             except duckdb.Error as exc:
                 raise _duckdb_error(exc, timeout_s) from None
             except (ValueError, OverflowError, TypeError) as exc:  # a value Python cannot hold
@@ -492,9 +536,8 @@ class DuckDBRunner(SqlRunner):
             elapsed = time.perf_counter() - t0
         natives = [str(d[1]) for d in desc]
         types = [type_name(n) for n in natives]
-        truncated = len(raw) > max_rows
-        rows = _convert_rows(raw[:max_rows], natives, types)
-        return SqlResult([d[0] for d in desc], types, rows, truncated, elapsed)
+        rows = _convert_rows(raw, natives, types)
+        return SqlResult([d[0] for d in desc], types, rows, cut is not None, elapsed, cut)
 
     def close(self) -> None:
         with contextlib.suppress(duckdb.Error):
@@ -592,7 +635,9 @@ class PostgresRunner(SqlRunner):
                 503,
             )
 
-    def _run(self, sql: str, params: Params, *, max_rows: int, timeout_s: float) -> SqlResult:
+    def _run(
+        self, sql: str, params: Params, *, max_rows: int, timeout_s: float, max_bytes: int | None = None
+    ) -> SqlResult:
         import psycopg
 
         bound = _check_params(params)
@@ -609,7 +654,7 @@ class PostgresRunner(SqlRunner):
                     cur = pg.cursor(name="chunkledger_sql")
                     cur.execute(query, bound)
                 desc = cur.description or []
-                raw = cur.fetchmany(max_rows + 1) if desc else []
+                raw, cut = fetch_capped(cur, max_rows, max_bytes) if desc else ([], None)
             except psycopg.Error as exc:
                 raise _pg_error(exc, timeout_s) from None
             except (ValueError, OverflowError, TypeError) as exc:  # a value Python cannot hold
@@ -617,9 +662,8 @@ class PostgresRunner(SqlRunner):
             elapsed = time.perf_counter() - t0
         natives = [d.type_display for d in desc]
         types = [type_name(n) for n in natives]
-        truncated = len(raw) > max_rows
-        rows = _convert_rows(raw[:max_rows], natives, types)
-        return SqlResult([d.name for d in desc], types, rows, truncated, elapsed)
+        rows = _convert_rows(raw, natives, types)
+        return SqlResult([d.name for d in desc], types, rows, cut is not None, elapsed, cut)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -869,7 +913,11 @@ def query_command(
         n = len(result["rows"])
         typer.echo(f"({n} row{'s' if n != 1 else ''}, {result['elapsed_s'] * 1000:.1f} ms)")
     if result.get("truncated"):
-        typer.echo(f"truncated at {len(result['rows'])} rows; raise --max-rows or narrow the query", err=True)
+        if result.get("truncated_by") == "bytes":
+            why = "the ledger's answer size cap (CHUNKLEDGER_SQL_MAX_BYTES); select fewer or shorter columns"
+        else:
+            why = "raise --max-rows or narrow the query"
+        typer.echo(f"truncated at {len(result['rows'])} rows: {why}", err=True)
 
 
 def ledger_request(

@@ -36,8 +36,46 @@ def table(cls: type, skip: set[str]) -> str:
     return "\n".join(rows)
 
 
+_TYPES = (
+    "Seq",
+    "Int64",
+    "NonNegInt64",
+    "NonNegInt",
+    "NonNegFloat",
+    "Timestamp",
+    "StatusCode",
+    "RequestId",
+    "Name",
+    "Ratio",
+)
+_BOUNDS = (("ge", ">= {}"), ("gt", "> {}"), ("le", "<= {}"), ("lt", "< {}"))
+
+
+def _bound(v: float) -> str:
+    for exp in (63, 31):
+        if v in (2**exp - 1, -(2**exp)):
+            return f"{'-' if v < 0 else ''}2^{exp}{' - 1' if v > 0 else ''}"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def types_table() -> str:
+    """The named field types and their ranges (every value outside them is a 422 naming the field)."""
+    rows = ["| type | values |", "|---|---|"]
+    for name in _TYPES:
+        alias = getattr(ev, name)
+        base, meta = alias.__origin__, alias.__metadata__[0]
+        parts = [fmt.format(_bound(getattr(meta, k))) for k, fmt in _BOUNDS if getattr(meta, k) is not None]
+        if meta.min_length is not None:
+            parts.append(f"{meta.min_length} to {meta.max_length} characters")
+        rows.append(f"| `{name}` | {base.__name__}, {', '.join(parts)} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     common = {"seq", "ts", "request_id"}
+    print("Field types (a value outside its range is a 422 naming the field):\n")
+    print(types_table())
+    print()
     print("Every event: `kind` (the tag below), plus\n")
     print(table(ev.Arrived, set(f.name for f in msgspec.structs.fields(ev.Arrived)) - common))
     print("\n(`request_id` on every kind but `step` and `dropped`.)\n")

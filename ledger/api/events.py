@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 from fastapi import APIRouter, Request, Response, status
@@ -13,7 +14,7 @@ from starlette.requests import ClientDisconnect
 
 from engine_hooks import events as ev
 from ledger.api.deps import SettingsDep, WriterDep, require
-from ledger.ingest import BadBatch, WriterUnavailable, decode_batch
+from ledger.ingest import BadBatch, WriterUnavailable, clamp_future, decode_batch
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -61,6 +62,16 @@ async def ingest_events(request: Request, settings: SettingsDep, writer: WriterD
             {"detail": "batch rejected, nothing stored", "errors": [e.as_dict() for e in exc.errors]},
             status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
         )
+    ahead = clamp_future(batch, time.time(), settings.max_clock_ahead_s)
+    if ahead:
+        log.warning(
+            "%d events from %s were stamped over %.0f s ahead of the ledger's clock; stored with the "
+            "receive time",
+            ahead,
+            batch.source.id,
+            settings.max_clock_ahead_s,
+        )
+        request.app.state.metrics.ingest_future_timestamps.labels(batch.source.id).inc(ahead)
     # The rule engine sees the batch now, beside the store's write: cutoffs never wait for a commit.
     observed = runaway.observe_arrival(batch) if runaway is not None else None
     try:

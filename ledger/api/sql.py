@@ -49,7 +49,11 @@ def run_sql(
         )
     try:
         result = _runner(request).run(
-            body.sql, body.params, max_rows=max_rows, timeout_s=settings.sql_timeout_s
+            body.sql,
+            body.params,
+            max_rows=max_rows,
+            timeout_s=settings.sql_timeout_s,
+            max_bytes=settings.sql_max_bytes,
         )
     except SqlError as exc:
         return _error(exc)
@@ -61,6 +65,7 @@ def run_sql(
             headers={
                 "X-Chunkledger-Types": ",".join(result.types),
                 "X-Chunkledger-Truncated": "true" if result.truncated else "false",
+                "X-Chunkledger-Truncated-By": result.truncated_by or "",
                 "X-Chunkledger-Elapsed-S": f"{result.elapsed_s:.6f}",
             },
         )

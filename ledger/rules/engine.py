@@ -8,10 +8,13 @@ that batch's events, so a request that finished in the same batch is never cut; 
 request's output token ids are fed to its loop detector once per batch, all of them in order. Time rules
 (wall-clock and stall timeouts, slow-pool starvation) and the starvation alert run on ``tick``.
 
-Clocks: each source's timestamps are moved onto the ledger's clock with that source's offset, measured
-as the smallest ``receive time - newest event ts`` over its last 32 batches (clock difference plus the
-shortest delivery delay). Ages computed from it err on the young side by that delay, so a time rule can
-fire late by a flush interval but never early because of a skewed source clock.
+Clocks: time rules run on the ledger's clock only. Each event counts as happening when its batch was
+received (``recv_ts``), never at its source's ``ts``: an event is always received after it happened, so
+every age is measured short by the delivery delay (a flush interval; the outage, for events replayed
+from a spool) and a time rule fires late by that, never early, whatever a source's clock says. (An
+earlier design mapped ``ts`` onto the ledger's clock with a per-source offset, the smallest
+``receive - ts`` seen: one event stamped an hour ahead made every request of that source look an hour
+old, and the wall-clock rule aborted normal requests.)
 
 Memory is bounded: a request leaves the live set when it finishes (engine ``finished``, or the gateway
 is done and no engine has it), when it has had no event for ``idle_evict_s``, or, least recently touched
@@ -23,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -59,16 +62,6 @@ class Hooks(Protocol):
     def starving(self, r: R.LiveRequest, waited_s: float, now: float) -> None: ...
 
 
-class _Clock:
-    __slots__ = ("offsets",)
-
-    def __init__(self) -> None:
-        self.offsets: deque[float] = deque(maxlen=32)
-
-    def offset(self) -> float:
-        return min(self.offsets) if self.offsets else 0.0
-
-
 class RuleEngine:
     def __init__(
         self,
@@ -89,7 +82,6 @@ class RuleEngine:
         self._lock = threading.RLock()
         self.live: OrderedDict[str, R.LiveRequest] = OrderedDict()  # least recently touched first
         self._done: OrderedDict[str, None] = OrderedDict()  # recently finished ids (late events ignored)
-        self._clocks: dict[str, _Clock] = {}
         self._rules_cache: tuple[Policy | None, dict[str | None, RuleSettings]] = (None, {})
         self._stalled: dict[str, tuple[str, int]] = {}  # source -> (model, KV-stalled in its last step)
 
@@ -114,11 +106,6 @@ class RuleEngine:
             return []
         now = self._clock() if recv_ts is None else recv_ts
         with self._lock:
-            clk = self._clocks.get(source.id)
-            if clk is None:
-                clk = self._clocks[source.id] = _Clock()
-            clk.offsets.append(now - max([e.ts for e in events]))
-            off = clk.offset()
             touched: dict[str, R.LiveRequest] = {}
             signals: list[tuple[Any, ...]] = []
             # Output token ids per request, fed to its loop detector once per batch (the counter rules
@@ -128,7 +115,7 @@ class RuleEngine:
             tokens_cls = ev.Tokens
             for e in events:
                 if type(e) is not tokens_cls:
-                    self._apply(source, e, e.ts + off, touched, signals, mono)
+                    self._apply(source, e, now, touched, signals, mono)
                     continue
                 # ``tokens``, the bulk of any stream, here rather than in ``_apply``.
                 r = self._touch(e.request_id, source, touched, mono)
@@ -136,7 +123,7 @@ class RuleEngine:
                     continue
                 if e.total > r.output_tokens:
                     r.output_tokens = e.total
-                r.last_progress_ts = e.ts + off
+                r.last_progress_ts = now
                 r.running, r.waiting_since = True, None
                 ids = e.token_ids
                 if ids:

@@ -85,7 +85,9 @@ class RuleSettings(_Strict):
 
 
 class SloSettings(_Strict):
-    ttft_p99_s: float | None = Field(None, gt=0, description="TTFT p99 target")
+    ttft_p99_s: float | None = Field(
+        None, gt=0, description="TTFT p99 target (as the client saw it where a gateway measured it)"
+    )
     itl_p99_s: float | None = Field(None, gt=0, description="inter-token latency p99 target")
 
     @field_validator("ttft_p99_s", "itl_p99_s", mode="before")

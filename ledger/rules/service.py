@@ -45,8 +45,8 @@ _IntakeItem = tuple[ev.Batch, list[Any] | None, concurrent.futures.Future[list[A
 
 OBSERVE_DELAY_S = 3.0  # wait this long after the engine's finish before reading the row (gateway end)
 _VIEW_COLUMNS = (
-    "request_id, model, output_tokens, entry_s, admission_s, backend_wait_s, prefill_s, decode_s, e2e_s, "
-    "ttft_s"
+    "request_id, model, output_tokens, entry_s, admission_s, backend_wait_s, frontend_s, engine_queue_s, "
+    "prefill_s, decode_s, delivery_s, e2e_s, ttft_s, client_ttft_s"
 )
 
 
@@ -360,7 +360,10 @@ class RunawayService:
             rows = [dict(r._mapping) for r in conn.execute(stmt, {"ids": due})]
         for row in rows:
             self.metrics.observe_request(row)
-            ttft = row.get("ttft_s")
+            # the SLO is on TTFT as the client saw it where a gateway measured it
+            ttft = row.get("client_ttft_s")
+            if ttft is None:
+                ttft = row.get("ttft_s")
             self.slo.add(
                 str(row.get("model") or ""), now, ttft if isinstance(ttft, float) else None, itl_of(row)
             )

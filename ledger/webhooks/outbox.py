@@ -24,6 +24,7 @@ import httpx
 import sqlalchemy as sa
 
 from ledger.webhooks.signing import HEADER, sign
+from ledger.webhooks.targets import TargetPolicy, TargetRefused
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,9 @@ class Webhooks:
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         on_attempt: Callable[[str, int | None, str | None, bool], None] | None = None,
+        targets: TargetPolicy | None = None,
     ) -> None:
+        self.targets = targets or TargetPolicy()  # public addresses only, unless allow-listed
         self.engine = engine
         self.max_attempts = max_attempts
         self.base_backoff_s = base_backoff_s
@@ -97,8 +100,6 @@ class Webhooks:
     def create(
         self, *, url: str, secret: str, event_types: list[str], format: str = "json"
     ) -> dict[str, Any]:
-        if not url.startswith(("http://", "https://")):
-            raise SubscriptionError("url: must start with http:// or https://")
         if len(secret) < 16:
             raise SubscriptionError("secret: at least 16 characters")
         if not event_types:
@@ -108,6 +109,10 @@ class Webhooks:
             raise SubscriptionError(f"event_types: unknown {unknown}; choose from {', '.join(EVENT_TYPES)}")
         if format not in FORMATS:
             raise SubscriptionError(f"format: {format!r}; choose json or text")
+        try:  # last: it may resolve the host name
+            self.targets.check_url(url)
+        except TargetRefused as exc:
+            raise SubscriptionError(f"url: {exc}") from None
         row = {
             "id": uuid.uuid4().hex,
             "url": url,
@@ -271,20 +276,26 @@ class Webhooks:
         error: str | None = None
         assert self._http is not None
         try:
+            # Checked again now, on what the name resolves to now; the POST goes to that address.
+            target = self.targets.target(r.url)
             resp = self._http.post(
-                r.url,
+                target.url,
                 content=body,
                 headers={
+                    "Host": target.host_header,
                     "Content-Type": "application/json",
                     HEADER: sign(r.secret, body),
                     "X-Chunkledger-Event": r.event_type,
                     "X-Chunkledger-Delivery": r.id,
                     "User-Agent": "chunkledger-webhooks/1",
                 },
+                extensions={"sni_hostname": target.sni_hostname} if target.sni_hostname else None,
             )
             status = resp.status_code
             if not 200 <= status < 300:
                 error = f"HTTP {status}"
+        except TargetRefused as exc:
+            error = f"target refused: {exc}"[:500]
         except httpx.TimeoutException:
             error = "timeout"
         except httpx.HTTPError as exc:

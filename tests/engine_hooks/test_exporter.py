@@ -128,6 +128,49 @@ def test_ledger_down_spools_then_replays_in_order_when_it_is_back(make_exporter,
     assert stats.spool_pending == 0 and stats.spool_bytes == 0
 
 
+def test_a_backlog_is_replayed_in_merged_posts_with_several_in_flight(make_exporter, fake_ledger):
+    exporter = make_exporter(batch_size=50, replay_max_events=500, max_in_flight=4)
+    tokens = exporter.emitter(Tokens, *TOKENS)
+    fake_ledger.stop()
+    for i in range(3000):
+        tokens(1.7e9, "r", 1, i + 1)
+    assert not exporter.force_flush(0.5)
+    assert exporter.stats().spool_pending == 3000  # 60 spooled batches of 50
+    fake_ledger.delay_s = 0.05  # each POST takes a while: the window fills up
+    fake_ledger.start()
+    restarted = len(fake_ledger.posts)
+    assert exporter.force_flush(10)
+    replays = [p for p in fake_ledger.posts[restarted:] if p.status == 200]
+    sizes = [p.last_seq - p.first_seq + 1 for p in replays]
+    # 3000 events in 6 POSTs of 10 merged batches each (was: 60 POSTs, one at a time)
+    assert sizes == [500] * 6, sizes
+    assert fake_ledger.max_in_flight >= 2
+    assert [e.total for e in _data_events(fake_ledger)] == list(range(1, 3001))
+    stats = exporter.stats()
+    assert stats.replayed == 3000 and stats.spool_pending == 0 and stats.duplicates == 0
+
+
+def test_a_merged_replay_the_ledger_refuses_is_sent_again_batch_by_batch_and_only_the_bad_one_dropped(
+    make_exporter, fake_ledger
+):
+    exporter = make_exporter(batch_size=10, replay_max_events=1000, max_in_flight=1)
+    tokens = exporter.emitter(Tokens, *TOKENS)
+    fake_ledger.stop()
+    for i in range(100):
+        tokens(1.7e9, "r", 1, i + 1)
+    assert not exporter.force_flush(0.5)
+    first = exporter.stats().last_seq - 99
+    bad = range(first + 40, first + 50)  # the fifth spooled batch is one the ledger refuses
+    fake_ledger.fail_if = lambda batch: 422 if any(e.seq in bad for e in batch.events) else None
+    fake_ledger.start()
+    assert wait_until(lambda: exporter.stats().spool_pending == 0, 10)
+    assert exporter.force_flush(5)
+    totals = [e.total for e in _data_events(fake_ledger)]
+    assert totals == list(range(1, 41)) + list(range(51, 101))
+    assert exporter.stats().dropped == {"rejected": 10}
+    assert [m.count for m in _markers(fake_ledger)] == [10]
+
+
 def test_ledger_error_status_spools_like_an_outage(make_exporter, fake_ledger):
     exporter = make_exporter()
     fake_ledger.status = 500

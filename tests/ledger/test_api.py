@@ -85,6 +85,67 @@ def test_nul_in_any_text_field_is_a_422_naming_each_field_and_nothing_is_stored(
     assert _post(client, body(ENGINE, fine)).json()["accepted"] == 1
 
 
+@pytest.mark.parametrize(
+    ("event", "field", "value", "reason_part"),
+    [
+        ({"kind": "queued", "request_id": "r", "prompt_tokens": 3}, "seq", 2**63, "<= 9223372036854775807"),
+        ({"kind": "queued", "request_id": "r"}, "prompt_tokens", 2**63, "<= 2147483647"),
+        ({"kind": "queued", "request_id": "r", "prompt_tokens": 3}, "priority", -(2**63) - 1, ">= -9223"),
+        ({"kind": "step", "duration_s": 0.1}, "step", 2**64, "<= 9223372036854775807"),
+        (
+            {"kind": "chunk", "request_id": "r", "step": 1, "computed_before": 0},
+            "tokens",
+            2**62,
+            "<= 2147483647",
+        ),
+        (
+            {"kind": "tokens", "request_id": "r", "count": 1, "total": 1},
+            "token_ids",
+            [2**64],
+            "<= 2147483647",
+        ),
+        ({"kind": "queued", "request_id": "r", "prompt_tokens": 3}, "ts", 1e308, "<= 10000000000.0"),
+        ({"kind": "step", "step": 1}, "duration_s", 1e300, "<= 1000000000.0"),
+    ],
+)
+def test_a_value_outside_the_contracts_range_is_a_422_naming_the_field_on_both_backends(
+    client, event, field, value, reason_part
+):
+    # DuckDB answered OverflowError, PostgreSQL NumericValueOutOfRange: a 503 "retry" that the exporter
+    # would retry and spool for ever, holding its source's backlog.
+    raw = {"seq": 1, "ts": 5.0, **event, field: value}
+    r = _post(client, msgspec.json.encode({"source": {"id": "e", "kind": "engine"}, "events": [raw]}))
+    assert r.status_code == 422, r.text
+    [err] = r.json()["errors"]
+    assert err["index"] == 0 and err["field"].startswith(field) and reason_part in err["reason"], err
+    _, en = lifecycle("after-range")
+    assert _post(client, body(ENGINE, numbered(en))).json()["accepted"] == len(en)
+
+
+def test_stalled_lists_of_different_lengths_are_a_422(client):
+    step = ev.Step(
+        seq=0, ts=5.0, step=1, duration_s=0.01, stalled_request_ids=["a", "b"], stalled_kv_blocks=[3]
+    )
+    r = _post(client, body(ENGINE, numbered([step])))
+    assert r.status_code == 422
+    [err] = r.json()["errors"]
+    assert err["field"] == "stalled_kv_blocks" and "1 block counts for 2 stalled requests" in err["reason"]
+
+
+def test_sums_at_the_contracts_limits_saturate_and_every_read_stays_readable(client):
+    # Three valid batches with tokens and cached_tokens near 2^62 made the DuckDB view fail for good
+    # (INT128 cannot be cast to INT64): reads 500, export and compaction failing every second.
+    big = ev.COUNT_MAX
+    for n in range(3):
+        chunk = ev.Chunk(
+            seq=0, ts=5.0 + n, request_id="huge", step=n, tokens=big, computed_before=0, cached_tokens=big
+        )
+        assert _post(client, body(ENGINE, numbered([chunk], start=10 * n + 1))).status_code == 200
+    row = client.get("/v1/requests/huge", headers=RD).json()["request"]
+    assert (row["cached_tokens"], row["prefill_computed_tokens"], row["chunks"]) == (3 * big, 3 * big, 3)
+    assert client.get("/v1/requests", headers=RD).status_code == 200
+
+
 @pytest.mark.parametrize("depth", [1_000, 20_000])
 def test_deeply_nested_json_is_a_422_naming_the_body_and_the_next_batch_is_stored(client, depth):
     _, en = lifecycle("after-nest")
@@ -218,3 +279,46 @@ def test_open_ledger_on_loopback_needs_no_token(db_url):
         data = body(ENGINE, numbered([ev.Queued(seq=0, ts=5.0, request_id="a", prompt_tokens=3)]))
         assert c.post("/v1/events", content=data).status_code == 200
         assert c.get("/v1/requests/a").status_code == 200
+
+
+def test_a_timestamp_far_ahead_is_stored_as_the_receive_time_and_counted(client):
+    import time
+
+    now = time.time()
+    evs = numbered(
+        [
+            ev.Queued(seq=0, ts=now + 3600, request_id="ahead", prompt_tokens=3, arrival_ts=now + 3600),
+            ev.Tokens(seq=0, ts=now + 60, request_id="ahead", count=1, total=1, first_ts=now + 1e6),
+            ev.Step(seq=0, ts=1e10, step=1, duration_s=0.01, request_ids=["ahead"]),
+            ev.Queued(seq=0, ts=now + 10, request_id="near", prompt_tokens=3),  # within 300 s: kept
+        ]
+    )
+    assert _post(client, body(ENGINE, evs)).json()["accepted"] == 4
+    after = time.time()
+    stored = client.get("/v1/requests/ahead", headers=RD).json()
+    ts = {e["kind"]: e["ts"] for e in stored["events"]}
+    assert now <= ts["queued"] <= after and ts["tokens"] == now + 60  # 60 s ahead is within the limit
+    row = stored["request"]
+    assert now <= row["engine_arrival_ts"] <= after and now <= row["first_token_ts"] <= after
+    assert now <= row["last_step_ts"] <= after + 0.01
+    near = client.get("/v1/requests/near", headers=RD).json()["request"]
+    assert near["queued_ts"] == now + 10
+    metrics = client.get("/metrics", headers=RD).text
+    assert 'chunkledger_ingest_future_timestamps_total{source="engine-0"} 3.0' in metrics
+
+
+def test_one_event_stamped_an_hour_ahead_does_not_make_the_rules_abort_other_requests(client):
+    import time
+
+    adm = {"Authorization": "Bearer adm"}
+    policy = {"rules": {"wall_clock_timeout_s": 60, "stall_timeout_s": 0}}
+    assert client.put("/v1/policy", json=policy, headers=adm).status_code == 200
+    now = time.time()
+    _post(client, body(ENGINE, numbered([ev.Queued(seq=0, ts=now + 3600, request_id="x", prompt_tokens=3)])))
+    rules = client.app.state.runaway.rules
+    # the rule engine alone, without the ingest clamp: a source's clock cannot age other requests
+    rules.observe(ENGINE, [ev.Queued(seq=5, ts=1e10, request_id="y", prompt_tokens=3)], now)
+    normal = [ev.Queued(seq=0, ts=now, request_id=f"n{i}", prompt_tokens=3) for i in range(40)]
+    assert _post(client, body(ENGINE, numbered(normal, start=10))).json()["accepted"] == 40
+    assert rules.tick(now + 30) == []  # every request was received under 60 s ago
+    assert {d.request_id for d in rules.tick(now + 61)} == {"x", "y"} | {f"n{i}" for i in range(40)}

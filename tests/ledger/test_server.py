@@ -14,6 +14,7 @@ from engine_hooks import events as ev
 from ledger.migrate import head_revision
 from tests.conftest import LedgerServer
 from tests.ledger.factories import ENGINE, body, numbered
+from tests.ledger.factories import lifecycle as factories_lifecycle
 
 
 def test_kill_9_right_after_a_200_loses_none_of_that_batch(db_url, tmp_path):
@@ -141,3 +142,35 @@ def test_sigterm_answers_held_command_long_polls_and_exits_without_waiting_them_
         t.join(10)
     assert took < 5.0, f"shutdown took {took:.1f} s"
     assert [(r.status_code, r.json()) for r in answers] == [(200, {"commands": []})] * 2
+
+
+def test_a_body_shorter_than_its_content_length_gets_a_408_instead_of_holding_the_connection(tmp_path):
+    import socket
+    import time
+
+    server = LedgerServer(
+        f"duckdb:///{tmp_path / 'l.duckdb'}", tmp_path / "ledger.log", env={"CHUNKLEDGER_BODY_TIMEOUT_S": "1"}
+    )
+    server.start()
+    try:
+        for method, path in (("POST", "/v1/events"), ("PUT", "/v1/policy"), ("POST", "/v1/sql")):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+                s.sendall(
+                    f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    'Content-Length: 100000\r\n\r\n{"source"'.encode()
+                )
+                t0 = time.monotonic()
+                answer = b""
+                while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        break
+                    answer += chunk
+                waited = time.monotonic() - t0
+            assert answer.startswith(b"HTTP/1.1 408"), (path, answer[:200])
+            assert b"request body not received within 1 s" in answer and 0.9 <= waited < 3, (path, waited)
+        _, en = factories_lifecycle("after-408")
+        assert httpx.post(f"{server.url}/v1/events", content=body(ENGINE, numbered(en))).status_code == 200
+    finally:
+        server.stop()
+    assert "Traceback" not in (tmp_path / "ledger.log").read_text()

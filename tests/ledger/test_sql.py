@@ -209,6 +209,24 @@ def test_row_cap_streams_instead_of_computing_a_huge_result(ro):
     assert time.perf_counter() - t < 1.0  # well inside the 1 s time limit: nothing materialised
 
 
+def test_an_answer_is_cut_at_the_byte_cap_before_it_is_built_and_says_so(db_url, request):
+    # 10,000 rows of 50 KB strings was a 500 MB answer under the row cap alone
+    with TestClient(create_app(sql_settings(db_url, request, sql_max_bytes=1 << 20))) as c:
+        big = (
+            "SELECT i, repeat('x', 50000) AS s FROM range(10000) AS t(i)"
+            if _dialect(db_url) == "duckdb"
+            else "SELECT i, repeat('x', 50000) AS s FROM generate_series(1, 10000) AS i"
+        )
+        r = _sql(c, big)
+        out = r.json()
+        assert r.status_code == 200 and out["truncated"] is True and out["truncated_by"] == "bytes"
+        assert 15 <= len(out["rows"]) <= 21 and len(r.content) < 1.1 * (1 << 20)  # ~1 MiB of 50 KB rows
+        small = _sql(c, "SELECT 1 AS one").json()
+        assert small["truncated"] is False and small["truncated_by"] is None
+        capped = _sql(c, big.replace("50000", "1"), max_rows=5).json()
+        assert capped["truncated_by"] == "rows"
+
+
 def test_max_rows_above_the_ledger_limit_is_a_400_naming_max_rows(db_url, request):
     with TestClient(create_app(sql_settings(db_url, request, sql_max_rows=50))) as c:
         r = _sql(c, "SELECT 1", max_rows=51)
@@ -657,7 +675,7 @@ def test_more_concurrent_queries_than_the_limit_get_a_503_busy():
     class Blocking(sql.SqlRunner):
         max_concurrent = 2
 
-        def _run(self, query, params, *, max_rows, timeout_s):
+        def _run(self, query, params, *, max_rows, timeout_s, max_bytes=None):
             release.wait(10)
             return sql.SqlResult(["x"], ["integer"], [[1]], False, 0.0)
 

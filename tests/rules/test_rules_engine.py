@@ -209,7 +209,8 @@ def test_loop_detector_uses_the_models_override():
 
 def test_live_counts_and_kv_stall_views():
     eng, _, clock = make()
-    eng.observe(ENGINE, seqs([tokens("a", 16), tokens("b", 16, ts=T0 - 5)]), T0)
+    eng.observe(ENGINE, seqs([tokens("b", 16, ts=T0 - 5)]), T0 - 5)  # received 5 s before a's
+    eng.observe(ENGINE, seqs([tokens("a", 16)], 2), T0)
     eng.observe(
         ENGINE, seqs([ev.Step(seq=0, ts=T0, step=1, duration_s=0.01, stalled_request_ids=["a"])], 3), T0
     )

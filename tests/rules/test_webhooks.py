@@ -22,6 +22,7 @@ from ledger.rules.service import SloMonitor
 from ledger.store import open_store
 from ledger.webhooks.outbox import Webhooks
 from ledger.webhooks.signing import BadSignature, sign, verify
+from ledger.webhooks.targets import TargetPolicy, TargetRefused
 from tests.conftest import LedgerServer, free_port
 from tests.engine_hooks.fake_ledger import wait_until
 
@@ -37,10 +38,12 @@ class Receiver:
         self.received: list[dict] = []
         self.statuses: list[int] = []
         self.bad_signatures = 0
+        self.hosts: list[str] = []  # Host header of each request
         recv = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
+                recv.hosts.append(self.headers["Host"])
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 try:
                     verify(recv.secret, self.headers["X-Chunkledger-Signature"], body)
@@ -89,6 +92,10 @@ def test_signature_verifies_and_rejects_tampering_wrong_secret_and_stale_timesta
         verify(SECRET, "v1=abc", body)
 
 
+# The tests' receivers listen on loopback, which webhooks refuse unless the allow-list names it.
+LOOPBACK = TargetPolicy.parse("127.0.0.1")
+
+
 def test_backoff_is_exponential_capped_and_jittered():
     wh = Webhooks(
         sa.create_engine("duckdb:///:memory:"), base_backoff_s=1, max_backoff_s=60, rng=random.Random(1)
@@ -108,7 +115,7 @@ def _webhooks(db_url, **kw):
         max_backoff_s=0.2,
         poll_s=0.05,
         on_attempt=lambda *a: attempts.append(a),
-        **kw,
+        **{"targets": LOOPBACK, **kw},
     )
     return store, wh, attempts
 
@@ -213,7 +220,9 @@ def test_slo_breach_fires_once_and_resolves_with_hysteresis():
 
 
 def test_webhook_api_validates_hides_secrets_and_deletes(db_url):
-    s = Settings(db_url=db_url, admin_token="adm", read_token="rd", ingest_token="ing")
+    s = Settings(
+        db_url=db_url, admin_token="adm", read_token="rd", ingest_token="ing", webhook_allow="127.0.0.1"
+    )
     with TestClient(create_app(s)) as c:
         assert c.get("/v1/webhooks").status_code == 401
         assert c.get("/v1/webhooks", headers={"Authorization": "Bearer rd"}).status_code == 403
@@ -252,7 +261,11 @@ def _post(url, source, events, seq):
 def test_pending_deliveries_go_out_after_a_ledger_restart(db_url, tmp_path):
     """The receiver is down while the ledger decides; the ledger is killed; both come back: delivered."""
     port = free_port()
-    server = LedgerServer(db_url, tmp_path / "ledger.log", env={"CHUNKLEDGER_WEBHOOK_BACKOFF_S": "0.2"})
+    server = LedgerServer(
+        db_url,
+        tmp_path / "ledger.log",
+        env={"CHUNKLEDGER_WEBHOOK_BACKOFF_S": "0.2", "CHUNKLEDGER_WEBHOOK_ALLOW": "127.0.0.1"},
+    )
     server.start()
     try:
         httpx.post(
@@ -310,7 +323,7 @@ def test_deleting_a_subscription_dead_letters_its_pending_deliveries(db_url):
 
 
 def test_service_raises_starvation_and_slo_breach_alerts_from_live_traffic(db_url):
-    s = Settings(db_url=db_url)
+    s = Settings(db_url=db_url, webhook_allow="127.0.0.1")
     app = create_app(s)
     src = ev.Source(id="e0", kind="engine", model="m")
     with TestClient(app) as c:
@@ -355,3 +368,96 @@ def test_service_raises_starvation_and_slo_breach_alerts_from_live_traffic(db_ur
     assert (slo["model"], slo["metric"], slo["state"], slo["samples"]) == ("m", "ttft", "firing", 3)
     assert abs(slo["p99_s"] - 1.0) < 1e-6
     assert 'chunkledger_alerts_total{event_type="slo_breach"} 1.0' in metrics
+
+
+REFUSED_TARGETS = [
+    "http://169.254.169.254/latest/meta-data",
+    "http://10.0.0.1/h",
+    "http://192.168.1.1/h",
+    "http://[::1]:8080/h",
+    "http://localhost/h",
+    "http://0.0.0.0/h",
+    "http://metadata.google.internal/computeMetadata/v1",
+    "http://2852039166/h",  # 169.254.169.254 as one decimal number
+    "http://0x7f000001/h",  # 127.0.0.1 in hex
+    "http://[::ffff:10.0.0.1]/h",  # IPv4-mapped IPv6
+    "http://100.64.0.1/h",  # carrier-grade NAT
+    "http://user:pass@93.184.216.34/h",  # credentials in the URL
+    "http://internal.example/h",  # a name that resolves to a private address
+]
+
+
+def _resolver(table):
+    def resolve(host, port):
+        if host not in table:
+            raise OSError(f"unknown host {host}")
+        answer = table[host]
+        return answer() if callable(answer) else answer
+
+    return resolve
+
+
+@pytest.mark.parametrize("url", REFUSED_TARGETS)
+def test_private_loopback_link_local_and_metadata_targets_are_refused_naming_the_url(url):
+    policy = TargetPolicy.parse("", resolver=_resolver({"internal.example": ["10.1.2.3"]}))
+    with pytest.raises(TargetRefused) as info:
+        policy.check_url(url)
+    assert "CHUNKLEDGER_WEBHOOK_ALLOW" in str(info.value) or "credentials" in str(info.value)
+
+
+def test_public_targets_and_allow_listed_networks_and_names_are_accepted():
+    resolve = _resolver({"hooks.example": ["93.184.216.34"], "relay.internal": ["10.9.9.9"]})
+    TargetPolicy.parse("", resolver=resolve).check_url("https://hooks.example/h")
+    TargetPolicy.parse("", resolver=resolve).check_url("http://93.184.216.34:8080/h")
+    allowed = TargetPolicy.parse("10.0.0.0/8, relay.internal, 127.0.0.1", resolver=resolve)
+    for url in ("http://10.0.0.1/h", "http://relay.internal/h", "http://127.0.0.1:9/h"):
+        allowed.check_url(url)
+    with pytest.raises(TargetRefused):
+        allowed.check_url("http://192.168.1.1/h")  # not in the list
+    v6 = TargetPolicy.parse("::1", resolver=resolve).target("http://[::1]:8080/h")
+    assert (v6.url, v6.host_header) == ("http://[::1]:8080/h", "[::1]:8080")
+
+
+def test_webhook_api_refuses_internal_targets_with_a_422_naming_the_url(db_url):
+    s = Settings(db_url=db_url, admin_token="adm")
+    with TestClient(create_app(s)) as c:
+        for url in ("http://169.254.169.254/x", "http://127.0.0.1:9/h", "http://user:pw@example.com/h"):
+            r = c.post(
+                "/v1/webhooks", json={"url": url, "secret": SECRET, "event_types": ["cutoff"]}, headers=ADM
+            )
+            assert r.status_code == 422 and r.json()["detail"].startswith("url: "), r.text
+        assert c.get("/v1/webhooks", headers=ADM).json() == {"webhooks": []}
+
+
+def test_a_name_that_rebinds_to_loopback_after_registration_is_refused_at_delivery(db_url):
+    answers = iter([["93.184.216.34"]])  # public when registered, loopback from then on
+    resolve = _resolver({"rebind.example": lambda: next(answers, ["127.0.0.1"])})
+    store, wh, _ = _webhooks(db_url, max_attempts=2, targets=TargetPolicy.parse("", resolver=resolve))
+    with Receiver() as rx:
+        wh.create(url=f"http://rebind.example:{rx.port}/hook", secret=SECRET, event_types=["data_loss"])
+        wh.emit("data_loss", {"source_id": "e0"})
+        wh.start()
+        try:
+            assert wait_until(lambda: wh.deliveries()[0]["state"] == "dead", 10)
+        finally:
+            wh.stop()
+    assert rx.hosts == []  # nothing reached the loopback receiver
+    (d,) = wh.deliveries()
+    assert all("target refused" in a["error"] and "127.0.0.1" in a["error"] for a in d["log"])
+    store.close()
+
+
+def test_a_delivery_connects_to_the_address_it_checked_and_names_the_host_in_the_header(db_url):
+    # hooks.example exists only in this resolver: the POST can only arrive through the checked address
+    resolve = _resolver({"hooks.example": ["127.0.0.1"]})
+    store, wh, _ = _webhooks(db_url, targets=TargetPolicy.parse("127.0.0.1/32", resolver=resolve))
+    with Receiver() as rx:
+        wh.create(url=f"http://hooks.example:{rx.port}/hook", secret=SECRET, event_types=["data_loss"])
+        wh.emit("data_loss", {"source_id": "e0"})
+        wh.start()
+        try:
+            assert wait_until(lambda: len(rx.received) == 1, 10)
+        finally:
+            wh.stop()
+    assert rx.hosts == [f"hooks.example:{rx.port}"]
+    store.close()
