@@ -19,8 +19,26 @@ What is reported, per engine step (all through one :class:`engine_hooks.exporter
   decode counts, queue sizes, KV usage, the requests that ran, prefill depth work, and the requests
   that held KV blocks but sat the step out (``stalled_*``).
 
-Request ids: ``sampling_params.extra_args["chunkledger_request_id"]`` when the gateway set it
-(OpenAI API: ``vllm_xargs``), else vLLM's request id with its internal ``-<8 hex>`` suffix stripped.
+Request ids (the ``request_id`` of every event, :func:`external_request_id`): the gateway's,
+``sampling_params.extra_args["chunkledger_request_id"]`` (OpenAI API: ``vllm_xargs``), when it set one.
+Else the id the client knows, read back from the id vLLM's OpenAI server gave the engine request:
+``cmpl-<id>-<prompt>`` (completions, one per prompt) or ``chatcmpl-<id>`` (chat), where ``<id>`` is the
+client's ``X-Request-Id``, else its body ``request_id``, else 16 random hex digits; then ``<sample>_`` in
+front for each of n>1 samples, and vLLM's random ``-<8 hex>`` at the end. From that:
+
+* ``ID`` is the ``X-Request-Id`` (or body ``request_id``) the client sent; when it sent none, the
+  response ``id`` vLLM returned to it: ``cmpl-<16 hex>`` / ``chatcmpl-<16 hex>``;
+* the first engine request of a call (prompt 0, sample 0) is keyed ``ID``; the others ``ID:<prompt>``
+  (completions with several prompts: the prompt's index, which is its choice ``index`` when n is 1) or
+  ``ID:<prompt>.<sample>`` (n>1 samples after the first; ``<prompt>`` is 0 for chat): one row each;
+* a chat ``<id>`` is kept whole: ``/v1/chat/completions/batch`` conversation ``i`` (vLLM's
+  ``chatcmpl-<id>_<i>``) is keyed ``ID_<i>``, since a client id ending in ``_<digits>`` looks the same;
+* beam search's per-token engine requests (``<id>-<16 hex>-beam-<i>``) keep that tail after ``ID``;
+* any other id (offline ``LLM``, the other endpoints) is vLLM's id less its random suffix, as before.
+
+A client ``X-Request-Id`` of exactly 16 lowercase hex digits cannot be told from vLLM's random id and
+is keyed like one, by its response id ``cmpl-<it>`` / ``chatcmpl-<it>`` (which the client gets too).
+With ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` set (read at import) no random suffix is stripped.
 
 Commands from the ledger (``abort``, ``non_preemptible``, ``slow_pool``, ``promote``) arrive on the
 exporter's worker thread, are queued, and are applied on the engine thread at the start of the next
@@ -36,6 +54,7 @@ place, and the engine goes on as plain vLLM. Optional scheduling policies (all o
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 import re
@@ -45,6 +64,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple, SupportsIndex, cast
 
+from vllm import envs
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
@@ -69,7 +89,19 @@ from engine_hooks.vllm.predict import OutputLengths, StepTimes, attention_work
 log = logging.getLogger(__name__)
 
 XARGS_KEY = "chunkledger_request_id"  # sampling_params.extra_args key carrying the gateway's id
-_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+# vLLM's request ids (see external_request_id): the random suffix InputProcessor.assign_request_id adds
+# (f"-{random_uuid():.8}", unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION, read at import like vLLM's
+# engine process does), the OpenAI server's completion and chat ids with the n>1 child prefix
+# (ParentRequest.get_child_info: f"{index}_{request_id}") and beam search's per-token ids, and
+# random_uuid()'s 16 hex digits (the id vLLM makes up when the client sent none).
+_SUFFIX = re.compile(r"-[0-9a-f]{8}\Z")
+_RANDOMIZED = not envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION
+_OPENAI_ID = re.compile(r"(?:(\d+)_)?(cmpl|chatcmpl)-")  # then the base request id
+_BEAM = re.compile(r"(.*)(-[0-9a-f]{16}-beam-\d+)", re.DOTALL)
+_PROMPT = re.compile(r"(.*)-(\d+)", re.DOTALL)
+_VLLM_UUID = re.compile(r"[0-9a-f]{16}")
+_VLLM_CHAT_UUID = re.compile(r"[0-9a-f]{16}(?:_\d+)?")  # chat's batch sub-ids: f"{request_id}_{i}"
+_ID_MAX = 256  # events.RequestId's max_length
 _APPLIED_MEMORY = 4096  # command ids remembered for idempotency
 _UNMATCHED_TTL_S = 60.0  # how long a command for a request not (yet) in this engine is kept
 _FINISH = {
@@ -90,14 +122,64 @@ _WAITING, _RUNNING, _PREEMPTED = 0, 1, 2
 
 
 def external_request_id(request: Request) -> str:
-    """The id the ledger knows the request by: the gateway's (``extra_args``) or vLLM's, unsuffixed."""
+    """The id the ledger knows the request by: the client's (the module docstring's "Request ids").
+
+    1. ``sampling_params.extra_args[XARGS_KEY]`` (the gateway's id), when a str of 1 to 256 chars.
+    2. vLLM's ``request_id`` less its ``-<8 hex>`` random suffix (``InputProcessor.assign_request_id``).
+    3. When that is ``[<sample>_](cmpl|chatcmpl)-<base>`` (``OpenAIServingCompletion``,
+       ``OpenAIServingChat``; ``<sample>_`` from ``ParentRequest.get_child_info`` for n>1): a trailing
+       ``-<16 hex>-beam-<i>`` (beam search) is set aside as the tail; else, for ``cmpl``, the trailing
+       ``-<prompt>`` (the prompt's index, always there) is split off. ``ID`` is ``<base>`` (the
+       client's ``X-Request-Id`` or body ``request_id``), or the response id ``<kind>-<base>`` when
+       ``<base>`` is empty or vLLM's own ``random_uuid()`` (16 lowercase hex digits; for chat also with
+       a batch's ``_<i>``). The key: ``ID + tail``, then ``:<prompt or 0>.<sample>`` when
+       ``<sample>`` is not 0, else ``:<prompt>`` when ``<prompt>`` is not 0.
+    4. Any other id: as in 2.
+
+    E.g. ``cmpl-abc-0-1f2e3d4c`` -> ``abc``; ``cmpl-abc-2-...`` -> ``abc:2``; ``1_cmpl-abc-0-...`` ->
+    ``abc:0.1``; ``chatcmpl-abc-...`` -> ``abc``; ``cmpl-<16 hex>-0-...`` -> ``cmpl-<16 hex>``.
+    A key longer than the contract's 256 characters keeps its first 239 and ``~<16 hex>`` of a hash of
+    the whole. A few regex matches on a short string: cheap enough for every new request on the
+    engine thread.
+    """
     params = request.sampling_params
     extra = params.extra_args if params is not None else None
     if extra:
         rid = extra.get(XARGS_KEY)
         if isinstance(rid, str) and 0 < len(rid) <= 256:
             return rid
-    return _SUFFIX.sub("", request.request_id) or request.request_id
+    key = _client_key(request.request_id)
+    if len(key) > _ID_MAX:  # the contract's limit: a longer id would make the ledger refuse the batch
+        digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+        key = f"{key[: _ID_MAX - 17]}~{digest}"
+    return key
+
+
+def _client_key(rid: str) -> str:
+    if _RANDOMIZED:
+        rid = _SUFFIX.sub("", rid) or rid
+    match = _OPENAI_ID.match(rid)
+    if match is None:
+        return rid
+    sample, kind = match.groups()
+    base = rid[match.end() :]
+    tail = prompt = None
+    if "-beam-" in base and (beam := _BEAM.fullmatch(base)) is not None:
+        base, tail = beam.groups()
+    if kind == "cmpl":
+        if tail is None and (split := _PROMPT.fullmatch(base)) is not None:
+            base, prompt = split.groups()
+        ours = _VLLM_UUID.fullmatch(base)
+    else:
+        ours = _VLLM_CHAT_UUID.fullmatch(base)
+    key = f"{kind}-{base}" if ours is not None or not base else base
+    if tail is not None:
+        key += tail
+    if sample is not None and sample != "0":
+        return f"{key}:{prompt or 0}.{sample}"
+    if prompt is not None and prompt != "0":
+        return f"{key}:{prompt}"
+    return key
 
 
 class _ReqState:
