@@ -10,11 +10,15 @@ One call to ``Store.write`` stores a group of batches in one transaction (group 
    append them to ``request_parts``, merged later by ``compact`` (DuckDB);
 4. advance the marks and commit. Nothing is acknowledged before the commit returns.
 
+``steps.interval_s`` (end of the source's previous step -> end of this one) does not depend on the
+order in which batches arrive, nor on restarts: see ``Store._link_steps``.
+
 Backends implement the few steps that differ (locking, bulk append, upsert staging).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +43,10 @@ class WriteResult:
     duplicates: int
 
 
+# A step event as ``interval_s`` needs it: (seq, ts, end = ts + duration_s).
+_StepEnd = tuple[int, float, float]
+
+
 @dataclass
 class _SourceState:
     source: ev.Source
@@ -47,6 +55,75 @@ class _SourceState:
     accepted: int = 0
     dropped: int = 0
     new_last_seq: int = -1
+    # Rows in ``Prepared.steps`` of this source's accepted steps (``interval_s`` linked per group), and
+    # the group's steps by number as ``_link_steps`` saw them (remembered after the commit).
+    step_rows: list[int] = field(default_factory=list)
+    step_group: dict[int, _StepEnd] | None = None
+
+
+# Consecutive steps of one source are at most this far apart in ``ts`` (schedule time); a pair further
+# apart is not linked. It bounds the ``ts`` range the out-of-order lookups and updates scan (DuckDB's zone
+# maps prune the rest), and keeps a restarted engine, which numbers its steps from 0 again under the same
+# source id, from being linked to the previous run's step of the same number.
+MAX_STEP_GAP_S = 600.0
+# Per source, the recent steps remembered for out-of-order batches: pruned to _STEPS_KEEP when above
+# _STEPS_MAX (the last remembered are kept). Reordering deeper than that costs a lookup, not a wrong answer.
+_STEPS_MAX = 1024
+_STEPS_KEEP = 512
+
+
+def _follows(prev: _StepEnd, seq: int, ts: float) -> bool:
+    """Whether ``prev`` (a step numbered one less) is the predecessor of the step (seq, ts)."""
+    return prev[0] < seq and abs(ts - prev[1]) <= MAX_STEP_GAP_S
+
+
+@dataclass
+class _StepMemory:
+    """What the store knows of one source's stored steps, for ``interval_s``.
+
+    Invariant: every step of the source stored with ``seq > floor`` is in ``ends`` (keyed by step number;
+    an entry of another engine run under the same number raises ``floor`` instead). ``mark`` is the
+    source's high-water mark after this store's last commit of it: a different mark under the lock means
+    another writer (a PostgreSQL replica) or another process stored events since, and the memory starts
+    over with ``floor`` at the new mark.
+    """
+
+    mark: int
+    floor: int
+    ends: dict[int, _StepEnd] = field(default_factory=dict)
+    low: int | None = None  # the smallest seq above ``floor`` in ``ends`` (None: none or unknown)
+    low_stale: bool = False  # ``low`` must be recomputed (an entry above ``floor`` was replaced)
+
+    def lowest(self) -> int | None:
+        if self.low_stale:
+            above = [v[0] for v in self.ends.values() if v[0] > self.floor]
+            self.low, self.low_stale = (min(above) if above else None), False
+        return self.low
+
+    def add(self, step: int, entry: _StepEnd) -> None:
+        seq = entry[0]
+        old = self.ends.get(step)
+        if old is not None and old[0] != seq:  # the same number in another run of the engine
+            if old[0] > seq:
+                # The later run's entry stays; this one is not remembered: ``floor`` covers it.
+                if seq > self.floor:
+                    self.floor, self.low_stale = seq, True
+                return
+            if old[0] > self.floor:
+                self.floor, self.low_stale = old[0], True
+        self.ends[step] = entry
+        if seq > self.floor and not self.low_stale and (self.low is None or seq < self.low):
+            self.low = seq
+
+    def prune(self) -> None:
+        """Forget the entries remembered first (arrival order, close to seq order: no sort)."""
+        cut = len(self.ends) - _STEPS_KEEP
+        if len(self.ends) <= _STEPS_MAX:
+            return
+        old = itertools.islice(self.ends.values(), cut)
+        self.floor = max(self.floor, max(v[0] for v in old))
+        self.ends = dict(itertools.islice(self.ends.items(), cut, None))
+        self.low_stale = True
 
 
 @dataclass
@@ -71,15 +148,21 @@ _TAGS: dict[type, str] = {cls: kind for kind, cls in ev.EVENT_TYPES.items()}
 _NO_REQUEST_ID = frozenset({ev.Step, ev.Dropped})
 
 
-def merge_sql(table: str, staging: str) -> str:
+def merge_sql(table: str, staging: str, *, wide_int: str) -> str:
     """INSERT ... ON CONFLICT DO UPDATE that merges staged partial rows into ``request_rows``.
 
-    The same statement runs on DuckDB and PostgreSQL; LEAST/GREATEST ignore NULLs on both.
+    The same statement runs on DuckDB and PostgreSQL; LEAST/GREATEST ignore NULLs on both. Integer
+    sums are added in ``wide_int`` (HUGEINT on DuckDB, NUMERIC on PostgreSQL) and saturate at 2^63 - 1,
+    so no row can fail the merge (or, on DuckDB, every later compaction).
     """
     cols = ["request_id", *AGGREGATES]
     sets = []
     for col, agg in AGGREGATES.items():
-        if agg.op == "sum":
+        if agg.op == "sum" and agg.type == "int":
+            expr = (
+                f"CAST(LEAST(CAST({table}.{col} AS {wide_int}) + excluded.{col}, {ev.INT64_MAX}) AS BIGINT)"
+            )
+        elif agg.op == "sum":
             expr = f"{table}.{col} + excluded.{col}"
         elif agg.op == "min":
             expr = f"LEAST({table}.{col}, excluded.{col})"
@@ -111,8 +194,8 @@ class Store:
     def __init__(self, engine: sa.Engine, *, persist_token_ids: bool = False) -> None:
         self.engine = engine
         self.persist_token_ids = persist_token_ids
-        # source id -> (step, end ts) of the newest step seen, for steps.interval_s.
-        self._last_step: dict[str, tuple[int, float]] = {}
+        # source id -> the steps it knows of, for steps.interval_s (updated after each commit).
+        self._step_memory: dict[str, _StepMemory] = {}
         # Seconds per phase of the last write (the writer logs them for a slow group).
         self.last_write_phases: dict[str, float] = {}
 
@@ -130,6 +213,18 @@ class Store:
     def _existing_seqs(self, conn: Any, source_id: str, lo: int, hi: int) -> set[int]:
         rows = conn.execute(self._EXISTING_SEQS_SQL, (source_id, lo, hi)).fetchall()
         return {r[0] for r in rows}
+
+    # The predecessor of a step (source, step - 1, an earlier seq, ts within MAX_STEP_GAP_S), when memory
+    # cannot tell; and the interval of a stored successor whose predecessor arrived late. The ``ts`` range
+    # lets DuckDB's zone maps skip the row groups outside it; PostgreSQL uses (source_id, step).
+    _PREDECESSOR_SQL = (
+        "SELECT seq, ts, ts + duration_s FROM steps WHERE source_id = ? AND step = ? AND seq < ? "
+        "AND ts BETWEEN ? AND ? ORDER BY seq DESC LIMIT 1"
+    )
+    _LINK_SUCCESSOR_SQL = (
+        "UPDATE steps SET interval_s = ts + duration_s - ? WHERE source_id = ? AND step = ? AND seq > ? "
+        "AND ts BETWEEN ? AND ? AND interval_s IS NULL"
+    )
 
     def _append(self, conn: Any, prepared: Prepared) -> None:
         raise NotImplementedError
@@ -169,6 +264,8 @@ class Store:
             prepared = Prepared()
             results = [self._accept(conn, b, states[b.source.id], prepared, now) for b in batches]
             prepared.fold()
+            if prepared.steps["seq"]:
+                self._link_steps(conn, prepared, states)
             t2 = clock()
             if any(r.accepted for r in results):
                 self._append(conn, prepared)
@@ -182,6 +279,7 @@ class Store:
             raise
         finally:
             conn.close()
+        self._remember_steps(prepared, states)
         self._after_commit(list(states.values()))
         self.last_write_phases = {
             "lock": t1 - t0,
@@ -244,7 +342,7 @@ class Store:
         ecols["ingested_ts"] += [now] * n
         steps = [e for e in accepted if type(e) is step_cls]
         if steps:
-            self._prepare_steps(sid, steps, prepared)
+            self._prepare_steps(sid, steps, prepared, state)
         if len(steps) < n:
             others = [e for e in accepted if type(e) is not step_cls]
             for e in others:
@@ -252,20 +350,135 @@ class Store:
                     state.dropped += e.count
             fold_into(prepared.requests, source, others)
 
-    def _prepare_steps(self, sid: str, steps: list[ev.Step], prepared: Prepared) -> None:
+    def _prepare_steps(self, sid: str, steps: list[ev.Step], prepared: Prepared, state: _SourceState) -> None:
         s = prepared.steps
+        first = len(s["seq"])
         for col in STEP_FIELDS:
             s[col] += [getattr(e, col) for e in steps]
         s["source_id"] += [sid] * len(steps)
-        intervals = s["interval_s"]
-        last = self._last_step
-        for e in steps:
-            end = e.ts + e.duration_s
-            prev = last.get(sid)
-            intervals.append(end - prev[1] if prev is not None and prev[0] == e.step - 1 else None)
-            if prev is None or e.step > prev[0]:
-                last[sid] = (e.step, end)
+        s["interval_s"] += [None] * len(steps)  # set by _link_steps once the whole group is in
+        state.step_rows += range(first, first + len(steps))
         prepared.step_events += [e for e in steps if e.request_ids or e.stalled_request_ids]
+
+    def _link_steps(self, conn: Any, prepared: Prepared, states: dict[str, _SourceState]) -> None:
+        """Set ``interval_s`` of the group's steps, and of stored steps whose predecessor is in the group.
+
+        A step's predecessor is the step of its source numbered one less, emitted before it (lower
+        seq), at most ``MAX_STEP_GAP_S`` apart. Within one run of an engine, step events are emitted in
+        step order, so no step of the source has a seq between a step's and its predecessor's: the
+        stored step with the largest seq below a step's is its predecessor or it has none. Hence:
+
+        * in order (the common path), the predecessor is the previous step of the group or the
+          source's newest stored step, both in memory: no statement;
+        * a step whose predecessor is not in the group nor in memory is looked up in ``steps`` only when
+          memory cannot vouch that it was never stored (``_StepMemory``: after a restart, or a write by
+          another replica, until a step of the source above the memory's floor is known);
+        * a late step (seq at or below the high-water mark: its batch was overtaken) may have a
+          successor stored with a NULL interval: one UPDATE sets it, in this transaction.
+
+        So the in-order path costs what it did, and every step whose predecessor is stored ends with
+        the same ``interval_s`` whatever the order of arrival.
+        """
+        s = prepared.steps
+        col_step, col_seq, col_ts, col_dur = s["step"], s["seq"], s["ts"], s["duration_s"]
+        intervals = s["interval_s"]
+        gap = MAX_STEP_GAP_S
+        links: dict[tuple[str, int], tuple[float, str, int, int, float, float]] = {}
+        for state in states.values():
+            rows = state.step_rows
+            if not rows:
+                continue
+            sid = state.source.id
+            mem = self._step_memory.get(sid)
+            if mem is None or mem.mark != state.last_seq:  # first sight, restart, or another writer
+                mem = self._step_memory[sid] = _StepMemory(mark=state.last_seq, floor=state.last_seq)
+            if any(col_seq[a] > col_seq[b] for a, b in itertools.pairwise(rows)):
+                rows.sort(key=col_seq.__getitem__)  # batches of the source overtook each other in the group
+            ends = mem.ends
+            floor = mem.floor
+            # Whether a step above ``floor`` with a lower seq than the current one is known (then memory
+            # knows the current step's predecessor if it was ever stored).
+            vouched = floor < 0
+            low = None if vouched else mem.lowest()
+            group: dict[int, _StepEnd] = {}
+            lookups: list[tuple[int, int, int, float]] = []  # (row, step, seq, ts)
+            late: list[int] = []
+            mark = state.last_seq
+            for i in rows:
+                step, seq, ts = col_step[i], col_seq[i], col_ts[i]
+                end = ts + col_dur[i]
+                prev = group.get(step - 1)
+                if prev is None or not _follows(prev, seq, ts):
+                    prev = ends.get(step - 1)
+                    if prev is not None and not _follows(prev, seq, ts):
+                        prev = None
+                if prev is not None:
+                    intervals[i] = end - prev[2]
+                elif not (vouched or (low is not None and low < seq)):
+                    lookups.append((i, step, seq, ts))
+                group[step] = (seq, ts, end)
+                if seq > floor:
+                    vouched = True
+                if seq <= mark:
+                    late.append(i)
+            state.step_group = group
+            for i, step, seq, ts in lookups:
+                found = conn.execute(
+                    self._PREDECESSOR_SQL, (sid, step - 1, seq, ts - gap, ts + gap)
+                ).fetchall()
+                if found:  # fetchall: DuckDB refuses the next statement while a result is unread
+                    intervals[i] = ts + col_dur[i] - found[0][2]
+            for i in late:
+                step, seq, ts = col_step[i], col_seq[i], col_ts[i]
+                nxt = group.get(step + 1)
+                if nxt is not None and nxt[0] > seq:
+                    continue  # linked above
+                known = ends.get(step + 1)
+                if known is not None and _follows((seq, ts, 0.0), known[0], known[1]):
+                    lo, hi = known[1], known[1]  # the stored successor's row
+                elif seq < floor:
+                    lo, hi = ts - gap, ts + gap  # a successor memory cannot rule out
+                else:
+                    continue  # none stored: memory would know it
+                links[sid, step + 1] = (ts + col_dur[i], sid, step + 1, seq, lo, hi)
+        if links:
+            self._link_successors(conn, list(links.values()))
+
+    def _link_successors(self, conn: Any, links: list[tuple[float, str, int, int, float, float]]) -> None:
+        """Set the interval of stored steps after late ones: (predecessor's end, source, step, the
+        predecessor's seq, ts range)."""
+        for params in links:
+            conn.execute(self._LINK_SUCCESSOR_SQL, params)
+
+    def _remember_steps(self, prepared: Prepared, states: dict[str, _SourceState]) -> None:
+        """After the commit: the group's steps and the new high-water marks into the step memory."""
+        s = prepared.steps
+        col_step, col_seq, col_ts, col_dur = s["step"], s["seq"], s["ts"], s["duration_s"]
+        memory = self._step_memory
+        for state in states.values():
+            mem = memory.get(state.source.id)
+            if mem is None:
+                continue  # no steps of it seen by this store yet: the first group with steps starts one
+            if mem.mark != state.last_seq:
+                # Another writer stored events of it since our last commit, and this group had no steps of
+                # it (``_link_steps`` would have started over): what it stored is not in memory.
+                mem.floor, mem.low_stale = max(mem.floor, state.last_seq), True
+            rows, group = state.step_rows, state.step_group
+            if rows:
+                ends = mem.ends
+                if group is not None and len(group) == len(rows) and ends.keys().isdisjoint(group):
+                    ends.update(group)  # the usual case: step numbers not remembered yet, in bulk
+                    if not mem.low_stale:
+                        floor = mem.floor
+                        low = min((v[0] for v in group.values() if v[0] > floor), default=None)
+                        if low is not None and (mem.low is None or low < mem.low):
+                            mem.low = low
+                else:
+                    for i in rows:  # in seq order (sorted by _link_steps)
+                        ts = col_ts[i]
+                        mem.add(col_step[i], (col_seq[i], ts, ts + col_dur[i]))
+                mem.prune()
+            mem.mark = max(state.last_seq, state.new_last_seq)
 
     # -- reads ---------------------------------------------------------------------------------
     def ping(self) -> None:

@@ -57,8 +57,10 @@ _APPEND_PARTS = f"INSERT INTO request_parts ({_REQUEST_COLUMNS}) SELECT {_REQUES
 
 def _aggregate(col: str) -> str:
     agg = AGGREGATES[col]
-    # sum(BIGINT) is a HUGEINT in DuckDB: keep the column's type.
-    return f"CAST(sum({col}) AS BIGINT)" if agg.op == "sum" and agg.type == "int" else f"{agg.op}({col})"
+    if agg.op == "sum" and agg.type == "int":
+        # sum(BIGINT) is a HUGEINT in DuckDB: back to the column's type, saturating (migration 0005).
+        return f"CAST(LEAST(sum({col}), {ev.INT64_MAX}) AS BIGINT)"
+    return f"{agg.op}({col})"
 
 
 # One merged row per request from request_parts, upserted into request_rows.
@@ -67,6 +69,24 @@ _COMPACT = merge_sql(
     "(SELECT request_id, "
     + ", ".join(f"{_aggregate(c)} AS {c}" for c in AGGREGATES)
     + " FROM request_parts GROUP BY request_id) AS _parts",
+    wide_int="HUGEINT",
+)
+_LINK_STAGE = pa.schema(
+    [
+        ("prev_end", pa.float64()),
+        ("source_id", pa.string()),
+        ("step", pa.int64()),
+        ("prev_seq", pa.int64()),
+        ("lo", pa.float64()),
+        ("hi", pa.float64()),
+    ]
+)
+# One UPDATE for all of a group's links (DuckDB's per-statement cost is ~1 ms); the constant ts range
+# spanning them lets the zone maps prune the scan, which a range from the joined table would not.
+_LINK_SUCCESSORS = (
+    "UPDATE steps SET interval_s = steps.ts + steps.duration_s - u.prev_end FROM _link_stage u "
+    "WHERE steps.source_id = u.source_id AND steps.step = u.step AND steps.seq > u.prev_seq "
+    "AND steps.ts BETWEEN u.lo AND u.hi AND steps.interval_s IS NULL AND steps.ts BETWEEN ? AND ?"
 )
 _SOURCES_STAGE = pa.schema(
     [
@@ -195,6 +215,15 @@ class DuckDBStore(Store):
             duck.execute(_APPEND_PARTS)
             duck.unregister("_req_stage")
             self._staged_parts = len(prepared.requests)
+
+    def _link_successors(self, conn: Any, links: list[tuple[float, str, int, int, float, float]]) -> None:
+        if len(links) == 1:
+            super()._link_successors(conn, links)
+            return
+        cols = list(zip(*links, strict=True))
+        self._duck.register("_link_stage", pa.table(cols, schema=_LINK_STAGE))
+        conn.execute(_LINK_SUCCESSORS, (min(cols[4]), max(cols[5])))
+        self._duck.unregister("_link_stage")
 
     def _save_sources(self, conn: Any, states: list[_SourceState], now: float) -> None:
         # One statement per kind of change: DuckDB's per-statement cost is ~1 ms, and a group holds

@@ -16,7 +16,7 @@ from ledger.store.base import (
     request_columns,
 )
 
-_MERGE = merge_sql("request_rows", "_req_stage")
+_MERGE = merge_sql("request_rows", "_req_stage", wide_int="NUMERIC")
 _REQ_COLS = ["request_id", *AGGREGATES]
 _ARRAY_COLUMNS = ("request_ids", "stalled_request_ids")
 
@@ -67,6 +67,8 @@ def _copy(pg: Any, table: str, columns: list[str], cols: dict[str, list[Any]]) -
 class PostgresStore(Store):
     dialect = "postgresql"
     _EXISTING_SEQS_SQL = "SELECT seq FROM events WHERE source_id = %s AND seq BETWEEN %s AND %s"
+    _PREDECESSOR_SQL = Store._PREDECESSOR_SQL.replace("?", "%s")
+    _LINK_SUCCESSOR_SQL = Store._LINK_SUCCESSOR_SQL.replace("?", "%s")
 
     def _connect(self) -> _Tx:
         return _Tx(self.engine.raw_connection())
