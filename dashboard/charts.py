@@ -12,16 +12,18 @@ TAIL_COLORS = alt.Scale(
 )
 TAIL_DASH = alt.Scale(domain=["p50", "p90", "p99", "max"], range=[[1, 0], [1, 0], [1, 0], [3, 3]])
 LAYER_COLORS = alt.Scale(
-    domain=["entry", "admission", "backend wait", "prefill", "decode"],
-    range=["#bab0ac", "#9ecae9", "#e45756", "#f58518", "#54a24b"],
+    domain=["entry", "admission", "engine front end", "engine queue", "prefill", "decode"],
+    range=["#bab0ac", "#9ecae9", "#ff9d98", "#e45756", "#f58518", "#54a24b"],
 )
 GANTT_COLORS = alt.Scale(
     domain=[
         "entry",
         "admission",
-        "backend wait",
+        "engine front end",
+        "engine queue",
         "prefill",
         "decode",
+        "delivered",
         "ran",
         "chunk",
         "tokens",
@@ -32,9 +34,11 @@ GANTT_COLORS = alt.Scale(
     range=[
         "#bab0ac",
         "#9ecae9",
+        "#ff9d98",
         "#e45756",
         "#f58518",
         "#54a24b",
+        "#4c78a8",
         "#72b7b2",
         "#f58518",
         "#54a24b",
@@ -152,7 +156,7 @@ def rate(df: pd.DataFrame, field: str, title: str, unit: str) -> alt.Chart:
 
 def gantt(df: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
     """Bars per lane from start_s to end_s (seconds since arrival); zero-width bars become ticks."""
-    lanes = ["layers", "steps", "engine", "sat out", "cutoff"]
+    lanes = ["layers", "client", "steps", "engine", "sat out", "cutoff"]
     y = alt.Y("lane:N", title=None, sort=lanes)
     tooltip = [
         "what:N",

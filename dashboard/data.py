@@ -23,19 +23,24 @@ import pandas as pd
 
 from ledger.client import DEFAULT_LEDGER_URL, LedgerClient, LedgerError
 
-LAYERS = ("entry_s", "admission_s", "backend_wait_s", "prefill_s", "decode_s")
+LAYERS = ("entry_s", "admission_s", "frontend_s", "engine_queue_s", "prefill_s", "decode_s")
 LAYER_NAMES = {
     "entry_s": "entry",
     "admission_s": "admission",
-    "backend_wait_s": "backend wait",
+    "frontend_s": "engine front end",
+    "engine_queue_s": "engine queue",
     "prefill_s": "prefill",
     "decode_s": "decode",
 }
 TAILS = ("p50", "p90", "p99")
 # The latencies a user picks from on the overview and the requests table, with their labels.
 LATENCIES = {
-    "ttft_s": "TTFT",
+    "client_ttft_s": "TTFT at the client",
+    "ttft_s": "TTFT (engine)",
     "e2e_s": "end to end",
+    "engine_queue_s": "engine queue",
+    "frontend_s": "engine front end",
+    "delivery_s": "first token delivery",
     "backend_wait_s": "backend wait",
     "prefill_s": "prefill",
     "decode_s": "decode",
@@ -357,7 +362,8 @@ def timeline(
 ) -> pd.DataFrame:
     """A request's life as Gantt bars: (lane, what, start, end, label), times in seconds since arrival.
 
-    Lanes: "layers" (entry, admission, backend wait, prefill, decode as cut by the ledger), "engine"
+    Lanes: "layers" (entry, admission, engine front end, engine queue, prefill, decode as cut by the
+    ledger), "client" (from the first token written to the client to the last), "engine"
     (each prefill chunk at its step, each preemption -> resume wait, output token groups), and "sat out"
     (steps it held KV without progress, from the why list), plus point marks for cutoffs.
     """
@@ -381,7 +387,14 @@ def timeline(
     bar("layers", "entry", arrival, enq, f"{(r.get('entry_s') or 0) * 1e3:.1f} ms")
     if r.get("admitted_ts"):
         bar("layers", "admission", enq, fwd, f"{(r.get('admission_s') or 0) * 1e3:.1f} ms")
-    bar("layers", "backend wait", fwd, r.get("first_scheduled_ts") or end, "until first scheduled")
+    queued = r.get("queued_ts")
+    sched = r.get("first_scheduled_ts") or end
+    if queued is not None and fwd is not None and sched is not None:
+        queued = min(max(queued, fwd), sched)
+        bar("layers", "engine front end", fwd, queued, f"{(r.get('frontend_s') or 0) * 1e3:.1f} ms")
+        bar("layers", "engine queue", queued, sched, "until first scheduled")
+    else:
+        bar("layers", "engine queue", fwd, sched, "until first scheduled")
     bar(
         "layers",
         "prefill",
@@ -390,6 +403,11 @@ def timeline(
         "first chunk -> first token",
     )
     bar("layers", "decode", r.get("first_token_ts"), end, f"{r.get('output_tokens') or 0} tokens")
+    out_first = r.get("first_token_out_ts")
+    if out_first is not None:
+        ttft = r.get("client_ttft_s")
+        label = f"TTFT at the client {ttft * 1e3:.1f} ms" if ttft is not None else "first token out"
+        bar("client", "delivered", out_first, r.get("last_token_out_ts") or out_first, label)
     preempted_at: float | None = None
     for e in events:
         kind = e.get("kind")

@@ -10,9 +10,11 @@ Rules that hold for every event:
   ``(source.id, seq)`` is the identity of an event: a batch that is sent twice is stored once.
 * ``ts`` is the source's wall clock in unix seconds (float). Intervals inside one source are measured
   with the source's monotonic clock and sent as durations (fields ending in ``_s``), so the ledger never
-  has to subtract wall-clock timestamps to measure a wait.
-* ``request_id`` is the external request id (the gateway's, or the engine front end's id with vLLM's
-  internal ``-<8 hex>`` suffix stripped). It is present on every event but ``step`` and ``dropped``.
+  has to subtract wall-clock timestamps to measure a wait. A timestamp more than the ledger's
+  ``max_clock_ahead_s`` (300 s) ahead of its receive time is stored as the receive time.
+* ``request_id`` is the external request id (the gateway's, or without a gateway the id the client
+  knows: its ``X-Request-Id``, else the response id; see ``engine_hooks.vllm.scheduler``). It is
+  present on every event but ``step`` and ``dropped``.
 * Unknown fields are ignored by the decoder, so a newer source can talk to an older ledger. Adding an
   optional field is a compatible change; anything else bumps ``SCHEMA_VERSION``.
 * Prompt text and output text never travel. Output token ids may travel (for the loop detector) and
@@ -27,9 +29,24 @@ import msgspec
 
 SCHEMA_VERSION = 1
 
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
-NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
-Timestamp = Annotated[float, msgspec.Meta(gt=0, description="unix seconds, the source's wall clock")]
+# Ranges. Every integer fits the ledger's 64-bit columns; the counts that the ledger sums per request
+# (tokens, blocks) are at most 2^31 - 1 each, so a sum overflows only after 2^32 events of one request
+# (and the stores saturate at 2^63 - 1 even then). Durations are at most 10^9 s (32 years),
+# timestamps at most 10^10 (the year 2286): no float that the ledger adds can become infinite.
+INT64_MAX = 2**63 - 1
+COUNT_MAX = 2**31 - 1
+DURATION_MAX_S = 1e9
+TS_MAX = 1e10
+
+Seq = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]  # sequence and step numbers
+Int64 = Annotated[int, msgspec.Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
+NonNegInt64 = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=COUNT_MAX)]  # counts of tokens, blocks, requests
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0, le=DURATION_MAX_S)]  # durations in seconds
+Timestamp = Annotated[
+    float, msgspec.Meta(gt=0, le=TS_MAX, description="unix seconds, the source's wall clock")
+]
+StatusCode = Annotated[int, msgspec.Meta(ge=0, le=999)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Ratio = Annotated[float, msgspec.Meta(ge=0, le=1)]
@@ -47,7 +64,7 @@ class Source(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
 
 
 class _Event(msgspec.Struct, kw_only=True, tag_field="kind", frozen=True, omit_defaults=True):
-    seq: NonNegInt  # strictly increasing per source, in emit order; fixed before the first send
+    seq: Seq  # strictly increasing per source, in emit order; fixed before the first send
     ts: Timestamp  # when it happened (source wall clock, unix seconds)
 
 
@@ -64,7 +81,7 @@ class Arrived(_RequestEvent, tag="arrived", kw_only=True, frozen=True):
 
     endpoint: str = ""  # API path, e.g. "/v1/chat/completions"
     stream: bool = False  # whether the client asked for a streamed response
-    priority: int = 0  # admission priority the client asked for (lower runs first)
+    priority: Int64 = 0  # admission priority the client asked for (lower runs first)
 
 
 class AdmissionEnqueued(_RequestEvent, tag="admission_enqueued", kw_only=True, frozen=True):
@@ -82,23 +99,34 @@ class Admitted(_RequestEvent, tag="admitted", kw_only=True, frozen=True):
 
 
 class FirstByte(_RequestEvent, tag="first_byte", kw_only=True, frozen=True):
-    """The first response byte from the engine reached the gateway."""
+    """The upstream's response headers reached the gateway (vLLM sends them before it has even queued
+    the request: not a token)."""
 
     since_arrived_s: NonNegFloat | None = None  # monotonic duration arrived -> first byte
+
+
+class FirstTokenOut(_RequestEvent, tag="first_token_out", kw_only=True, frozen=True):
+    """The gateway wrote the first generated content to the client: the client's time to first token
+    (a streamed response: the first SSE event with a choice, as vLLM's benchmark client and the OpenAI SDK
+    take it; a whole response: when its body was written)."""
+
+    since_arrived_s: NonNegFloat | None = None  # monotonic duration arrived -> first token out
 
 
 class Completed(_RequestEvent, tag="completed", kw_only=True, frozen=True):
     """The gateway finished sending the response to the client."""
 
-    status_code: int = 200  # HTTP status sent to the client
+    status_code: StatusCode = 200  # HTTP status sent to the client
     since_arrived_s: NonNegFloat | None = None  # monotonic duration arrived -> completed
     finish_reason: str | None = None  # finish reason seen in the response, if any
+    last_token_out_s: NonNegFloat | None = None  # arrived -> the last generated content written
 
 
 class ClientDisconnected(_RequestEvent, tag="client_disconnected", kw_only=True, frozen=True):
     """The client went away before the response was complete (the gateway aborts upstream)."""
 
-    since_arrived_s: NonNegFloat | None = None
+    since_arrived_s: NonNegFloat | None = None  # monotonic duration arrived -> disconnect seen
+    last_token_out_s: NonNegFloat | None = None  # arrived -> the last generated content written
 
 
 class StreamCut(_RequestEvent, tag="stream_cut", kw_only=True, frozen=True):
@@ -118,13 +146,13 @@ class Queued(_RequestEvent, tag="queued", kw_only=True, frozen=True):
     prompt_tokens: NonNegInt  # prompt length in tokens
     max_tokens: NonNegInt | None = None  # output cap the client asked for; None when unbounded
     arrival_ts: Timestamp | None = None  # engine front end's arrival time, when it differs from ts
-    priority: int = 0  # engine-side priority
+    priority: Int64 = 0  # engine-side priority
 
 
 class Chunk(_RequestEvent, tag="chunk", kw_only=True, frozen=True):
     """A prefill chunk scheduled for the request in one engine step."""
 
-    step: NonNegInt  # the engine step (see Step.step) that runs this chunk
+    step: Seq  # the engine step (see Step.step) that runs this chunk
     tokens: NonNegInt  # prefill tokens scheduled this step
     computed_before: NonNegInt  # tokens already computed (or cached) before this chunk: its depth
     recomputed_tokens: NonNegInt = 0  # of `tokens`, how many had been computed before and were lost
@@ -145,7 +173,7 @@ class Tokens(_RequestEvent, tag="tokens", kw_only=True, frozen=True):
     total: NonNegInt  # output tokens so far, this group included
     first_ts: Timestamp | None = None  # wall time of the group's first token (None: same as ts)
     kv_blocks: NonNegInt = 0  # KV blocks held at the last token
-    token_ids: list[int] | None = None  # the new token ids, for detectors; not persisted by default
+    token_ids: list[NonNegInt] | None = None  # the new token ids, for detectors; not persisted by default
 
 
 class Preempted(_RequestEvent, tag="preempted", kw_only=True, frozen=True):
@@ -190,7 +218,7 @@ class Step(_Event, tag="step", kw_only=True, frozen=True):
     (``stalled_*``) and to fit step time against prefill tokens, prefill depth and decode batch size.
     """
 
-    step: NonNegInt  # step counter of the engine, from 0
+    step: Seq  # step counter of the engine, from 0
     duration_s: NonNegFloat  # monotonic time from schedule() to the step's outputs being processed
     prefill_tokens: NonNegInt = 0  # prefill tokens computed this step (all chunks)
     decode_tokens: NonNegInt = 0  # decode tokens computed this step
@@ -199,13 +227,14 @@ class Step(_Event, tag="step", kw_only=True, frozen=True):
     running: NonNegInt = 0  # requests in the running queue after scheduling
     waiting: NonNegInt = 0  # requests in the waiting queue after scheduling
     kv_usage: Ratio = 0.0  # share of the KV cache in use, 0..1
-    request_ids: list[str] = []  # requests scheduled this step (prefill and decode)
-    prefill_depth_tokens: NonNegInt = 0  # sum over this step's chunks of tokens * computed_before:
+    request_ids: list[RequestId] = []  # requests scheduled this step (prefill and decode)
+    prefill_depth_tokens: NonNegInt64 = 0  # sum over this step's chunks of tokens * computed_before:
     # the attention work that grows with prefill depth (for the chunk-size fit)
     max_prefill_depth: NonNegInt = 0  # deepest chunk start (computed_before) among this step's chunks
-    stalled_request_ids: list[str] = []  # requests holding KV blocks that got no token this step
+    stalled_request_ids: list[RequestId] = []  # requests holding KV blocks that got no token this step
     # (a chunked prefill or a decode left out of the batch): their KV sat idle for duration_s
     stalled_kv_blocks: list[NonNegInt] = []  # KV blocks each stalled request held, same order
+    # and length as stalled_request_ids (or empty: unknown)
 
 
 class Dropped(_Event, tag="dropped", kw_only=True, frozen=True):
@@ -221,6 +250,7 @@ Event = (
     | AdmissionEnqueued
     | Admitted
     | FirstByte
+    | FirstTokenOut
     | Completed
     | ClientDisconnected
     | StreamCut
@@ -242,6 +272,7 @@ EVENT_TYPES: dict[str, type[_Event]] = {
         AdmissionEnqueued,
         Admitted,
         FirstByte,
+        FirstTokenOut,
         Completed,
         ClientDisconnected,
         StreamCut,
@@ -262,6 +293,7 @@ GATEWAY_KINDS = frozenset(
         "admission_enqueued",
         "admitted",
         "first_byte",
+        "first_token_out",
         "completed",
         "client_disconnected",
         "stream_cut",

@@ -32,9 +32,10 @@ import math
 import os
 import queue
 import random
-import tempfile
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -52,6 +53,7 @@ from engine_hooks.events import (
     CutoffApplied,
     Finished,
     FirstByte,
+    FirstTokenOut,
     Preempted,
     Queued,
     Resumed,
@@ -430,10 +432,19 @@ class SimGateway:
         self.e_enqueued = exporter.emitter(AdmissionEnqueued, "ts", "request_id", "queue_depth", "entry_s")
         self.e_admitted = exporter.emitter(Admitted, "ts", "request_id", "wait_s", "in_flight")
         self.e_first_byte = exporter.emitter(FirstByte, "ts", "request_id", "since_arrived_s")
+        self.e_first_token_out = exporter.emitter(FirstTokenOut, "ts", "request_id", "since_arrived_s")
         self.e_completed = exporter.emitter(
-            Completed, "ts", "request_id", "status_code", "since_arrived_s", "finish_reason"
+            Completed,
+            "ts",
+            "request_id",
+            "status_code",
+            "since_arrived_s",
+            "finish_reason",
+            "last_token_out_s",
         )
-        self.e_disconnected = exporter.emitter(ClientDisconnected, "ts", "request_id", "since_arrived_s")
+        self.e_disconnected = exporter.emitter(
+            ClientDisconnected, "ts", "request_id", "since_arrived_s", "last_token_out_s"
+        )
         self.e_cut = exporter.emitter(StreamCut, "ts", "request_id", "rule", "command_id")
 
     def arrive(self, req: SimRequest, t: float, entry_s: float) -> None:
@@ -453,21 +464,25 @@ class SimGateway:
             self.emitted += 1
             self.fleet.route(req, t)
 
-    def first_byte(self, req: SimRequest, t: float) -> None:
-        self.e_first_byte(self.fleet.ts(t + 0.0005), req.id, t + 0.0005 - req.arrived_t)
-        self.emitted += 1
+    def first_token(self, req: SimRequest, t: float) -> None:
+        """The engine's first token at ``t``: the response headers, then the token, reach the client
+        0.5 ms later (a simulated way back)."""
+        self.e_first_byte(self.fleet.ts(t + 0.0004), req.id, t + 0.0004 - req.arrived_t)
+        self.e_first_token_out(self.fleet.ts(t + 0.0005), req.id, t + 0.0005 - req.arrived_t)
+        self.emitted += 2
 
     def done(self, req: SimRequest, t: float, reason: str) -> None:
         ts = self.fleet.ts(t + 0.0005)
         since = t + 0.0005 - req.arrived_t
+        last = since if req.first_token_t is not None else None  # the last token goes out at the end
         if reason == "abort":
-            self.e_disconnected(ts, req.id, since)
+            self.e_disconnected(ts, req.id, since, last)
         elif req.cutoff is not None:
             self.e_cut(ts, req.id, req.cutoff.rule, req.cutoff.id)
             self.emitted += 1
-            self.e_completed(ts, req.id, 200, since, "cutoff")
+            self.e_completed(ts, req.id, 200, since, "cutoff", last)
         else:
-            self.e_completed(ts, req.id, 200, since, reason)
+            self.e_completed(ts, req.id, 200, since, reason, last)
         self.emitted += 1
         self.in_flight -= 1
         self.admit(t)
@@ -564,7 +579,7 @@ class Fleet:
             self._push(t, "step", self.engines.index(engine))
 
     def on_first_token(self, req: SimRequest, t: float) -> None:
-        self.gateway.first_byte(req, t)
+        self.gateway.first_token(req, t)
 
     def on_disconnect(self, req: SimRequest, t: float) -> None:
         pass  # the gateway reports it in done(); the engine aborts the request
@@ -638,13 +653,20 @@ def run_simulation(
     pace: bool = True,
     overrides: dict[str, Any] | None = None,
     shutdown_timeout_s: float = 30.0,
+    drain_timeout_s: float = 120.0,
 ) -> dict[str, Any]:
-    """Run the fleet, shut the exporters down (draining them) and return the summary."""
+    """Run the fleet, wait (up to ``drain_timeout_s``) until every event is acknowledged, spooled ones
+    included, shut the exporters down and return the summary.
+
+    The spool folder defaults to the exporter's (``.chunkledger/spool``, or ``CHUNKLEDGER_SPOOL_DIR``):
+    one stable folder per source id, so a run that ends with events still spooled (the ledger was down
+    past the drain timeout) leaves them for the next run of the same source ids to send.
+    """
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
     if engines < 1 or rps <= 0 or duration_s <= 0:
         raise ValueError("engines must be >= 1, rps and duration > 0")
-    spool_root = spool_dir or tempfile.mkdtemp(prefix="chunkledger-sim-spool-")
+    spool_root = spool_dir or os.environ.get("CHUNKLEDGER_SPOOL_DIR") or _DEFAULT_SPOOL_DIR
 
     def make_exporter(source_id: str, kind: str, on_command: Any) -> Exporter:
         config = ExporterConfig.create(
@@ -667,12 +689,16 @@ def run_simulation(
         source_prefix=source_prefix,
     )
     started = time.monotonic()
+    drained = False
     try:
         lag = fleet.run(duration_s, pace=pace)
+        ran = time.monotonic()
+        drained = _each(fleet.exporters.values(), lambda ex: ex.force_flush(drain_timeout_s))
+        drain_s = time.monotonic() - ran
     finally:
-        for exporter in fleet.exporters.values():
-            exporter.shutdown(shutdown_timeout_s)
+        _each(fleet.exporters.values(), lambda ex: ex.shutdown(shutdown_timeout_s))
     summary = fleet.summary()
+    pending = {sid: ex.stats().spool_pending for sid, ex in fleet.exporters.items()}
     summary = {
         "scenario": scenario,
         "seed": seed,
@@ -682,8 +708,35 @@ def run_simulation(
         "wall_s": round(time.monotonic() - started, 3),
         "lag_s": round(lag, 3),
         **summary,
+        # after the run: how long it took until the ledger had acknowledged every event (spooled ones
+        # too), and what is still spooled for the next run when it did not within drain_timeout_s
+        "drain": {
+            "drained": drained,
+            "waited_s": round(drain_s, 3),
+            "spool_pending": {sid: n for sid, n in pending.items() if n},
+            "spool_dir": os.path.abspath(os.path.join(spool_root, source_prefix)),
+        },
     }
     return summary
+
+
+_DEFAULT_SPOOL_DIR = ".chunkledger/spool"
+
+
+def _each(exporters: Any, call: Callable[[Exporter], bool]) -> bool:
+    """``call`` on every exporter at once (each waits on its own ledger traffic); whether all said True."""
+    items = list(exporters)
+    results = [False] * len(items)
+
+    def run(i: int) -> None:
+        results[i] = bool(call(items[i]))
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(items))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return all(results)
 
 
 def simulate(
@@ -698,8 +751,19 @@ def simulate(
     scenario: Annotated[str, typer.Option(help=f"one of: {', '.join(SCENARIOS)}")] = "steady",
     seed: Annotated[int, typer.Option(help="random seed; same seed, same events")] = 0,
     spool_dir: Annotated[
-        str | None, typer.Option(help="spool folder for the simulated sources (default: a temporary one)")
+        str | None,
+        typer.Option(
+            help="spool folder of the simulated sources, one subfolder per source id (default: "
+            "CHUNKLEDGER_SPOOL_DIR, else .chunkledger/spool): what a run could not deliver is sent by "
+            "the next run with the same source ids"
+        ),
     ] = None,
+    drain_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0, help="after the run, wait up to this many seconds for the ledger to take every event"
+        ),
+    ] = 120.0,
     ingest_token: Annotated[
         str | None,
         typer.Option(help="ingest token (env CHUNKLEDGER_INGEST_TOKEN)", envvar="CHUNKLEDGER_INGEST_TOKEN"),
@@ -732,11 +796,21 @@ def simulate(
             spool_dir=spool_dir,
             ingest_token=ingest_token,
             source_prefix=source_prefix,
+            drain_timeout_s=drain_timeout,
         )
     except (ValueError, ConfigError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(json.dumps(summary, sort_keys=False))
+    drain = summary["drain"]
+    if not drain["drained"]:
+        waiting = sum(drain["spool_pending"].values())
+        typer.echo(
+            f"warning: the ledger had not taken every event {drain_timeout:g} s after the run; "
+            f"{waiting} events stay spooled in {drain['spool_dir']} for the next run with source prefix "
+            f"{source_prefix!r}",
+            err=True,
+        )
 
 
 def main() -> None:  # python -m engine_hooks.simulator

@@ -87,6 +87,9 @@ AGGREGATES: dict[str, Agg] = {
     "stalled_steps": Agg("sum", "int", "steps it sat out while holding KV blocks"),
     "kv_idle_s": Agg("sum", "float", "seconds holding KV blocks with no progress (steps sat out)"),
     "kv_idle_block_s": Agg("sum", "float", "KV block-seconds held idle (blocks x seconds sat out)"),
+    # What the client saw: generated content written to it by the gateway (migration 0006).
+    "first_token_out_ts": Agg("min", "float", "gateway wrote the first generated content to the client"),
+    "last_token_out_ts": Agg("max", "float", "gateway wrote the last generated content to the client"),
 }
 
 SUM_COLUMNS = frozenset(c for c, a in AGGREGATES.items() if a.op == "sum")
@@ -136,13 +139,27 @@ def _first_byte(row: Row, e: Any, source: ev.Source) -> None:
     _min(row, "first_byte_ts", e.ts)
 
 
+def _first_token_out(row: Row, e: Any, source: ev.Source) -> None:
+    _max(row, "gateway_source_id", source.id)
+    _min(row, "first_token_out_ts", e.ts)
+
+
+def _last_token_out(row: Row, e: Any) -> None:
+    """The last content's wall-clock time, from the end event's own clock: its ts less the monotonic
+    time from that content to the end."""
+    if e.last_token_out_s is not None and e.since_arrived_s is not None:
+        _max(row, "last_token_out_ts", e.ts - max(0.0, e.since_arrived_s - e.last_token_out_s))
+
+
 def _completed(row: Row, e: Any, source: ev.Source) -> None:
     _min(row, "completed_ts", e.ts)
     _max(row, "status_code", e.status_code)
+    _last_token_out(row, e)
 
 
 def _client_disconnected(row: Row, e: Any, source: ev.Source) -> None:
     _min(row, "disconnected_ts", e.ts)
+    _last_token_out(row, e)
 
 
 def _stream_cut(row: Row, e: Any, source: ev.Source) -> None:
@@ -214,6 +231,7 @@ _FOLDERS: dict[str, Callable[[Row, Any, ev.Source], None]] = {
     "admission_enqueued": _admission_enqueued,
     "admitted": _admitted,
     "first_byte": _first_byte,
+    "first_token_out": _first_token_out,
     "completed": _completed,
     "client_disconnected": _client_disconnected,
     "stream_cut": _stream_cut,

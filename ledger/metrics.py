@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from ledger.rules.rules import RULE_NAMES
 
-LAYERS = ("entry", "admission", "backend_wait", "prefill", "decode")
+LAYERS = ("entry", "admission", "backend_wait", "frontend", "engine_queue", "prefill", "decode", "delivery")
 ACTIONS = ("abort", "slow_pool", "non_preemptible", "promote")
 _RULE_ACTIONS = {
     "preemption_limit": ("slow_pool", "non_preemptible"),
@@ -73,14 +73,22 @@ class LedgerMetrics:
         r = self.registry = registry or CollectorRegistry(auto_describe=True)
         self.layer_seconds = Histogram(
             "chunkledger_request_layer_seconds",
-            "Per-request time in each layer (entry, admission, backend_wait, prefill, decode)",
+            "Per-request time in each layer (entry, admission, backend_wait = frontend + engine_queue, "
+            "prefill, decode; delivery: the first token's way back to the client)",
             ["model", "layer"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.ttft_seconds = Histogram(
             "chunkledger_ttft_seconds",
-            "Time to first token per request",
+            "Time to first token per request (arrival -> the engine's first token)",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.client_ttft_seconds = Histogram(
+            "chunkledger_client_ttft_seconds",
+            "Time to first token as the client saw it (gateway arrival -> first token written to it)",
             ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -163,6 +171,13 @@ class LedgerMetrics:
             ["reason"],
             registry=r,
         )
+        self.ingest_future_timestamps = Counter(
+            "chunkledger_ingest_future_timestamps_total",
+            "Events stamped further ahead of the ledger's clock than max_clock_ahead_s, stored with the "
+            "receive time instead (a source's clock is wrong)",
+            ["source"],
+            registry=r,
+        )
         self.source_dropped = Counter(
             "chunkledger_source_dropped_events_total",
             "Events sources reported as dropped",
@@ -219,6 +234,9 @@ class LedgerMetrics:
         ttft = row.get("ttft_s")
         if isinstance(ttft, (int, float)) and ttft >= 0:
             self.ttft_seconds.labels(model).observe(ttft)
+        client_ttft = row.get("client_ttft_s")
+        if isinstance(client_ttft, (int, float)) and client_ttft >= 0:
+            self.client_ttft_seconds.labels(model).observe(client_ttft)
         e2e = row.get("e2e_s")
         if isinstance(e2e, (int, float)) and e2e >= 0:
             self.e2e_seconds.labels(model).observe(e2e)

@@ -11,7 +11,7 @@
   appends a group's partial rows here (an append costs a quarter of the upsert) and compacts them into
   ``request_rows`` every few seconds; PostgreSQL merges directly and leaves it empty (migration 0004).
 * ``requests`` a VIEW: ``request_rows`` with ``request_parts`` merged in, plus the four-layer attribution
-  derived from the columns (``ATTRIBUTION``; the view's SQL lives in migrations 0002 and 0004). Every read
+  derived from the columns (``ATTRIBUTION``; the view's SQL lives in migrations 0006 and 0004). Every read
   and every user query uses it, so a read sees every committed event whether compacted or not.
 """
 
@@ -103,19 +103,24 @@ request_parts = sa.Table(
     *_aggregate_columns(comments=False),
 )
 
-# The four-layer attribution (ARCHITECTURE.md, "The four layers"), seconds, derived by the view from
-# the merged row: entry_s + admission_s + backend_wait_s + prefill_s + decode_s = e2e_s exactly, and
-# entry_s + admission_s + backend_wait_ttft_s + prefill_s = ttft_s. NULL while the request is live
-# (ttft_s: until its first token).
+# The four-layer attribution, seconds, derived by the view from the merged row (its SQL: migration
+# 0006): entry_s + admission_s + backend_wait_s + prefill_s + decode_s = e2e_s exactly, backend_wait_s
+# = frontend_s + engine_queue_s, and entry_s + admission_s + backend_wait_ttft_s + prefill_s = ttft_s.
+# NULL while the request is live (ttft_s, client_ttft_s, delivery_s: until the first token).
 ATTRIBUTION: dict[str, str] = {
-    "entry_s": "entry layer: gateway arrived -> admission queue (no gateway: engine arrival -> queued)",
+    "entry_s": "entry layer: gateway arrived -> admission queue (0 without a gateway)",
     "admission_s": "admission layer: time in the gateway's admission queue -> forwarded",
-    "backend_wait_s": "backend wait: forwarded -> first scheduled, plus every preempted -> resumed wait",
+    "backend_wait_s": "backend wait: frontend_s + engine_queue_s",
     "backend_wait_ttft_s": "the part of backend_wait_s before the first token",
+    "frontend_s": "engine front end: forwarded (no gateway: engine arrival) -> queued by the scheduler "
+    "(HTTP, the API server, tokenising, IPC to the engine core)",
+    "engine_queue_s": "engine queue: queued -> first scheduled, plus every preempted -> resumed wait",
     "prefill_s": "batch prefill: first scheduled -> first token, less waits while preempted",
     "decode_s": "batch decode: first token -> end, less waits while preempted",
     "e2e_s": "end to end: arrival -> response complete (gateway clock when there is one)",
-    "ttft_s": "time to first token: arrival -> first token",
+    "ttft_s": "time to first token: arrival -> the engine's first token (no engine events: first token out)",
+    "client_ttft_s": "time to first token as the client saw it: arrival -> first content written to it",
+    "delivery_s": "the first token's way back: engine's first token -> written to the client by the gateway",
 }
 
 # The points the layers span (unix seconds; end_ts NULL while live).

@@ -61,10 +61,18 @@ def itl_over_time(data: LedgerData, since_s: float, bucket_s: float, now: float)
     return pd.DataFrame(rows, columns=["time", "tail", "ms", "n"])
 
 
-def headline(ctx: ui.Context, overall: dict[str, Any] | None, itl: dict[str, Any] | None) -> None:
+def ttft_metric(groups: list[dict[str, Any]]) -> str:
+    """TTFT as the clients saw it where a gateway measured it, else the engine's first token."""
+    seen = any(((g.get("layers") or {}).get("client_ttft_s") or {}).get("n") for g in groups)
+    return "client_ttft_s" if seen else "ttft_s"
+
+
+def headline(
+    ctx: ui.Context, overall: dict[str, Any] | None, itl: dict[str, Any] | None, ttft: str = "ttft_s"
+) -> None:
     cols = st.columns(5)
     layers = (overall or {}).get("layers", {})
-    for col, (m, label) in zip(cols, (("ttft_s", "TTFT"), ("e2e_s", "end to end")), strict=False):
+    for col, (m, label) in zip(cols, ((ttft, "TTFT"), ("e2e_s", "end to end")), strict=False):
         s = layers.get(m) or {}
         col.metric(
             f"{label} p99",
@@ -122,7 +130,8 @@ def body() -> None:
         overall_doc = ctx.data.attribution(ctx.since)
         overall = overall_doc["groups"][0] if overall_doc.get("groups") else None
         itl = overall_doc["itl"][0] if overall_doc.get("itl") else None
-        headline(ctx, overall, itl)
+        ttft = ttft_metric([overall] if overall else [])
+        headline(ctx, overall, itl, ttft)
         doc = ctx.data.attribution(ctx.since, bucket_s=bucket_s)
         groups = doc.get("groups", [])
         st.caption(
@@ -134,9 +143,9 @@ def body() -> None:
         else:
             st.subheader("Latency tails")
             st.caption("click a p99 point to open the requests behind it, slowest first")
-            tails = tails_long(groups, ("ttft_s", "e2e_s"))
+            tails = tails_long(groups, (ttft, "e2e_s"))
             left, right = st.columns(2)
-            for col, metric in ((left, "ttft_s"), (right, "e2e_s")):
+            for col, metric in ((left, ttft), (right, "e2e_s")):
                 df = tails[tails.metric == metric]
                 event = col.altair_chart(
                     charts.latency_tails(df, LATENCIES[metric]),
@@ -171,7 +180,7 @@ def body() -> None:
             with st.expander("the p99 points as a table (links to the requests behind each)"):
                 rows = []
                 for g in groups:
-                    for m in ("ttft_s", "e2e_s"):
+                    for m in (ttft, "e2e_s"):
                         s = g["layers"][m]
                         if s.get("p99") is None:
                             continue

@@ -54,7 +54,9 @@ def step_bars(data: LedgerData, request: dict[str, Any], t0: float) -> pd.DataFr
 def layers_table(r: dict[str, Any]) -> pd.DataFrame:
     rows = [{"layer": LAYER_NAMES[m], "ms": (r.get(m) or 0.0) * 1e3} for m in LAYERS]
     rows.append({"layer": "= end to end", "ms": (r.get("e2e_s") or 0.0) * 1e3})
-    rows.append({"layer": "TTFT", "ms": (r.get("ttft_s") or 0.0) * 1e3})
+    rows.append({"layer": "TTFT (engine's first token)", "ms": (r.get("ttft_s") or 0.0) * 1e3})
+    if r.get("client_ttft_s") is not None:
+        rows.append({"layer": "TTFT at the client", "ms": r["client_ttft_s"] * 1e3})
     return pd.DataFrame(rows)
 
 
@@ -95,7 +97,15 @@ def render(data: LedgerData, request_id: str) -> None:
         why = data.why(request_id)
     st.subheader(request_id)
     c = st.columns(6)
-    c[0].metric("TTFT", ui.fmt_ms(r.get("ttft_s")))
+    client_ttft = r.get("client_ttft_s")
+    c[0].metric(
+        "TTFT",
+        ui.fmt_ms(client_ttft if client_ttft is not None else r.get("ttft_s")),
+        help="as the client saw it (first token written by the gateway); the engine's first token: "
+        f"{ui.fmt_ms(r.get('ttft_s'))}"
+        if client_ttft is not None
+        else "the engine's first token (no gateway in front)",
+    )
     c[1].metric("end to end", ui.fmt_ms(r.get("e2e_s")) if r.get("e2e_s") is not None else "live")
     c[2].metric(
         "prompt (tokens)", f"{r.get('prompt_tokens') or 0:,}", help=f"{r.get('cached_tokens') or 0} cached"

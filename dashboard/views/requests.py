@@ -15,11 +15,13 @@ from dashboard import ui
 from dashboard.data import LATENCIES
 
 LAYER_COLUMNS = [
+    "client_ttft_s",
     "ttft_s",
     "e2e_s",
     "entry_s",
     "admission_s",
-    "backend_wait_s",
+    "frontend_s",
+    "engine_queue_s",
     "backend_wait_ttft_s",
     "prefill_s",
     "decode_s",

@@ -53,6 +53,7 @@ from engine_hooks.events import (
     Completed,
     CutoffApplied,
     FirstByte,
+    FirstTokenOut,
     StreamCut,
 )
 from engine_hooks.exporter import Exporter
@@ -60,10 +61,12 @@ from engine_hooks.gateway.admission import AdmissionQueue, AdmissionRefused
 from engine_hooks.gateway.config import GatewayConfig
 from engine_hooks.gateway.metrics import GatewayMetrics
 from engine_hooks.gateway.responses import (
+    ends_stream,
     error_body,
     error_object,
     event_boundary,
     final_chunk,
+    has_choice,
     last_finish_reason,
 )
 from engine_hooks.gateway.upstream import BODY_COMPLETE, upstream_transport
@@ -117,6 +120,35 @@ class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+# After relaying [DONE], how long the upstream may take to end its body before its connection is
+# closed instead of going back to the pool.
+_DRAIN_AFTER_DONE_S = 1.0
+
+
+class _OutTimes:
+    """When the generated content of one response was written to the client: the first write (the
+    client's time to first token; a ``first_token_out`` event and the TTFT histogram) and the last."""
+
+    __slots__ = ("first", "gateway", "last", "request_id", "t0")
+
+    def __init__(self, gateway: Gateway, request_id: str, t0: float):
+        self.gateway, self.request_id, self.t0 = gateway, request_id, t0
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def sent(self, data: bytes) -> None:
+        """``data`` was just written to the client."""
+        if self.first is None:
+            if not has_choice(data):
+                return
+            now = self.first = self.last = time.monotonic()
+            since = now - self.t0
+            self.gateway.e_first_token_out(self.request_id, since)
+            self.gateway.metrics.first_token.observe(since)
+        elif has_choice(data):
+            self.last = time.monotonic()
 
 
 class _Exchange:
@@ -193,6 +225,7 @@ class Gateway:
         self.e_enqueued: Emit
         self.e_admitted: Emit
         self.e_first_byte: Emit
+        self.e_first_token_out: Emit
         self.e_completed: Emit
         self.e_disconnected: Emit
         self.e_cut: Emit
@@ -252,8 +285,11 @@ class Gateway:
         self.e_enqueued = e(AdmissionEnqueued, "request_id", "queue_depth", "entry_s")
         self.e_admitted = e(Admitted, "request_id", "wait_s", "in_flight")
         self.e_first_byte = e(FirstByte, "request_id", "since_arrived_s")
-        self.e_completed = e(Completed, "request_id", "status_code", "since_arrived_s", "finish_reason")
-        self.e_disconnected = e(ClientDisconnected, "request_id", "since_arrived_s")
+        self.e_first_token_out = e(FirstTokenOut, "request_id", "since_arrived_s")
+        self.e_completed = e(
+            Completed, "request_id", "status_code", "since_arrived_s", "finish_reason", "last_token_out_s"
+        )
+        self.e_disconnected = e(ClientDisconnected, "request_id", "since_arrived_s", "last_token_out_s")
         self.e_cut = e(StreamCut, "request_id", "rule", "command_id")
         self.e_applied = e(CutoffApplied, "request_id", "command_id", "action", "rule")
 
@@ -261,7 +297,7 @@ class Gateway:
         def off(*values: Any) -> None:
             return None
 
-        self.e_arrived = self.e_enqueued = self.e_admitted = self.e_first_byte = off
+        self.e_arrived = self.e_enqueued = self.e_admitted = self.e_first_byte = self.e_first_token_out = off
         self.e_completed = self.e_disconnected = self.e_cut = self.e_applied = off
 
     # -- commands from the ledger -----------------------------------------------------------------
@@ -589,6 +625,8 @@ class Gateway:
         first_events: bytes | None = None
         finish_reason: str | None = None
         ending: tuple[str, dict[str, Any], str] | None = None  # (finish reason, error, outcome)
+        out_times = _OutTimes(self, rid, t0)
+        done = False  # [DONE] relayed: the stream is complete for the client
         while not exchange.interrupted:
             exchange.interruptible = True
             try:
@@ -644,11 +682,17 @@ class Gateway:
                     await chunks.__anext__()
                 tail = data
                 break
+            if out and ends_stream(out) and not tail:
+                # [DONE]: the client has it all once this piece is written; its closing the connection
+                # now is no disconnect. The upstream's end of body is awaited after the response.
+                tail, done = out, True
+                break
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
+                out_times.sent(out)
         if exchange.disconnected:
             await response.aclose()
-            self._disconnected(rid, t0)
+            self._disconnected(rid, t0, out_times.last)
             return
         if exchange.command is not None:
             await response.aclose()
@@ -663,7 +707,7 @@ class Gateway:
                 model=model if isinstance(model, str) else None,
             )
             await send({"type": "http.response.body", "body": final, "more_body": False})
-            self._cut(exchange, command, t0, response.status_code)
+            self._cut(exchange, command, t0, response.status_code, out_times.last)
             return
         if ending is not None:
             await response.aclose()
@@ -678,10 +722,16 @@ class Gateway:
                 model=model if isinstance(model, str) else None,
             )
             await send({"type": "http.response.body", "body": final, "more_body": False})
-            self._finish(rid, t0, response.status_code, "error", outcome)
+            self._finish(rid, t0, response.status_code, "error", outcome, out_times.last)
             return
         await send({"type": "http.response.body", "body": tail, "more_body": False})
-        self._finish(rid, t0, response.status_code, finish_reason, "completed")
+        out_times.sent(tail)
+        self._finish(rid, t0, response.status_code, finish_reason, "completed", out_times.last)
+        if done:  # let the upstream end its body, so its connection goes back to the pool
+            with contextlib.suppress(httpx.HTTPError, TimeoutError):
+                async with asyncio.timeout(_DRAIN_AFTER_DONE_S):
+                    async for _ in chunks:
+                        pass
 
     async def _relay_whole(
         self,
@@ -723,8 +773,16 @@ class Gateway:
             body,
         )
         encoded = response.headers.get("content-encoding", "identity") != "identity"
+        out_times = _OutTimes(self, rid, t0)
+        if not encoded and response.status_code < 300:
+            out_times.sent(body)  # a whole response: its tokens reach the client at once
         self._finish(
-            rid, t0, response.status_code, None if encoded else last_finish_reason(body), "completed"
+            rid,
+            t0,
+            response.status_code,
+            None if encoded else last_finish_reason(body),
+            "completed",
+            out_times.last,
         )
 
     async def _interrupted(
@@ -788,20 +846,33 @@ class Gateway:
 
     # -- events -----------------------------------------------------------------------------------
 
-    def _finish(self, rid: str, t0: float, status: int, finish_reason: str | None, outcome: str) -> None:
-        self.e_completed(rid, status, time.monotonic() - t0, finish_reason)
+    def _finish(
+        self,
+        rid: str,
+        t0: float,
+        status: int,
+        finish_reason: str | None,
+        outcome: str,
+        last_out: float | None = None,
+    ) -> None:
+        """``last_out``: monotonic time the last generated content was written to the client."""
+        self.e_completed(
+            rid, status, time.monotonic() - t0, finish_reason, None if last_out is None else last_out - t0
+        )
         self.metrics.finished[outcome].inc()
 
-    def _disconnected(self, rid: str, t0: float) -> None:
-        self.e_disconnected(rid, time.monotonic() - t0)
+    def _disconnected(self, rid: str, t0: float, last_out: float | None = None) -> None:
+        self.e_disconnected(rid, time.monotonic() - t0, None if last_out is None else last_out - t0)
         self.metrics.finished["client_disconnected"].inc()
 
-    def _cut(self, exchange: _Exchange, command: Command, t0: float, status: int) -> None:
+    def _cut(
+        self, exchange: _Exchange, command: Command, t0: float, status: int, last_out: float | None = None
+    ) -> None:
         rid = exchange.request_id
         self.e_cut(rid, command.rule, command.id)
         self.e_applied(rid, command.id, "abort", command.rule)
         self.metrics.commands_applied.inc()
-        self._finish(rid, t0, status, "cutoff", "stream_cut")
+        self._finish(rid, t0, status, "cutoff", "stream_cut", last_out)
 
     # -- other routes -----------------------------------------------------------------------------
 

@@ -77,6 +77,12 @@ class GatewayMetrics:
             buckets=_TTFB_BUCKETS,
             registry=registry,
         )
+        self.first_token = Histogram(
+            p + "time_to_first_token_seconds",
+            "Arrival at the gateway to the first generated content written to the client",
+            buckets=_TTFB_BUCKETS,
+            registry=registry,
+        )
         self.commands = Counter(p + "commands", "Cutoff commands received from the ledger", registry=registry)
         self.commands_applied = Counter(
             p + "commands_applied",

@@ -14,6 +14,7 @@ import msgspec
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
 _FINISH_RE = re.compile(rb'"finish_reason"\s*:\s*"([^"\\]{1,64})"')
+_CHOICE_RE = re.compile(rb'"choices"\s*:\s*\[\s*\{')
 DONE = b"data: [DONE]\n\n"
 
 
@@ -39,6 +40,19 @@ def last_finish_reason(data: bytes) -> str | None:
     for match in _FINISH_RE.finditer(data):
         found = match.group(1)
     return found.decode("utf-8", "replace") if found is not None else None
+
+
+def has_choice(data: bytes) -> bool:
+    """Whether a piece of response body holds an event with a choice: a generated token as clients
+    time it (vLLM's benchmark client and OpenAI's SDK take every such chunk as a token, empty text
+    included; a usage summary has ``"choices":[]``)."""
+    return _CHOICE_RE.search(data) is not None
+
+
+def ends_stream(data: bytes) -> bool:
+    """Whether a piece of an SSE stream ends with ``data: [DONE]``: the stream is complete for the
+    client, whatever the upstream's connection does next."""
+    return data.endswith(DONE) or data.rstrip().endswith(b"data: [DONE]")
 
 
 def event_boundary(data: bytes) -> int:

@@ -178,9 +178,14 @@ def why(
     for i, item in enumerate(out["items"], 1):
         typer.echo(f"{i}. {_ms(item['seconds'])} ms  {item['kind']}: {item['detail']}")
         for c in item["culprits"]:
+            held = (
+                f", {c['decode_steps']} decode steps, {_ms(c['share_s'])} ms of the steps"
+                if "share_s" in c
+                else ""
+            )
             typer.echo(
                 f"     - {c['request_id']}: {c['prefill_tokens']} prefill tokens in {c['chunks']} chunks, "
-                f"up to depth {c['max_depth']}"
+                f"up to depth {c['max_depth']}{held}"
             )
 
 

@@ -37,9 +37,13 @@ METRICS = (
     "entry_s",
     "admission_s",
     "backend_wait_s",
+    "frontend_s",
+    "engine_queue_s",
     "prefill_s",
     "decode_s",
     "ttft_s",
+    "client_ttft_s",
+    "delivery_s",
     "e2e_s",
     "kv_idle_s",
 )
@@ -279,9 +283,62 @@ def _engine_steps(
     )
 
 
+def _silent_chunk_steps(
+    events: list[dict[str, Any]], source_id: str, prompt_tokens: int | None
+) -> tuple[set[int], int | None]:
+    """Of a request's ``chunk`` events (with its ``resumed`` and ``tokens`` events, in time order): the
+    steps whose chunk sampled no token, and the step whose chunk sampled the first token (None: unknown).
+
+    vLLM v1 keeps the token sampled in a step only when the step computed every position the request
+    has, its prompt plus the output tokens it holds (a partial prefill's sample is discarded), so a
+    chunk yielded a token iff ``computed_before + tokens >= prompt_tokens + output`` where ``output`` is
+    the output tokens held when the pass began: 0 on the first pass; after a preemption, the tokens
+    delivered before the resume. ``resumed.output_tokens`` counts those held at the preemption; under
+    async scheduling the step in flight then is delivered after it (the resume waits for it), so the
+    tokens events add what they show delivered before the chunk: a group's whole ``total`` when it was
+    sent before the chunk, its first token when ``first_ts`` is before it (the hook flushes at each
+    preemption, so that token is the one in flight). Both are lower bounds of ``output``, exact for one
+    token in flight (spec decode may have more; then a partial chunk ending within them would count).
+    Without the prompt length every chunk step counts as silent (the rule before the resume fix).
+    """
+    chunks = [e for e in events if e["kind"] == "chunk" and e.get("source_id") == source_id and "step" in e]
+    if prompt_tokens is None:
+        return {c["step"] for c in chunks}, None
+    groups = [
+        (e.get("first_ts") or e["ts"], e["ts"], e.get("total", 0), e.get("count", 0))
+        for e in events
+        if e["kind"] == "tokens" and e.get("source_id") == source_id
+    ]
+    silent: set[int] = set()
+    first_step: int | None = None
+    resumed_with = 0
+    for e in events:
+        if e.get("source_id") != source_id:
+            continue
+        if e["kind"] == "resumed":
+            resumed_with = max(resumed_with, e.get("output_tokens", 0))
+            continue
+        if e["kind"] != "chunk" or "step" not in e:
+            continue
+        ts = e["ts"]
+        held = resumed_with
+        for first_ts, sent_ts, total, count in groups:
+            if sent_ts < ts:
+                held = max(held, total)
+            elif first_ts < ts:
+                held = max(held, total - count + min(count, 1))
+        if e.get("computed_before", 0) + e.get("tokens", 0) >= prompt_tokens + held:
+            if first_step is None or e["step"] < first_step:
+                first_step = e["step"]
+        else:
+            silent.add(e["step"])
+    return silent, first_step
+
+
 def request_itl(conn: sa.Connection, request_id: str) -> dict[str, Any] | None:
     """One request's inter-token gaps: its first token, then the end of every later step in which it
-    decoded (steps where it ran a prefill chunk, e.g. a recompute after a preemption, yield no token).
+    sampled a token: every step it decoded in, and a step whose chunk completed a recompute after a
+    preemption (``_silent_chunk_steps``); a chunk that left the prefill partial yields no token.
 
     None for an unknown request; ``n`` 0 when it has fewer than two tokens or no step rows."""
     row = _request_row(conn, request_id)
@@ -292,7 +349,9 @@ def request_itl(conn: sa.Connection, request_id: str) -> dict[str, Any] | None:
     if first is None or src is None:
         return empty
     last = row["last_step_ts"] or row["last_token_ts"] or first
-    chunk_steps = {d["step"] for d in _event_data(conn, request_id, ["chunk"]) if "step" in d}
+    silent, first_step = _silent_chunk_steps(
+        _event_data(conn, request_id, ["chunk", "resumed", "tokens"]), src, row["prompt_tokens"]
+    )
     steps = conn.execute(
         sa.select(S.c.step, (S.c.ts + S.c.duration_s).label("end"))
         .where(
@@ -303,7 +362,9 @@ def request_itl(conn: sa.Connection, request_id: str) -> dict[str, Any] | None:
         )
         .order_by(S.c.step)
     ).all()
-    ends = [first] + [end for step, end in steps if step not in chunk_steps]
+    # The first token's own step is ``first``: a later step end only (its end may sit a clock tick past).
+    after = -1 if first_step is None else first_step
+    ends = [first] + [end for step, end in steps if step > after and step not in silent]
     gaps = [b - a for a, b in itertools.pairwise(ends)]
     if not gaps:
         return empty
@@ -320,10 +381,12 @@ def request_itl(conn: sa.Connection, request_id: str) -> dict[str, Any] | None:
 def why(conn: sa.Connection, request_id: str, *, top: int = 5) -> dict[str, Any] | None:
     """What delayed a request, biggest first, from the stored events and steps.
 
-    Items: its admission wait at the gateway, its first wait in the engine queue (with the requests
-    whose prefill chunks ran meanwhile), every preemption and its wait, the steps it sat out while
-    holding KV (and whose prefills filled them), and its slowest decode steps (and the prefills that
-    shared them). Each item has ``seconds`` and the ``culprits`` behind it.
+    Items: its admission wait at the gateway, its way through the engine's front end (``frontend``:
+    HTTP, API server, tokenising, IPC; nobody to blame in the engine), its first wait in the engine's
+    queue and every preemption's wait (with the requests that held the engine meanwhile, see
+    ``_engine_holders``), the steps it sat out while holding KV (and whose prefills filled them), and
+    its slowest decode steps (and the prefills that shared them). Each item has ``seconds`` and the
+    ``culprits`` behind it.
     """
     row = _request_row(conn, request_id)
     if row is None:
@@ -340,26 +403,37 @@ def why(conn: sa.Connection, request_id: str, *, top: int = 5) -> dict[str, Any]
                 "culprits": [],
             }
         )
-    if src is not None and row["queued_ts"] is not None:
-        # The backend wait: from the gateway's hand-over when there is one (a busy engine host also
-        # delays its own front end), else from the engine's front-end arrival, to the first chunk.
-        arrived = row["engine_arrival_ts"] or row["queued_ts"]
-        forwarded = row["admitted_ts"]
-        handed = forwarded is not None and forwarded < arrived
-        start = forwarded if handed else arrived
-        first_sched = row["first_scheduled_ts"] or row["end_ts"]
-        if first_sched is not None and first_sched > start:
-            where = "since the gateway handed it over" if handed else "in the engine (front end and queue)"
-            items.append(
-                {
-                    "kind": "engine_queue",
-                    "seconds": first_sched - start,
-                    "start_ts": start,
-                    "detail": f"waited {where} before its first chunk",
-                    "culprits": _prefills_between(conn, src, start, first_sched, request_id, top),
-                }
-            )
+    if row["frontend_s"]:
+        forwarded = row["admitted_ts"] is not None
+        items.append(
+            {
+                "kind": "frontend",
+                "seconds": row["frontend_s"],
+                "start_ts": row["admitted_ts"] if forwarded else row["engine_arrival_ts"],
+                "detail": (
+                    "between the gateway's hand-over and the engine's scheduler queue"
+                    if forwarded
+                    else "between the engine front end's arrival and its scheduler queue"
+                )
+                + " (HTTP, the API server, tokenising, IPC to the engine core)",
+                "culprits": [],
+            }
+        )
     life = _event_data(conn, request_id, ["preempted", "resumed", "chunk"])
+    queued, first_sched = row["queued_ts"], row["first_scheduled_ts"] or row["end_ts"]
+    if src is not None and queued is not None and first_sched is not None and first_sched > queued:
+        # the engine's own monotonic measure of the wait (its first chunk's wait_s) where it sent one
+        first_chunk = min((d for d in life if d["kind"] == "chunk"), key=lambda d: d["ts"], default=None)
+        measured = first_chunk.get("wait_s") if first_chunk is not None else None
+        items.append(
+            {
+                "kind": "engine_queue",
+                "seconds": measured if measured is not None else first_sched - queued,
+                "start_ts": queued,
+                "detail": "waited in the engine's queue before its first chunk",
+                "culprits": _engine_holders(conn, src, row, queued, first_sched, top),
+            }
+        )
     own_chunks = {d["step"]: d.get("tokens", 0) for d in life if d["kind"] == "chunk" and "step" in d}
     pending: dict[str, Any] | None = None
     for d in life:
@@ -374,9 +448,7 @@ def why(conn: sa.Connection, request_id: str, *, top: int = 5) -> dict[str, Any]
                     "detail": f"preempted ({pending.get('reason', 'kv_pressure')}), "
                     f"{pending.get('kv_blocks_freed', 0)} KV blocks freed, "
                     f"{pending.get('computed_tokens', 0)} tokens to recompute",
-                    "culprits": _prefills_between(conn, src, pending["ts"], d["ts"], request_id, top)
-                    if src
-                    else [],
+                    "culprits": _engine_holders(conn, src, row, pending["ts"], d["ts"], top) if src else [],
                 }
             )
             pending = None
@@ -442,11 +514,14 @@ def why(conn: sa.Connection, request_id: str, *, top: int = 5) -> dict[str, Any]
                     }
                 )
     items.sort(key=lambda i: -(i["seconds"] or 0))
-    layers = {k: row[k] for k in ("entry_s", "admission_s", "backend_wait_s", "prefill_s", "decode_s")}
+    layers = {
+        k: row[k] for k in ("entry_s", "admission_s", "frontend_s", "engine_queue_s", "prefill_s", "decode_s")
+    }
     return {
         "request_id": request_id,
         "e2e_s": row["e2e_s"],
         "ttft_s": row["ttft_s"],
+        "client_ttft_s": row["client_ttft_s"],
         "layers": layers,
         "items": items,
     }
@@ -469,6 +544,93 @@ def _shared_prefill(
             shared.append(s)
             others += other
     return (seconds, shared, others) if shared else None
+
+
+def _engine_holders(
+    conn: sa.Connection, source_id: str, row: dict[str, Any], lo: float, hi: float, top: int
+) -> list[dict[str, Any]]:
+    """The requests that held the engine while ``row``'s request waited in its queue (``lo`` to
+    ``hi``): those that took part in the engine's steps in that time, ranked by their share of those
+    steps' time (each step's duration split by tokens: a prefill chunk's tokens, one per decode).
+
+    A request that reached the engine after this one (its front end's arrival) is not blamed: it could
+    only be ahead because this one's own front end was slower (``frontend_s``). Without step rows the
+    prefill chunks scheduled in the window stand in."""
+    request_id = row["request_id"]
+    steps = conn.execute(
+        sa.select(S.c.step, S.c.ts, S.c.duration_s, S.c.prefill_tokens, S.c.request_ids)
+        .where(S.c.source_id == source_id, S.c.ts < hi, S.c.ts + S.c.duration_s > lo + 1e-9)
+        .order_by(S.c.step)
+    ).all()
+    if not steps:
+        return _prefills_between(conn, source_id, lo, hi - 1e-9, request_id, top)
+    chunks = conn.execute(
+        sa.select(E.c.request_id, E.c.data).where(
+            E.c.source_id == source_id,
+            E.c.kind == "chunk",
+            E.c.ts >= min(st.ts for st in steps),
+            E.c.ts <= max(st.ts for st in steps),
+        )
+    ).all()
+    in_step: dict[tuple[str, int], dict[str, Any]] = {}
+    for rid, data in chunks:
+        d = msgspec.json.decode(data)
+        if "step" in d:
+            in_step[(rid, d["step"])] = d
+    share: dict[str, float] = defaultdict(float)
+    took: dict[str, int] = defaultdict(int)
+    prefill: dict[str, int] = defaultdict(int)
+    n_chunks: dict[str, int] = defaultdict(int)
+    depth: dict[str, int] = defaultdict(int)
+    for st in steps:
+        work = {}
+        for rid in st.request_ids:
+            chunk = in_step.get((rid, st.step))
+            work[rid] = chunk.get("tokens", 0) if chunk is not None else 1
+            if chunk is not None:
+                prefill[rid] += work[rid]
+                n_chunks[rid] += 1
+                depth[rid] = max(depth[rid], chunk.get("computed_before", 0) + work[rid])
+        total = sum(work.values()) or 1
+        for rid, w in work.items():
+            share[rid] += st.duration_s * w / total
+            took[rid] += 1
+    share.pop(request_id, None)
+    if not share:
+        return []
+    mine = row["engine_arrival_ts"] if row["engine_arrival_ts"] is not None else row["queued_ts"]
+    facts = {
+        r.request_id: r
+        for r in conn.execute(
+            sa.select(
+                R.c.request_id, R.c.engine_arrival_ts, R.c.queued_ts, R.c.prompt_tokens, R.c.chunks
+            ).where(R.c.request_id.in_(list(share)))
+        )
+    }
+    out = []
+    for rid in sorted(share, key=lambda r: -share[r]):
+        f = facts.get(rid)
+        came = (
+            None if f is None else (f.engine_arrival_ts if f.engine_arrival_ts is not None else f.queued_ts)
+        )
+        if mine is not None and came is not None and came > mine:
+            continue
+        out.append(
+            {
+                "request_id": rid,
+                "share_s": share[rid],
+                "steps": took[rid],
+                "prefill_tokens": prefill[rid],
+                "chunks": n_chunks[rid],
+                "decode_steps": took[rid] - n_chunks[rid],
+                "max_depth": depth[rid],
+                "prompt_tokens": f.prompt_tokens if f is not None else None,
+                "request_chunks": f.chunks if f is not None else None,
+            }
+        )
+        if len(out) == top:
+            break
+    return out
 
 
 def _prefills_between(

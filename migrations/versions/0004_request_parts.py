@@ -89,14 +89,16 @@ _COLS = ", ".join(["request_id", *_COLUMNS])
 _AGGS = ", ".join(["request_id", *(f"{_aggregate(c)} AS {c}" for c in _COLUMNS)])
 
 
-def _merged_rows() -> str:
-    """request_rows with request_parts folded in, as a subquery with request_rows' columns."""
+def _merged_rows(aggs: str = _AGGS, cols: str = _COLS) -> str:
+    """request_rows with request_parts folded in, as a subquery with request_rows' columns; ``aggs``:
+    the merged row's select list (0005 passes saturating sums), ``cols``: the tables' columns (0006
+    adds some)."""
     has_parts = "EXISTS (SELECT 1 FROM request_parts p WHERE p.request_id = q.request_id)"
     return (
-        f"(SELECT {_COLS} FROM request_rows q WHERE NOT {has_parts} "
-        f"UNION ALL SELECT {_AGGS} FROM ("
-        f"SELECT {_COLS} FROM request_rows q WHERE {has_parts} "
-        f"UNION ALL SELECT {_COLS} FROM request_parts) u GROUP BY request_id)"
+        f"(SELECT {cols} FROM request_rows q WHERE NOT {has_parts} "
+        f"UNION ALL SELECT {aggs} FROM ("
+        f"SELECT {cols} FROM request_rows q WHERE {has_parts} "
+        f"UNION ALL SELECT {cols} FROM request_parts) u GROUP BY request_id)"
     )
 
 

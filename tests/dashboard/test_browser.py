@@ -148,7 +148,7 @@ def test_one_click_on_a_p99_point_opens_the_requests_behind_it(dashboard_url: st
     url = urlparse(browser.evaluate("location.href"))
     assert url.path == "/requests", url
     q = parse_qs(url.query)
-    assert q["sort"] == ["ttft_s"] and q["order"] == ["desc"]
+    assert q["sort"] == ["client_ttft_s"] and q["order"] == ["desc"]  # the recording has client TTFT
     assert float(q["ended_until"][0]) > float(q["ended_since"][0])
     state = browser.load(url.geturl())
     assert not state.exceptions

@@ -71,7 +71,9 @@ def test_overview_shows_the_ledgers_tails_and_counts(recorded_ledger, run_page, 
     no_exceptions(at)
     whole = api.get("/v1/attribution", since="1h")
     g = whole["groups"][0]
-    assert metric(at, "TTFT p99") == ui.fmt_ms(g["layers"]["ttft_s"]["p99"])
+    # the recorded scene has a gateway in front: TTFT is the clients'
+    assert g["layers"]["client_ttft_s"]["n"] > 0
+    assert metric(at, "TTFT p99") == ui.fmt_ms(g["layers"]["client_ttft_s"]["p99"])
     assert metric(at, "end to end p99") == ui.fmt_ms(g["layers"]["e2e_s"]["p99"])
     assert metric(at, "ITL p99") == ui.fmt_ms(whole["itl"][0]["p99"])
     assert metric(at, "finished requests") == f"{g['requests']:,}"
@@ -84,6 +86,16 @@ def test_overview_shows_the_ledgers_tails_and_counts(recorded_ledger, run_page, 
     assert "running" in [m.label for m in at.metric]
 
 
+def test_overview_plots_client_ttft_where_a_gateway_measured_it_else_the_engines() -> None:
+    from dashboard.views.overview import ttft_metric
+
+    with_gateway = {"layers": {"client_ttft_s": {"n": 3}, "ttft_s": {"n": 3}}}
+    engine_only = {"layers": {"client_ttft_s": {"n": 0}, "ttft_s": {"n": 3}}}
+    assert ttft_metric([engine_only, with_gateway]) == "client_ttft_s"
+    assert ttft_metric([engine_only]) == "ttft_s"
+    assert ttft_metric([]) == "ttft_s"
+
+
 def test_overview_links_each_p99_point_to_the_requests_behind_it(recorded_ledger, run_page) -> None:
     at = run_page(recorded_ledger.url, "overview")
     links = next(
@@ -93,7 +105,7 @@ def test_overview_links_each_p99_point_to_the_requests_behind_it(recorded_ledger
     first = links.iloc[0]["open"]
     q = parse_qs(urlparse(first).query)
     assert urlparse(first).path == "requests"
-    assert q["sort"] == ["ttft_s"] and q["order"] == ["desc"]
+    assert q["sort"] == ["client_ttft_s"] and q["order"] == ["desc"]  # TTFT as the clients saw it
     assert float(q["ended_until"][0]) > float(q["ended_since"][0])
 
 
@@ -116,7 +128,7 @@ def test_requests_behind_a_bucket_are_the_ones_that_ended_in_it_slowest_first(
     assert "finished between" in texts(at)
 
 
-@pytest.mark.parametrize("column", ["backend_wait_s", "prefill_s", "kv_idle_s", "chunks"])
+@pytest.mark.parametrize("column", ["engine_queue_s", "client_ttft_s", "prefill_s", "kv_idle_s", "chunks"])
 def test_requests_table_sorts_by_any_layer(recorded_ledger, run_page, column) -> None:
     at = run_page(recorded_ledger.url, "requests", {"sort": column, "order": "asc"})
     no_exceptions(at)
@@ -140,12 +152,13 @@ def test_request_page_draws_the_timeline_and_the_why_list(recorded_ledger, run_p
     why = api.get(f"/v1/requests/{r['request_id']}/why")
     at = run_page(recorded_ledger.url, "request", {"id": r["request_id"]})
     no_exceptions(at)
-    assert metric(at, "TTFT") == ui.fmt_ms(r["ttft_s"])
+    client = r["client_ttft_s"]
+    assert metric(at, "TTFT") == ui.fmt_ms(client if client is not None else r["ttft_s"])
     assert metric(at, "prompt (tokens)") == f"{r['prompt_tokens']:,}"
     (gantt,) = [c for c in charts(at) if "lane" in json.dumps(c)]
     data = pd.DataFrame(gantt["rows"])
     assert {"layers", "steps", "engine"} <= set(data["lane"])
-    assert {"backend wait", "prefill", "decode", "chunk", "ran"} <= set(data["what"])
+    assert {"engine queue", "prefill", "decode", "chunk", "ran"} <= set(data["what"])
     shown = texts(at)
     for item in why["items"]:
         assert item["kind"].replace("_", " ") in shown

@@ -259,3 +259,34 @@ def test_simulated_streams_keep_the_ledgers_token_accounting(fake_ledger, tmp_pa
         if r.get("cached_tokens", 0) + r.get("prefill_computed_tokens", 0) != r["prompt_tokens"]
     ]
     assert bad == []
+
+
+def test_a_run_waits_for_its_backlog_says_what_stays_spooled_and_the_next_run_sends_it(
+    fake_ledger, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # the default spool folder is .chunkledger/spool under the working dir
+    monkeypatch.delenv("CHUNKLEDGER_SPOOL_DIR", raising=False)
+    fake_ledger.stop()
+    kw = {"engines": 1, "rps": 20, "ledger_url": fake_ledger.url, "pace": False, "overrides": FAST}
+    first = run_simulation(duration_s=0.5, seed=1, drain_timeout_s=0.5, shutdown_timeout_s=1, **kw)
+    drain = first["drain"]
+    assert not drain["drained"] and drain["spool_dir"] == str(tmp_path / ".chunkledger" / "spool" / "sim")
+    assert drain["spool_pending"] == first["emitted"]  # the ledger was down: everything stays spooled
+    fake_ledger.start()
+    second = run_simulation(duration_s=0.2, seed=2, **kw)
+    assert second["drain"]["drained"] and second["drain"]["spool_pending"] == {}
+    stored = Counter(sid for sid, _, _ in fake_ledger.rows)
+    assert stored == Counter(first["emitted"]) + Counter(second["emitted"])
+
+
+def test_cli_warns_when_the_ledger_did_not_take_everything_in_time(fake_ledger, tmp_path):
+    fake_ledger.stop()
+    app = typer.Typer()
+    app.command()(simulate)
+    args = ["--engines", "1", "--duration", "0.3", "--ledger", fake_ledger.url, "--spool-dir", str(tmp_path)]
+    result = CliRunner().invoke(app, [*args, "--drain-timeout", "0.3"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.splitlines()[0])
+    assert summary["drain"]["drained"] is False
+    waiting = sum(summary["drain"]["spool_pending"].values())
+    assert waiting > 0 and f"{waiting} events stay spooled in {tmp_path / 'sim'}" in result.stderr

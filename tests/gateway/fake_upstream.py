@@ -9,7 +9,9 @@ chunks ending with ``data: [DONE]``, or one JSON body) and ``/v1/models``. The r
 * ``split``: the stream's bytes are written in odd pieces (events split mid-line, a multi-byte
   character split in two, several events in one write);
 * ``slow-headers-S``: wait S seconds before the response headers;
-* ``close-after-N``: stream N chunks, then drop the connection without ending the stream.
+* ``close-after-N``: stream N chunks, then drop the connection without ending the stream;
+* ``linger-after-done-S``: stream everything through ``data: [DONE]``, then wait S seconds (or until the
+  client goes away) before ending the body.
 
 ``x-fake-delay-ms`` spaces the chunks (on a fixed timeline: chunk i is due i x delay after the
 first). ``max_tokens`` in the body sets how many chunks (default 5).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -223,6 +226,9 @@ class FakeUpstream:
                 if delay:  # chunk i+1 is due at start + (i+1) x delay: late wake-ups do not add up
                     await asyncio.sleep(max(0.0, started + (i + 1) * delay - loop.time()))
             else:
+                if fault.startswith("linger-after-done-"):
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(gone.wait(), timeout=float(fault.rsplit("-", 1)[1]))
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 self.completed.append(rid)
         finally:

@@ -289,17 +289,19 @@ def test_gateway_events_carry_monotonic_durations(upstream, make_gateway, fake_l
         "admission_enqueued",
         "admitted",
         "first_byte",
+        "first_token_out",
         "completed",
     ]
-    arrived, enqueued, admitted, first_byte, completed = [
+    arrived, enqueued, admitted, first_byte, first_out, completed = [
         e for e in fake_ledger.store.events if getattr(e, "request_id", None) == "timed"
     ]
     assert arrived.endpoint == "/v1/chat/completions" and arrived.stream and arrived.priority == -2
     assert 0 <= enqueued.entry_s < 0.5
     assert admitted.wait_s == 0.0 and admitted.in_flight == 1
-    assert 0 < first_byte.since_arrived_s <= completed.since_arrived_s
+    assert 0 < first_byte.since_arrived_s <= first_out.since_arrived_s
+    assert first_out.since_arrived_s <= completed.last_token_out_s <= completed.since_arrived_s
     assert completed.status_code == 200 and completed.finish_reason == "length"
-    assert arrived.ts <= enqueued.ts <= admitted.ts <= first_byte.ts <= completed.ts
+    assert arrived.ts <= enqueued.ts <= admitted.ts <= first_byte.ts <= first_out.ts <= completed.ts
 
 
 def test_config_errors_name_the_setting():
@@ -370,3 +372,75 @@ def test_sequential_requests_reuse_one_upstream_connection(upstream, make_gatewa
 )
 def test_last_finish_reason_is_the_last_non_null_one(piece, reason):
     assert last_finish_reason(piece) == reason
+
+
+def test_a_stream_is_complete_at_done_even_if_the_upstream_ends_its_body_later(
+    upstream, make_gateway, fake_ledger
+):
+    """The client has everything once [DONE] is relayed: the response ends there (no wait for the
+    upstream's end of body), and a client that closes right after it is no disconnect."""
+    gw = make_gateway(upstream.url, ledger_url=fake_ledger.url)
+    with httpx.Client(timeout=10) as client:
+        t = time.monotonic()
+        r = client.post(
+            gw.url + "/v1/completions",
+            json={"model": "m", "stream": True, "max_tokens": 3},
+            headers={"x-fake": "linger-after-done-0.8", "x-request-id": "done-then-gone"},
+        )
+        took = time.monotonic() - t
+    assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
+    assert took < 0.6  # the upstream lingers 0.8 s after [DONE]
+    gw.flush()
+    assert wait_until(lambda: "completed" in kinds_of(fake_ledger, "done-then-gone"))
+    assert "client_disconnected" not in kinds_of(fake_ledger, "done-then-gone")
+    done = next(
+        e for e in fake_ledger.store.events if isinstance(e, Completed) and e.request_id == "done-then-gone"
+    )
+    assert done.status_code == 200 and done.finish_reason == "length"
+    # the upstream's body is still read to its end (within 1 s), so its connection is not aborted
+    assert wait_until(lambda: "done-then-gone" in upstream.app.completed, timeout=5)
+    assert "done-then-gone" not in upstream.app.disconnected
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_first_and_last_token_out_are_when_content_reached_the_client(
+    upstream, make_gateway, fake_ledger, stream
+):
+    gw = make_gateway(upstream.url, ledger_url=fake_ledger.url)
+    rid = f"out-{stream}"
+    with httpx.Client(timeout=10) as client:
+        t = time.monotonic()
+        r = client.post(
+            gw.url + "/v1/chat/completions",
+            json={"model": "m", "stream": stream, "max_tokens": 6},
+            headers={"x-fake-delay-ms": "50", "x-request-id": rid},
+        )
+        took = time.monotonic() - t
+    assert r.status_code == 200
+    gw.flush()
+    assert wait_until(lambda: "completed" in kinds_of(fake_ledger, rid))
+    mine = [e for e in fake_ledger.store.events if getattr(e, "request_id", None) == rid]
+    first = next(e for e in mine if type(e).__struct_config__.tag == "first_token_out")
+    done = next(e for e in mine if isinstance(e, Completed))
+    if stream:  # chunk i is due i x 50 ms after the first: first out early, last out ~250 ms later
+        assert first.since_arrived_s < 0.2
+        assert 0.2 < done.last_token_out_s - first.since_arrived_s < took
+    else:  # a whole body: every token reaches the client with it
+        assert first.since_arrived_s > 0.25
+        assert first.since_arrived_s <= done.last_token_out_s <= done.since_arrived_s
+
+
+@pytest.mark.parametrize(
+    ("piece", "token"),
+    [
+        (b'data: {"choices":[{"index":0,"text":"","finish_reason":null}]}\n\n', True),  # empty text counts
+        (b'data: {"choices": [ {"index":0,"delta":{"role":"assistant"}}]}\n\n', True),
+        (b'data: {"choices":[],"usage":{"completion_tokens":3}}\n\n', False),  # the usage summary
+        (b"data: [DONE]\n\n", False),
+        (b": ping\n\n", False),
+    ],
+)
+def test_a_piece_carries_a_token_when_it_has_a_choice(piece, token):
+    from engine_hooks.gateway.responses import has_choice
+
+    assert has_choice(piece) is token

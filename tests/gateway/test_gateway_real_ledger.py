@@ -30,7 +30,18 @@ def test_gateway_layers_appear_in_the_ledger_row(upstream, make_gateway, ledger_
     assert row["status_code"] == 200
     assert row["entry_measured_s"] >= 0 and row["admission_wait_s"] == 0
     kinds = [e["kind"] for e in events]
-    assert kinds == ["arrived", "admission_enqueued", "admitted", "first_byte", "completed"]
+    assert kinds == [
+        "arrived",
+        "admission_enqueued",
+        "admitted",
+        "first_byte",
+        "first_token_out",
+        "completed",
+    ]
+    # what the client saw: first and last content out, within the exchange
+    assert row["first_byte_ts"] <= row["first_token_out_ts"] < row["last_token_out_ts"] <= row["completed_ts"]
+    assert 0 < row["client_ttft_s"] <= row["e2e_s"]
+    assert row["ttft_s"] == row["client_ttft_s"]  # no engine events: the first token out is the first token
     assert bad["status_code"] == 400 and bad["admitted_ts"] is None
 
 

@@ -17,7 +17,10 @@ def lifecycle(rid: str, t0: float = 1_700_000_000.0, *, preempt: bool = True) ->
         ev.AdmissionEnqueued(seq=0, ts=t0 + 0.001, request_id=rid, queue_depth=2, entry_s=0.001),
         ev.Admitted(seq=0, ts=t0 + 0.101, request_id=rid, wait_s=0.1, in_flight=4),
         ev.FirstByte(seq=0, ts=t0 + 0.6, request_id=rid, since_arrived_s=0.6),
-        ev.Completed(seq=0, ts=t0 + 2.0, request_id=rid, status_code=200, since_arrived_s=2.0),
+        ev.FirstTokenOut(seq=0, ts=t0 + 0.62, request_id=rid, since_arrived_s=0.62),
+        ev.Completed(
+            seq=0, ts=t0 + 2.0, request_id=rid, status_code=200, since_arrived_s=2.0, last_token_out_s=1.99
+        ),
     ]
     en = [
         ev.Queued(seq=0, ts=t0 + 0.102, request_id=rid, prompt_tokens=300, max_tokens=64),

@@ -336,24 +336,30 @@ def test_why_blames_the_long_prefill_that_shared_a_short_requests_prefill_step(s
     assert item["steps"] == [0] and item["culprits"][0]["request_id"] == "big"
 
 
-def test_why_counts_the_engine_wait_from_its_front_end_arrival(store):
+def test_why_names_the_engine_front_end_apart_from_the_engine_queue(store):
+    """No gateway: arrival at vLLM's front end -> its scheduler's queue is the front end (tokenising,
+    IPC), not engine queueing; a prefill that ran before the request was queued is nobody to blame."""
     evs = _seq(
         [
             ev.Chunk(ts=T0 + 0.1, seq=0, request_id="big", step=0, tokens=512, computed_before=0, wait_s=0.0),
             ev.Queued(ts=T0 + 0.8, seq=0, request_id="late", prompt_tokens=8, arrival_ts=T0),
             ev.Chunk(ts=T0 + 0.9, seq=0, request_id="late", step=1, tokens=8, computed_before=0, wait_s=0.1),
+            ev.Tokens(ts=T0 + 0.95, seq=0, request_id="late", count=1, total=1),
+            ev.Finished(ts=T0 + 0.95, seq=0, request_id="late", reason="length", output_tokens=1),
         ]
     )
     store.write([batch(ENGINE, evs)])
     with _conn(store) as conn:
-        item = next(i for i in q.why(conn, "late")["items"] if i["kind"] == "engine_queue")
-    assert item["seconds"] == pytest.approx(0.9)
-    assert item["culprits"][0]["request_id"] == "big"
+        items = {i["kind"]: i for i in q.why(conn, "late")["items"]}
+    assert items["frontend"]["seconds"] == pytest.approx(0.8)
+    assert "front end" in items["frontend"]["detail"] and items["frontend"]["culprits"] == []
+    assert items["engine_queue"]["seconds"] == pytest.approx(0.1)
+    assert items["engine_queue"]["culprits"] == []
 
 
-def test_why_counts_the_backend_wait_from_the_gateways_hand_over(store):
-    """A request the gateway forwarded while the engine host was busy prefilling reaches vLLM's front
-    end late: the wait (and the prefill behind it) counts from the hand-over, as backend_wait does."""
+def test_why_splits_the_backend_wait_at_the_engines_door(store):
+    """A request the gateway forwarded while the engine host was busy reaches vLLM's scheduler late: the
+    time before its queue is ``frontend`` (as ``frontend_s``), the rest ``engine_queue``."""
     engine = _seq(
         [
             ev.Chunk(ts=T0 + 0.1, seq=0, request_id="big", step=0, tokens=512, computed_before=0, wait_s=0.0),
@@ -367,14 +373,61 @@ def test_why_counts_the_backend_wait_from_the_gateways_hand_over(store):
         [
             ev.Arrived(ts=T0, seq=0, request_id="late", stream=True),
             ev.Admitted(ts=T0, seq=0, request_id="late"),
+            ev.Completed(ts=T0 + 0.96, seq=0, request_id="late"),
         ]
     )
     store.write([batch(ENGINE, engine), batch(GATEWAY, gateway)])
     with _conn(store) as conn:
-        item = next(i for i in q.why(conn, "late")["items"] if i["kind"] == "engine_queue")
+        items = {i["kind"]: i for i in q.why(conn, "late")["items"]}
         row = conn.execute(
-            sa.text("SELECT backend_wait_ttft_s FROM requests WHERE request_id = 'late'")
-        ).scalar_one()
-    assert item["seconds"] == pytest.approx(0.9) == pytest.approx(row)
-    assert "gateway" in item["detail"]
-    assert item["culprits"][0]["request_id"] == "big"
+            sa.text(
+                "SELECT frontend_s, engine_queue_s, backend_wait_ttft_s FROM requests "
+                "WHERE request_id = 'late'"
+            )
+        ).one()
+    assert items["frontend"]["seconds"] == pytest.approx(0.8) == pytest.approx(row.frontend_s)
+    assert "gateway" in items["frontend"]["detail"]
+    assert (
+        items["engine_queue"]["seconds"] == pytest.approx(0.1) == pytest.approx(row.engine_queue_s, abs=1e-6)
+    )
+    assert row.backend_wait_ttft_s == pytest.approx(0.9)
+
+
+def test_why_blames_only_requests_that_held_the_engine_while_it_waited_and_came_before_it(store):
+    """``slow`` reached the engine's front end at T0 but its scheduler only at T0+0.5. While it
+    waited (T0+0.5 to T0+0.7): ``early`` decoded and ``rival`` prefilled. ``rival`` reached the engine
+    after ``slow`` (T0+0.39), so it was ahead only because of slow's front end: not blamed. ``gone``
+    ran only before slow was queued: not blamed either."""
+
+    def step(n: int, ts: float, ids: list[str], prefill: int) -> ev.Step:
+        return ev.Step(
+            ts=ts, seq=0, step=n, duration_s=0.1, prefill_tokens=prefill, num_prefill_reqs=1, request_ids=ids
+        )
+
+    evs = _seq(
+        [
+            ev.Queued(ts=T0 - 1, seq=0, request_id="early", prompt_tokens=8, arrival_ts=T0 - 1),
+            ev.Queued(ts=T0 - 1, seq=0, request_id="gone", prompt_tokens=300, arrival_ts=T0 - 1),
+            ev.Chunk(ts=T0 + 0.3, seq=0, request_id="gone", step=0, tokens=300, computed_before=0),
+            step(0, T0 + 0.3, ["gone", "early"], 300),
+            ev.Queued(ts=T0 + 0.4, seq=0, request_id="rival", prompt_tokens=400, arrival_ts=T0 + 0.39),
+            ev.Queued(ts=T0 + 0.5, seq=0, request_id="slow", prompt_tokens=4000, arrival_ts=T0),
+            ev.Chunk(ts=T0 + 0.5, seq=0, request_id="rival", step=1, tokens=200, computed_before=0),
+            step(1, T0 + 0.5, ["rival", "early"], 200),
+            ev.Chunk(ts=T0 + 0.6, seq=0, request_id="rival", step=2, tokens=200, computed_before=200),
+            step(2, T0 + 0.6, ["rival", "early"], 200),
+            ev.Chunk(
+                ts=T0 + 0.7, seq=0, request_id="slow", step=3, tokens=256, computed_before=0, wait_s=0.2
+            ),
+            step(3, T0 + 0.7, ["slow", "early"], 256),
+        ]
+    )
+    store.write([batch(ENGINE, evs)])
+    with _conn(store) as conn:
+        items = {i["kind"]: i for i in q.why(conn, "slow")["items"]}
+    wait = items["engine_queue"]
+    assert wait["seconds"] == pytest.approx(0.2)
+    (held,) = wait["culprits"]
+    assert held["request_id"] == "early"
+    assert held["steps"] == 2 and held["decode_steps"] == 2 and held["prefill_tokens"] == 0
+    assert held["share_s"] == pytest.approx(2 * 0.1 / 201)  # one token of 201 in each of steps 1 and 2

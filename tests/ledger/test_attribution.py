@@ -21,6 +21,7 @@ from tests.ledger.factories import ENGINE, GATEWAY, batch
 
 T0 = 1_700_000_000.0
 LAYERS = ("entry_s", "admission_s", "backend_wait_s", "prefill_s", "decode_s")
+SPLIT_LAYERS = ("entry_s", "admission_s", "frontend_s", "engine_queue_s", "prefill_s", "decode_s")
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Case:
     gw: list = field(default_factory=list)
     en: list = field(default_factory=list)
     want: dict[str, float | None] = field(default_factory=dict)
+    frontend: float = 0.0  # forwarded (or engine arrival) -> engine queued
 
 
 def _generate(rng: random.Random, i: int) -> Case:
@@ -51,14 +53,14 @@ def _generate(rng: random.Random, i: int) -> Case:
         c.gw.append(ev.Admitted(seq=0, ts=t, request_id=rid, wait_s=admission))
         net = rng.uniform(0, 0.005)
         t += net
-        backend = net  # forwarded -> engine queued counts as backend wait
+        backend = c.frontend = net  # forwarded -> engine queued: the front end, in the backend wait
         c.en.append(ev.Queued(seq=0, ts=t, request_id=rid, prompt_tokens=100))
     else:
-        fe = rng.uniform(0, 0.01)  # engine front end: arrival -> queued is the entry layer
+        fe = rng.uniform(0, 0.01)  # engine front end: arrival -> queued, in the backend wait
         start = t
         c.en.append(ev.Queued(seq=0, ts=t + fe, request_id=rid, prompt_tokens=100, arrival_ts=t))
         t += fe
-        entry, backend = fe, 0.0
+        backend = c.frontend = fe
     first_wait = rng.uniform(0, 1)
     outcome = rng.choice(["normal", "normal", "never_scheduled", "abort_in_prefill", "wait_at_end"])
     if outcome == "never_scheduled":
@@ -95,7 +97,13 @@ def _generate(rng: random.Random, i: int) -> Case:
     c.en.append(ev.Tokens(seq=0, ts=t, request_id=rid, count=1, total=1))
     ttft = t - start
     if gateway and rng.random() < 0.8:
-        c.gw.append(ev.FirstByte(seq=0, ts=t + 0.001, request_id=rid))
+        c.gw.append(ev.FirstByte(seq=0, ts=t - 0.001, request_id=rid))  # headers: before any token
+    if gateway and rng.random() < 0.8:  # the first token's way back to the client
+        delivery = rng.uniform(0, 0.05)
+        c.gw.append(ev.FirstTokenOut(seq=0, ts=t + delivery, request_id=rid))
+        c.want.update(client_ttft_s=ttft + delivery, delivery_s=delivery)
+    else:
+        c.want.update(client_ttft_s=None, delivery_s=None)
     d = rng.uniform(0.01, 1)
     t += d
     decode += d
@@ -130,6 +138,8 @@ def _end(c: Case, rng: random.Random, gateway: bool, t: float, start: float) -> 
             c.want[key] = (c.want[key] or 0.0) + tail
         t += tail
     c.want["e2e_s"] = t - start
+    c.want["frontend_s"] = c.frontend
+    c.want["engine_queue_s"] = c.want["backend_wait_s"] - c.frontend  # queued -> scheduled, re-waits
     return c
 
 
@@ -162,6 +172,8 @@ def test_layers_add_up_and_match_the_generated_durations(store):
         row = rows[c.rid]
         total = sum(row[k] for k in LAYERS)
         assert total == pytest.approx(row["e2e_s"], abs=1e-6), c.rid
+        assert sum(row[k] for k in SPLIT_LAYERS) == pytest.approx(row["e2e_s"], abs=1e-6), c.rid
+        assert row["frontend_s"] + row["engine_queue_s"] == row["backend_wait_s"], c.rid  # to the bit
         for k, v in c.want.items():
             if v is None:
                 assert row[k] is None, (c.rid, k)

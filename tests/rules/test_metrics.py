@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import pytest
 import yaml
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,6 +36,7 @@ ALLOWED_LABELS = {
 EXPECTED = {
     "chunkledger_request_layer_seconds": ("histogram", {"model", "layer"}),
     "chunkledger_ttft_seconds": ("histogram", {"model"}),
+    "chunkledger_client_ttft_seconds": ("histogram", {"model"}),
     "chunkledger_itl_seconds": ("histogram", {"model"}),
     "chunkledger_e2e_seconds": ("histogram", {"model"}),
     "chunkledger_requests_finished": ("counter", {"model"}),
@@ -51,6 +53,7 @@ EXPECTED = {
     "chunkledger_ingest_duplicates": ("counter", {"source"}),
     "chunkledger_ingest_batches": ("counter", {"source"}),
     "chunkledger_ingest_rejections": ("counter", {"reason"}),
+    "chunkledger_ingest_future_timestamps": ("counter", {"source"}),
     "chunkledger_source_dropped_events": ("counter", {"source", "reason"}),
     "chunkledger_advised_chunk_tokens": ("gauge", {"model"}),
     "chunkledger_live_requests": ("gauge", {"model"}),
@@ -64,7 +67,7 @@ def _exercise(m: LedgerMetrics) -> None:
     """Touch one child of every labelled metric so that the exposition shows its labels."""
     m.observe_request(
         {"model": "x", "entry_s": 0.1, "admission_s": 0.1, "backend_wait_s": 0.1, "prefill_s": 0.1,
-         "decode_s": 1.0, "e2e_s": 1.4, "ttft_s": 0.4, "output_tokens": 11}
+         "decode_s": 1.0, "e2e_s": 1.4, "ttft_s": 0.4, "client_ttft_s": 0.41, "output_tokens": 11}
     )  # fmt: skip
     m.commands_applied.labels("loop", "engine").inc()
     m.command_apply_seconds.labels("engine").observe(0.1)
@@ -75,6 +78,7 @@ def _exercise(m: LedgerMetrics) -> None:
     m.ingest_events.labels("e0").inc()
     m.ingest_duplicates.labels("e0").inc()
     m.ingest_batches.labels("e0").inc()
+    m.ingest_future_timestamps.labels("e0").inc()
     m.source_dropped.labels("e0", "spool_full").inc()
     m.advised_chunk_tokens.labels("x").set(512)
     m.live.live = lambda: {"x": 1}
@@ -209,3 +213,20 @@ def test_rejections_are_counted_by_reason(tmp_path):
         text = c.get("/metrics").text
     assert 'chunkledger_ingest_rejections_total{reason="too_large"} 1.0' in text
     assert 'chunkledger_ingest_rejections_total{reason="invalid"} 1.0' in text
+
+
+def test_client_ttft_is_observed_beside_the_engines_and_only_when_a_gateway_measured_it():
+    m = LedgerMetrics()
+    m.observe_request({"model": "x", "ttft_s": 0.4, "client_ttft_s": 0.45, "e2e_s": 1.0, "output_tokens": 2})
+    m.observe_request({"model": "x", "ttft_s": 0.3, "client_ttft_s": None, "e2e_s": 1.0, "output_tokens": 2})
+    fams = families(m.render().decode())
+    count = {
+        f.name: next(s.value for s in f.samples if s.name.endswith("_count"))
+        for f in fams.values()
+        if f.name in ("chunkledger_ttft_seconds", "chunkledger_client_ttft_seconds")
+    }
+    assert count == {"chunkledger_ttft_seconds": 2, "chunkledger_client_ttft_seconds": 1}
+    client_sum = next(
+        s.value for s in fams["chunkledger_client_ttft_seconds"].samples if s.name.endswith("_sum")
+    )
+    assert client_sum == pytest.approx(0.45)
