@@ -129,26 +129,34 @@ _DRAIN_AFTER_DONE_S = 1.0
 
 class _OutTimes:
     """When the generated content of one response was written to the client: the first write (the
-    client's time to first token; a ``first_token_out`` event and the TTFT histogram) and the last."""
+    client's time to first token; a ``first_token_out`` event and the TTFT histogram) and the last.
 
-    __slots__ = ("first", "gateway", "last", "request_id", "t0")
+    The clock is read just before the write (:meth:`writing`), the event and the histogram follow it
+    (:meth:`written`): a client cannot read content before it was written, and a stamp read after
+    ``send`` returned could come tens of ms after the client's read on a busy host."""
+
+    __slots__ = ("at", "first", "gateway", "last", "request_id", "t0")
 
     def __init__(self, gateway: Gateway, request_id: str, t0: float):
         self.gateway, self.request_id, self.t0 = gateway, request_id, t0
         self.first: float | None = None
         self.last: float | None = None
+        self.at: float | None = None  # the clock before the write under way, when it holds content
 
-    def sent(self, data: bytes) -> None:
-        """``data`` was just written to the client."""
+    def writing(self, data: bytes) -> None:
+        """``data`` is about to be written to the client."""
+        self.at = time.monotonic() if has_choice(data) else None
+
+    def written(self) -> None:
+        """The data of the last :meth:`writing` was written (a write that raised is not counted)."""
+        if self.at is None:
+            return
+        self.last, self.at = self.at, None
         if self.first is None:
-            if not has_choice(data):
-                return
-            now = self.first = self.last = time.monotonic()
-            since = now - self.t0
+            self.first = self.last
+            since = self.first - self.t0
             self.gateway.e_first_token_out(self.request_id, since)
             self.gateway.metrics.first_token.observe(since)
-        elif has_choice(data):
-            self.last = time.monotonic()
 
 
 class _Exchange:
@@ -688,8 +696,9 @@ class Gateway:
                 tail, done = out, True
                 break
             if out:
+                out_times.writing(out)
                 await send({"type": "http.response.body", "body": out, "more_body": True})
-                out_times.sent(out)
+                out_times.written()
         if exchange.disconnected:
             await response.aclose()
             self._disconnected(rid, t0, out_times.last)
@@ -724,8 +733,9 @@ class Gateway:
             await send({"type": "http.response.body", "body": final, "more_body": False})
             self._finish(rid, t0, response.status_code, "error", outcome, out_times.last)
             return
+        out_times.writing(tail)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
-        out_times.sent(tail)
+        out_times.written()
         self._finish(rid, t0, response.status_code, finish_reason, "completed", out_times.last)
         if done:  # let the upstream end its body, so its connection goes back to the pool
             with contextlib.suppress(httpx.HTTPError, TimeoutError):
@@ -766,16 +776,17 @@ class Gateway:
             await self._interrupted(exchange, send, stream, chat, choices, model, t0)
             return
         body = b"".join(parts)
+        encoded = response.headers.get("content-encoding", "identity") != "identity"
+        out_times = _OutTimes(self, rid, t0)
+        if not encoded and response.status_code < 300:
+            out_times.writing(body)  # a whole response: its tokens reach the client at once
         await _send_all(
             send,
             response.status_code,
             _client_headers(response, self._request_id_header, rid, len(body)),
             body,
         )
-        encoded = response.headers.get("content-encoding", "identity") != "identity"
-        out_times = _OutTimes(self, rid, t0)
-        if not encoded and response.status_code < 300:
-            out_times.sent(body)  # a whole response: its tokens reach the client at once
+        out_times.written()
         self._finish(
             rid,
             t0,

@@ -444,3 +444,39 @@ def test_a_piece_carries_a_token_when_it_has_a_choice(piece, token):
     from engine_hooks.gateway.responses import has_choice
 
     assert has_choice(piece) is token
+
+
+class _Recorder:
+    """What ``_OutTimes`` reports to: the first-token events and histogram observations."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float]] = []
+        self.observed: list[float] = []
+        self.metrics = type("M", (), {"first_token": type("H", (), {"observe": self.observed.append})()})()
+
+    def e_first_token_out(self, rid: str, since: float) -> None:
+        self.events.append((rid, since))
+
+
+def test_token_out_times_are_read_before_the_write_and_count_only_writes_that_returned():
+    from engine_hooks.gateway.app import _OutTimes
+
+    rec = _Recorder()
+    t0 = time.monotonic()
+    out = _OutTimes(rec, "r", t0)  # type: ignore[arg-type]
+    out.writing(b": ping\n\n")  # no choice: not a token
+    out.written()
+    assert out.first is None and not rec.events
+    out.writing(b'data: {"choices":[{"index":0,"text":"a"}]}\n\n')
+    before = time.monotonic()
+    time.sleep(0.05)  # a slow write: the client cannot have read it before it began
+    out.written()
+    assert out.first is not None and out.first <= before
+    assert rec.events == [("r", out.first - t0)] and rec.observed == [out.first - t0]
+    first = out.first
+    out.writing(b'data: {"choices":[{"index":0,"text":"b"}]}\n\n')  # this write raises: not counted
+    assert out.last == first
+    out.writing(b'data: {"choices":[{"index":0,"text":"c"}]}\n\n')
+    out.written()
+    assert out.first == first and out.last is not None and out.last > first
+    assert len(rec.events) == 1  # one first token
