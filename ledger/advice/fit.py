@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from ledger.store.base import MAX_STEP_GAP_S
+
 MIN_STEPS = 100  # fewer steps than this: refuse
 MIN_PREFILL_STEPS = 30  # steps that ran a prefill chunk
 MIN_PREFILL_SIZES = 3  # distinct prefill token counts (the fit extrapolates between them)
@@ -96,14 +98,17 @@ class StepData:
 
     @classmethod
     def from_steps(cls, steps: Sequence[Any]) -> StepData:
-        """From ``step`` events of one source in order, with ``interval_s`` as the ledger computes it
-        at ingest (end of the previous step to the end of this one, consecutive steps only)."""
+        """From ``step`` events of one source in emit order, with ``interval_s`` as the ledger computes
+        it at ingest (``ledger.store.base``: end of the previous step to the end of this one, when the
+        previous is numbered one less and scheduled at most ``MAX_STEP_GAP_S`` apart)."""
         cols: dict[str, Any] = {c: [getattr(s, c) for s in steps] for c in COLUMNS if c not in OPTIONAL}
-        interval, prev = [], None
+        interval: list[float] = []
+        prev = None
         for s in steps:
             end = s.ts + s.duration_s
-            interval.append(end - prev[1] if prev is not None and prev[0] == s.step - 1 else np.nan)
-            prev = (s.step, end)
+            follows = prev is not None and prev[0] == s.step - 1 and abs(s.ts - prev[1]) <= MAX_STEP_GAP_S
+            interval.append(end - prev[2] if follows and prev is not None else np.nan)
+            prev = (s.step, s.ts, end)
         cols["interval_s"] = interval
         return cls.from_columns(cols)
 

@@ -7,6 +7,7 @@ through the real write path (``Store.write``) and read back by the advice query.
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -376,3 +377,25 @@ def test_advice_refuses_a_target_that_leaves_no_useful_chunk_and_names_the_targe
     assert a["settings"]["long_prefill_token_threshold"] >= 48
     # a caller can ask for a smaller minimum
     assert advisor.advise(target, min_chunk=1)["prefill_tokens_per_step"] == err.details["chunk_tokens"]
+
+
+def test_offline_step_intervals_follow_the_ledgers_rule_across_restarts_and_long_gaps(ledger_store):
+    """StepData.from_steps links a step to its predecessor exactly as ingest does: numbered one less,
+    scheduled at most MAX_STEP_GAP_S before (an idle engine's next step, a restarted engine's step 0)."""
+    steps = worked_steps(n=40)
+    t = steps[0].ts
+    shaped = []
+    for i, s in enumerate(steps):
+        number = i if i < 20 else i - 20  # a restart at i = 20: the numbering starts over
+        if i == 10:
+            t += 601.0  # idle for longer than the ledger links over
+        shaped.append(msgspec.structs.replace(s, seq=i, step=number, ts=t))
+        t += s.duration_s + 0.002
+    write_steps(ledger_store, WORKED_SOURCE, shaped)
+    with ledger_store.engine.connect() as conn:
+        stored = conn.exec_driver_sql("SELECT interval_s FROM steps ORDER BY seq").all()
+    offline = StepData.from_steps(shaped).interval_s
+    assert np.isnan(offline[0]) and np.isnan(offline[10]) and np.isnan(offline[20])
+    assert np.count_nonzero(np.isnan(offline)) == 3
+    for (want,), got in zip(stored, offline, strict=True):
+        assert (want is None and np.isnan(got)) or got == pytest.approx(want, abs=1e-9)
