@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, SupportsIndex, cast
 from vllm import envs
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
 from engine_hooks.config import ENV_PREFIX, ConfigError
@@ -119,6 +119,18 @@ _STATUS_FINISH = {
 }
 
 _WAITING, _RUNNING, _PREEMPTED = 0, 1, 2
+
+
+def _queued_at(request: Request, now: float) -> float:
+    """vLLM's own QUEUED stamp of a request just added (its ``events``, recorded when it logs stats),
+    so that waits measured here are the waits vLLM's ``request_queue_time_seconds`` reports; else
+    ``now``."""
+    events = request.events
+    if events:
+        last = events[-1]
+        if last.type == EngineCoreEventType.QUEUED and 0 < now - last.timestamp < 1.0:
+            return last.timestamp
+    return now
 
 
 def external_request_id(request: Request) -> str:
@@ -441,7 +453,7 @@ class _LedgerHooks(_Base):
                 return
             now, ts = time.monotonic(), time.time()
             ext = external_request_id(request)
-            self._cl_states[rid] = _ReqState(ext, request.client_index, now)
+            self._cl_states[rid] = _ReqState(ext, request.client_index, _queued_at(request, now))
             ids = self._cl_by_ext.get(ext)
             if ids is None:
                 self._cl_by_ext[ext] = {rid}
@@ -467,12 +479,14 @@ class _LedgerHooks(_Base):
         now = time.monotonic()
         ts = time.time()
         restore: int | None = None
+        scheduled_at = now  # when vLLM schedules (its SCHEDULED stamp): waits end here
         if self._cl_active:
             try:
                 restore = self._cl_before_schedule(now, ts)
             except Exception:
                 self._cl_fail("before_schedule")
-            self.hook_seconds += time.monotonic() - now
+            scheduled_at = time.monotonic()
+            self.hook_seconds += scheduled_at - now
         try:
             output = super().schedule(*args, **kwargs)
         finally:
@@ -489,7 +503,7 @@ class _LedgerHooks(_Base):
         if self._cl_active:
             t0 = time.monotonic()
             try:
-                self._cl_after_schedule(output, now, ts)
+                self._cl_after_schedule(output, scheduled_at, ts, now)
             except Exception:
                 self._cl_fail("after_schedule")
             self.hook_seconds += time.monotonic() - t0
@@ -953,7 +967,9 @@ class _LedgerHooks(_Base):
 
     # -- after schedule: what the step runs --------------------------------------------------------
 
-    def _cl_after_schedule(self, output: Any, now: float, ts: float) -> None:
+    def _cl_after_schedule(self, output: Any, now: float, ts: float, started: float) -> None:
+        """``now``: when vLLM began scheduling (waits end there); ``started``: when ``schedule()`` was
+        called (the step's start)."""
         states = self._cl_states
         step = self._cl_step
         self._cl_step = step + 1
@@ -1049,7 +1065,7 @@ class _LedgerHooks(_Base):
         self._cl_steps[id(output)] = (
             ts,
             step,
-            now,
+            started,
             prefill_tokens,
             decode_tokens,
             n_prefill,

@@ -194,3 +194,20 @@ def test_ledger_unreachable_vllm_keeps_serving_and_spooled_events_arrive_later(e
         row = httpx.get(f"{ledger_server.url}/v1/requests/{r}", timeout=5).json()["request"]
         assert row["output_tokens"] == 12
         assert row["prompt_tokens"] == 40
+
+
+def test_a_request_is_queued_at_vllms_own_queued_stamp_when_vllm_logs_stats():
+    """The first wait then is the one vLLM's request_queue_time_seconds reports (its QUEUED stamp,
+    not a clock read after vLLM's add_request returned); without vLLM's stamp, the clock's."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType
+
+    from engine_hooks.vllm.scheduler import _queued_at
+
+    queued = EngineCoreEvent.new_event(EngineCoreEventType.QUEUED, 100.0)
+    assert _queued_at(SimpleNamespace(events=[queued]), 100.00002) == 100.0
+    assert _queued_at(SimpleNamespace(events=[]), 100.00002) == 100.00002  # vLLM logs no stats
+    preempted = EngineCoreEvent.new_event(EngineCoreEventType.PREEMPTED, 100.0)
+    assert _queued_at(SimpleNamespace(events=[preempted]), 100.5) == 100.5  # not a QUEUED stamp
+    assert _queued_at(SimpleNamespace(events=[queued]), 200.0) == 200.0  # a stale stamp: not this add

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.agreement import FIGURES, MISSING, SUMS, compare, ledger_sum, parse_prometheus
 
-from bench.agreement import FIGURES, MISSING, SUMS, compare, ledger_sum, parse_prometheus  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 # Client TTFT - ledger client_ttft_s, |diff| p50 over 8 requests (32 in / 8 out at 4/s): 1.4-1.7 ms
 # measured on the 2-core host; against the engine's first token (ttft_s) instead: 11-19 ms (vLLM's API
