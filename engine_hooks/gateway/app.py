@@ -135,17 +135,23 @@ class _OutTimes:
     (:meth:`written`): a client cannot read content before it was written, and a stamp read after
     ``send`` returned could come tens of ms after the client's read on a busy host."""
 
-    __slots__ = ("at", "first", "gateway", "last", "request_id", "t0")
+    __slots__ = ("at", "at_wall", "first", "gateway", "last", "request_id", "t0")
 
     def __init__(self, gateway: Gateway, request_id: str, t0: float):
         self.gateway, self.request_id, self.t0 = gateway, request_id, t0
         self.first: float | None = None
         self.last: float | None = None
         self.at: float | None = None  # the clock before the write under way, when it holds content
+        self.at_wall = 0.0  # and the wall clock then, while no content was written (the event's ts)
 
     def writing(self, data: bytes) -> None:
         """``data`` is about to be written to the client."""
-        self.at = time.monotonic() if has_choice(data) else None
+        if has_choice(data):
+            self.at = time.monotonic()
+            if self.first is None:
+                self.at_wall = time.time()
+        else:
+            self.at = None
 
     def written(self) -> None:
         """The data of the last :meth:`writing` was written (a write that raised is not counted)."""
@@ -155,7 +161,7 @@ class _OutTimes:
         if self.first is None:
             self.first = self.last
             since = self.first - self.t0
-            self.gateway.e_first_token_out(self.request_id, since)
+            self.gateway.e_first_token_out(self.at_wall, self.request_id, since)
             self.gateway.metrics.first_token.observe(since)
 
 
@@ -293,7 +299,7 @@ class Gateway:
         self.e_enqueued = e(AdmissionEnqueued, "request_id", "queue_depth", "entry_s")
         self.e_admitted = e(Admitted, "request_id", "wait_s", "in_flight")
         self.e_first_byte = e(FirstByte, "request_id", "since_arrived_s")
-        self.e_first_token_out = e(FirstTokenOut, "request_id", "since_arrived_s")
+        self.e_first_token_out = e(FirstTokenOut, "ts", "request_id", "since_arrived_s")
         self.e_completed = e(
             Completed, "request_id", "status_code", "since_arrived_s", "finish_reason", "last_token_out_s"
         )

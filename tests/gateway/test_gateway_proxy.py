@@ -450,12 +450,12 @@ class _Recorder:
     """What ``_OutTimes`` reports to: the first-token events and histogram observations."""
 
     def __init__(self) -> None:
-        self.events: list[tuple[str, float]] = []
+        self.events: list[tuple[float, str, float]] = []
         self.observed: list[float] = []
         self.metrics = type("M", (), {"first_token": type("H", (), {"observe": self.observed.append})()})()
 
-    def e_first_token_out(self, rid: str, since: float) -> None:
-        self.events.append((rid, since))
+    def e_first_token_out(self, ts: float, rid: str, since: float) -> None:
+        self.events.append((ts, rid, since))
 
 
 def test_token_out_times_are_read_before_the_write_and_count_only_writes_that_returned():
@@ -467,12 +467,15 @@ def test_token_out_times_are_read_before_the_write_and_count_only_writes_that_re
     out.writing(b": ping\n\n")  # no choice: not a token
     out.written()
     assert out.first is None and not rec.events
+    wall = time.time()
     out.writing(b'data: {"choices":[{"index":0,"text":"a"}]}\n\n')
-    before = time.monotonic()
+    before, before_wall = time.monotonic(), time.time()
     time.sleep(0.05)  # a slow write: the client cannot have read it before it began
     out.written()
     assert out.first is not None and out.first <= before
-    assert rec.events == [("r", out.first - t0)] and rec.observed == [out.first - t0]
+    ((ts, rid, since),) = rec.events
+    assert wall <= ts <= before_wall  # the event's wall clock is the write's start too
+    assert (rid, since) == ("r", out.first - t0) and rec.observed == [out.first - t0]
     first = out.first
     out.writing(b'data: {"choices":[{"index":0,"text":"b"}]}\n\n')  # this write raises: not counted
     assert out.last == first
