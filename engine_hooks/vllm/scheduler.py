@@ -119,16 +119,17 @@ _STATUS_FINISH = {
 }
 
 _WAITING, _RUNNING, _PREEMPTED = 0, 1, 2
+_QUEUED, _SCHEDULED = EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED
 
 
-def _queued_at(request: Request, now: float) -> float:
-    """vLLM's own QUEUED stamp of a request just added (its ``events``, recorded when it logs stats),
-    so that waits measured here are the waits vLLM's ``request_queue_time_seconds`` reports; else
-    ``now``."""
+def _vllm_stamp(request: Request, kind: EngineCoreEventType, now: float) -> float:
+    """vLLM's own monotonic stamp of what just happened to ``request`` (the last of its ``events``,
+    recorded when vLLM logs stats: QUEUED in ``add_request``, SCHEDULED in ``schedule``), so that the
+    waits measured here are the spans vLLM's ``request_queue_time_seconds`` reports; else ``now``."""
     events = request.events
     if events:
         last = events[-1]
-        if last.type == EngineCoreEventType.QUEUED and 0 < now - last.timestamp < 1.0:
+        if last.type == kind and abs(now - last.timestamp) < 1.0:
             return last.timestamp
     return now
 
@@ -453,7 +454,7 @@ class _LedgerHooks(_Base):
                 return
             now, ts = time.monotonic(), time.time()
             ext = external_request_id(request)
-            self._cl_states[rid] = _ReqState(ext, request.client_index, _queued_at(request, now))
+            self._cl_states[rid] = _ReqState(ext, request.client_index, _vllm_stamp(request, _QUEUED, now))
             ids = self._cl_by_ext.get(ext)
             if ids is None:
                 self._cl_by_ext[ext] = {rid}
@@ -1031,7 +1032,7 @@ class _LedgerHooks(_Base):
                         before if first else 0,
                         blocks,
                         req.num_preemptions,
-                        now - st.queued_t if first else None,
+                        _vllm_stamp(req, _SCHEDULED, now) - st.queued_t if first else None,
                     )
                 )
                 st.chunks += 1

@@ -196,18 +196,46 @@ def test_ledger_unreachable_vllm_keeps_serving_and_spooled_events_arrive_later(e
         assert row["prompt_tokens"] == 40
 
 
-def test_a_request_is_queued_at_vllms_own_queued_stamp_when_vllm_logs_stats():
-    """The first wait then is the one vLLM's request_queue_time_seconds reports (its QUEUED stamp,
-    not a clock read after vLLM's add_request returned); without vLLM's stamp, the clock's."""
+def test_vllms_own_stamps_are_taken_when_vllm_logs_stats_else_the_plugins_clock():
     from types import SimpleNamespace
 
     from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType
 
-    from engine_hooks.vllm.scheduler import _queued_at
+    from engine_hooks.vllm.scheduler import _vllm_stamp
 
-    queued = EngineCoreEvent.new_event(EngineCoreEventType.QUEUED, 100.0)
-    assert _queued_at(SimpleNamespace(events=[queued]), 100.00002) == 100.0
-    assert _queued_at(SimpleNamespace(events=[]), 100.00002) == 100.00002  # vLLM logs no stats
-    preempted = EngineCoreEvent.new_event(EngineCoreEventType.PREEMPTED, 100.0)
-    assert _queued_at(SimpleNamespace(events=[preempted]), 100.5) == 100.5  # not a QUEUED stamp
-    assert _queued_at(SimpleNamespace(events=[queued]), 200.0) == 200.0  # a stale stamp: not this add
+    queued_kind, scheduled_kind = EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED
+    queued = EngineCoreEvent.new_event(queued_kind, 100.0)
+    assert _vllm_stamp(SimpleNamespace(events=[queued]), queued_kind, 100.00002) == 100.0
+    assert _vllm_stamp(SimpleNamespace(events=[]), queued_kind, 100.00002) == 100.00002  # no stats
+    assert _vllm_stamp(SimpleNamespace(events=[queued]), scheduled_kind, 100.5) == 100.5  # other kind
+    assert _vllm_stamp(SimpleNamespace(events=[queued]), queued_kind, 200.0) == 200.0  # a stale stamp
+    scheduled = EngineCoreEvent.new_event(scheduled_kind, 100.000003)  # vLLM reads its clock after ours
+    assert _vllm_stamp(SimpleNamespace(events=[queued, scheduled]), scheduled_kind, 100.000001) == 100.000003
+
+
+def test_first_waits_are_vllms_own_queue_times_when_vllm_logs_stats(engine, attach, ledger, monkeypatch):
+    """vLLM's request_queue_time_seconds is its SCHEDULED stamp less its QUEUED stamp; the first
+    chunk's wait_s is the same span, to the bit."""
+    from vllm.v1.request import Request
+
+    stamps: dict[str, dict[str, float]] = {}
+    record = Request.record_event
+
+    def recording(self, event_type, timestamp=None):
+        record(self, event_type, timestamp)
+        stamps.setdefault(self.request_id, {}).setdefault(event_type.name, self.events[-1].timestamp)
+
+    monkeypatch.setattr(Request, "record_event", recording)
+    monkeypatch.setattr(engine.scheduler, "log_stats", True)  # its stamps; its stats stay off:
+    monkeypatch.setattr(engine.scheduler, "make_stats", lambda *args, **kwargs: None)
+    exporter = attach(ledger.url)
+    ids = [rid("waits") for _ in range(6)]
+    for r in ids:  # 6 x 300 tokens on a 128-token budget: the later ones wait several steps
+        engine.add(r, prompt(300), max_tokens=2)
+    engine.run()
+    events = _events(ledger, exporter)
+    for r in ids:
+        first = events_of(events, Chunk, r)[0]
+        (s,) = [v for k, v in stamps.items() if k.startswith(r + "-")]
+        assert first.wait_s == s["SCHEDULED"] - s["QUEUED"], r
+    assert len({events_of(events, Chunk, r)[0].step for r in ids}) >= 3  # waits of several steps
