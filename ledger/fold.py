@@ -90,6 +90,7 @@ AGGREGATES: dict[str, Agg] = {
     # What the client saw: generated content written to it by the gateway (migration 0006).
     "first_token_out_ts": Agg("min", "float", "gateway wrote the first generated content to the client"),
     "last_token_out_ts": Agg("max", "float", "gateway wrote the last generated content to the client"),
+    "first_wait_s": Agg("min", "float", "engine: queued -> first scheduled, as the engine measured it"),
 }
 
 SUM_COLUMNS = frozenset(c for c, a in AGGREGATES.items() if a.op == "sum")
@@ -184,6 +185,7 @@ def _chunk(row: Row, e: Any, source: ev.Source) -> None:
     _add(row, "recomputed_tokens", e.recomputed_tokens)
     _max(row, "kv_blocks_max", e.kv_blocks)
     _add(row, "backend_wait_measured_s", e.wait_s)
+    _min(row, "first_wait_s", e.wait_s)
 
 
 def _tokens(row: Row, e: Any, source: ev.Source) -> None:

@@ -114,7 +114,8 @@ ATTRIBUTION: dict[str, str] = {
     "backend_wait_ttft_s": "the part of backend_wait_s before the first token",
     "frontend_s": "engine front end: forwarded (no gateway: engine arrival) -> queued by the scheduler "
     "(HTTP, the API server, tokenising, IPC to the engine core)",
-    "engine_queue_s": "engine queue: queued -> first scheduled, plus every preempted -> resumed wait",
+    "engine_queue_s": "engine queue: queued -> first scheduled (first_wait_s where the engine measured it), "
+    "plus every preempted -> resumed wait",
     "prefill_s": "batch prefill: first scheduled -> first token, less waits while preempted",
     "decode_s": "batch decode: first token -> end, less waits while preempted",
     "e2e_s": "end to end: arrival -> response complete (gateway clock when there is one)",

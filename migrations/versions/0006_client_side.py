@@ -2,10 +2,14 @@
 
 * ``request_rows`` and ``request_parts`` gain ``first_token_out_ts`` and ``last_token_out_ts``: when the
   gateway wrote the first and the last generated content to the client (``first_token_out`` events,
-  ``last_token_out_s`` on ``completed`` and ``client_disconnected``).
+  ``last_token_out_s`` on ``completed`` and ``client_disconnected``), and ``first_wait_s``: the
+  engine's own measure of its first wait (the first chunk's ``wait_s``; the vLLM plugin's is vLLM's
+  SCHEDULED - QUEUED span, the figure behind vLLM's ``request_queue_time_seconds``).
 * The ``requests`` view splits ``backend_wait_s`` into ``frontend_s`` (forwarded by the gateway ->
   queued by the engine's scheduler: HTTP to the API server, its tokenising, the IPC to the engine core)
-  and ``engine_queue_s`` (queued -> first scheduled, plus every preempted -> resumed wait); their sum is
+  and ``engine_queue_s`` (queued -> first scheduled, plus every preempted -> resumed wait; the first
+  wait is ``first_wait_s`` where the engine measured it, within forwarded -> first scheduled, and the
+  timestamps' difference otherwise); their sum is
   ``backend_wait_s`` as before, so the layers still add up to ``e2e_s``. Without a gateway the engine's
   front end (arrival -> queued) is ``frontend_s`` too (it was ``entry_s``: entry and admission are the
   gateway's layers).
@@ -36,6 +40,7 @@ _v5 = importlib.import_module("migrations.versions.0005_saturating_sums")
 _NEW: dict[str, tuple[str, str, str]] = {
     "first_token_out_ts": ("min", "double", "gateway wrote the first generated content to the client"),
     "last_token_out_ts": ("max", "double", "gateway wrote the last generated content to the client"),
+    "first_wait_s": ("min", "double", "engine: queued -> first scheduled, as the engine measured it"),
 }
 # request_rows' columns after this migration, in table order: name -> (aggregate, type).
 _COLUMNS: dict[str, tuple[str, str]] = {**_v4._COLUMNS, **{c: (a, t) for c, (a, t, _) in _NEW.items()}}
@@ -76,8 +81,12 @@ def _view_sql(rows: str) -> str:
     w_dec = (
         f"(r.requeue_wait_decode_s + CASE WHEN {sched} AND {tok} IS NOT NULL THEN r.final_wait_s ELSE 0 END)"
     )
-    frontend = f"({tq} - {t2})"
-    queue_first = f"({t3} - {tq})"
+    # The engine's measured first wait where it has one (and it was scheduled), kept within t2..t3; the
+    # front end is the rest of forwarded -> first scheduled. Else the timestamps' split at tq.
+    measured = f"(r.first_wait_s IS NOT NULL AND {sched})"
+    first_wait = f"LEAST(r.first_wait_s, {t3} - {t2})"
+    frontend = f"(CASE WHEN {measured} THEN ({t3} - {t2}) - {first_wait} ELSE {tq} - {t2} END)"
+    queue_first = f"(CASE WHEN {measured} THEN {first_wait} ELSE {t3} - {tq} END)"
     done = f"{t5} IS NOT NULL"
     layers = {
         "entry_s": f"{t1} - {t0}",

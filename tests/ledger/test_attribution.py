@@ -71,9 +71,14 @@ def _generate(rng: random.Random, i: int) -> Case:
         return _end(c, rng, gateway, t, start)
     t += first_wait
     backend += first_wait
-    c.en.append(
-        ev.Chunk(seq=0, ts=t, request_id=rid, step=1, tokens=64, computed_before=0, wait_s=first_wait)
-    )
+    measured = first_wait
+    if rng.random() < 0.4:  # the engine's own clock: a little off the timestamps, or beyond the wait
+        measured = max(0.0, first_wait + rng.choice([rng.uniform(-0.002, 0.002), c.frontend + 0.01]))
+    # engine_queue_s's first wait is the measured one, kept within forwarded -> first scheduled; the
+    # front end is the rest of it
+    span = c.frontend + first_wait
+    c.frontend = span - min(measured, span)
+    c.en.append(ev.Chunk(seq=0, ts=t, request_id=rid, step=1, tokens=64, computed_before=0, wait_s=measured))
     prefill = decode = 0.0
     ttft_wait = backend
     d = rng.uniform(0.01, 0.2)

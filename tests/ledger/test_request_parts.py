@@ -7,6 +7,7 @@ way the ``requests`` view must show the fold of every committed event, before an
 from __future__ import annotations
 
 import asyncio
+import importlib
 import time
 
 import pytest
@@ -18,6 +19,8 @@ from ledger.fold import AGGREGATES, fold
 from ledger.ingest import IngestWriter
 from ledger.store import make_engine, open_store
 from tests.ledger.factories import ENGINE, GATEWAY, batch, lifecycle, numbered
+
+_v6 = importlib.import_module("migrations.versions.0006_client_side")
 
 
 def _rows(store, ids):
@@ -211,7 +214,7 @@ def test_downgrade_below_parts_folds_them_into_request_rows(db_url):
         with engine.connect() as conn:
             assert "request_parts" not in set(sa.inspect(conn).get_table_names())
             rows = conn.exec_driver_sql("SELECT * FROM requests WHERE request_id IN ('a', 'b')").all()
-        added_later = {"first_token_out_ts", "last_token_out_ts"}  # migration 0006: dropped by the downgrade
+        added_later = set(_v6._NEW)  # migration 0006's columns: dropped by the downgrade
         below = {
             rid: {c: v for c, v in want.items() if c not in added_later} for rid, want in expected.items()
         }
