@@ -322,3 +322,22 @@ def test_one_event_stamped_an_hour_ahead_does_not_make_the_rules_abort_other_req
     assert _post(client, body(ENGINE, numbered(normal, start=10))).json()["accepted"] == 40
     assert rules.tick(now + 30) == []  # every request was received under 60 s ago
     assert {d.request_id for d in rules.tick(now + 61)} == {"x", "y"} | {f"n{i}" for i in range(40)}
+
+
+def test_openapi_is_public_and_documents_the_event_and_policy_bodies_and_string_errors(client):
+    r = client.get("/openapi.json")  # no token: it describes the API and holds no data
+    assert r.status_code == 200
+    doc = r.json()
+    events = doc["paths"]["/v1/events"]["post"]
+    body_schema = events["requestBody"]["content"]["application/json"]["schema"]
+    assert body_schema["$ref"].endswith("/Batch")
+    batch_schema = doc["components"]["schemas"]["Batch"]
+    assert {"source", "events"} <= set(batch_schema["properties"])
+    policy = doc["paths"]["/v1/policy"]["put"]["requestBody"]["content"]["application/json"]["schema"]
+    assert policy["$ref"].split("/")[-1] in doc["components"]["schemas"]
+    rejected = doc["components"]["schemas"]["BatchRejected"]
+    assert rejected["properties"]["detail"]["type"] == "string"  # as sent: "<field>: <reason>"
+    bad = _post(client, b'{"source": {"id": "s", "kind": "engine"}, "events": [{"kind": "nope"}]}')
+    assert bad.status_code == 422 and isinstance(bad.json()["detail"], str)
+    for page in ("/docs", "/redoc"):
+        assert client.get(page).status_code == 200
