@@ -25,16 +25,19 @@ _v4 = importlib.import_module("migrations.versions.0004_request_parts")
 INT64_MAX = 2**63 - 1
 
 
-def _aggregate(col: str) -> str:
-    agg, type_ = _v4._COLUMNS[col]
+def _aggregate(col: str, columns: dict[str, tuple[str, str]]) -> str:
+    """``col``'s merge over ``columns`` (name -> (aggregate, type)), integer sums saturating."""
+    agg, type_ = columns[col]
     if agg == "sum" and type_ == "bigint":
         # sum(bigint) widens (numeric on PostgreSQL, hugeint on DuckDB), so the LEAST cannot overflow.
         return f"CAST(LEAST(sum({col}), {INT64_MAX}) AS BIGINT)"
     return f"{agg}({col})"
 
 
-def _merged_rows() -> str:
-    return _v4._merged_rows(", ".join(["request_id", *(f"{_aggregate(c)} AS {c}" for c in _v4._COLUMNS)]))
+def _merged_rows(columns: dict[str, tuple[str, str]] = _v4._COLUMNS) -> str:
+    """0004's merged rows over the tables' ``columns`` (0006 adds some), with saturating sums."""
+    aggs = ", ".join(["request_id", *(f"{_aggregate(c, columns)} AS {c}" for c in columns)])
+    return _v4._merged_rows(aggs, ", ".join(["request_id", *columns]))
 
 
 def upgrade() -> None:

@@ -46,18 +46,6 @@ _NEW: dict[str, tuple[str, str, str]] = {
 _COLUMNS: dict[str, tuple[str, str]] = {**_v4._COLUMNS, **{c: (a, t) for c, (a, t, _) in _NEW.items()}}
 
 
-def _aggregate(col: str) -> str:
-    agg, type_ = _COLUMNS[col]
-    if agg == "sum" and type_ == "bigint":  # saturating, as in 0005
-        return f"CAST(LEAST(sum({col}), {_v5.INT64_MAX}) AS BIGINT)"
-    return f"{agg}({col})"
-
-
-def _merged_rows() -> str:
-    aggs = ", ".join(["request_id", *(f"{_aggregate(c)} AS {c}" for c in _COLUMNS)])
-    return _v4._merged_rows(aggs, ", ".join(["request_id", *_COLUMNS]))
-
-
 def _view_sql(rows: str) -> str:
     """CREATE VIEW requests over ``rows`` (a subquery with request_rows' columns)."""
     gw = "(r.arrived_ts IS NOT NULL OR r.admission_enqueued_ts IS NOT NULL OR r.admitted_ts IS NOT NULL)"
@@ -114,7 +102,7 @@ def upgrade() -> None:
     for name, (_, _, doc) in _NEW.items():
         op.add_column("request_rows", sa.Column(name, sa.Double(), nullable=True, comment=doc))
         op.add_column("request_parts", sa.Column(name, sa.Double(), nullable=True))
-    op.execute(_view_sql(_merged_rows()))
+    op.execute(_view_sql(_v5._merged_rows(_COLUMNS)))
 
 
 def downgrade() -> None:
