@@ -2,26 +2,39 @@
 
 A degenerate loop is a tail of the output that repeats a block of ``p`` tokens (``1 <= p <= max_period``)
 over and over. The tail ``t[i-L+1 .. i]`` has period ``p`` when ``t[j] == t[j-p]`` for every ``j`` in it
-but the first ``p``; we call ``run(p)`` the number of consecutive positions ending at ``i`` where that
-equality holds, so the periodic tail is ``run(p) + p`` tokens long and holds ``run(p) / p + 1`` repeats.
-A loop is reported when, for some ``p``, the tail holds at least ``min_repeats`` repeats **and** spans at
-least ``min_span_tokens`` tokens (short periods need many repeats before they are a loop: a markdown
-separator row or a short JSON array of zeros is periodic too).
+but the first ``p``; ``run(p)`` is the number of consecutive positions ending at ``i`` where that
+equality holds, so the periodic tail (the *span*) is ``run(p) + p`` tokens long and holds
+``span / p`` repeats. A loop is reported on the first token where, for some ``p``, the span reaches
+both ``min_repeats * p`` and ``min_span_tokens`` (a short period needs many repeats before it is a loop:
+a markdown separator row or a short JSON array of zeros is periodic too).
 
-Checking every ``p`` at every token costs ``O(max_period)``. Instead, candidate periods are discovered
-from the last occurrence of the current bigram: in a loop of period ``p`` the bigram just produced last
-occurred exactly ``p`` tokens ago. Each candidate keeps its own ``run`` and is checked with one
-comparison per token; it is dropped as soon as the equality fails. Natural text produces short-lived
-candidates (a bigram seen a few tokens ago), a loop produces one that never dies. Per token: one dict
-update, one dict lookup and at most ``MAX_CANDIDATES`` comparisons — constant work (the bigram map is
-rebuilt from the ring when it outgrows ``4 * (max_period + 3)`` entries: amortised O(1)). Memory per
-request: a ring of ``max_period + 3`` tokens and that bounded bigram map.
+**Finding the period in constant work per token.** Checking every ``p`` at every token costs
+``O(max_period)``. Instead the detector keeps an LZ77-style hash chain over the bigrams of the last
+``max_period + 1`` positions: ``head[hash(bigram)]`` is the newest position of a bigram with that hash
+and ``chain[pos]`` the one before it. In a loop of period ``p`` the bigram just produced occurred exactly
+``p`` tokens ago, so walking at most ``MAX_CHAIN`` links of the chain from the current bigram finds the
+distance ``p`` (the walk only skips it when the bigram occurs more than ``MAX_CHAIN`` times within one
+period, and then another bigram of the block finds it). A distance whose bigram (and the token before)
+really matches becomes a *candidate*; its run is measured exactly by scanning back from the current
+token (natural text: one or two comparisons; a loop: once per candidate). Each live candidate then
+costs one comparison per token and is dropped at its first mismatch. So the detector fires on exactly
+the token a brute-force check of every period would (``brute_force_first_hit`` in the tests), except
+when the chain walk is cut short, and then it is late, never early or wrong.
 
-A candidate starts with ``run = 2`` (the repeated bigram) and then counts exactly, so the detector never
-fires early, and it fires on the token that completes ``min_repeats`` periods (and the span) when the
-candidate was found at once. It can be later by about a period when the block repeats bigrams of its
-own (the distance-``p`` candidate is found after a shorter, wrong one dies); tests bound this against a
-brute-force reference.
+**Near-loops** (``changes=1``): the same block repeated with one token changed per repeat (a counter,
+a date). A candidate then survives one mismatch per period: it dies only at a second mismatch less than
+``p`` positions after the previous one. Numbered lists of different items change more than one token
+per repeat and are not near-loops; a table whose rows differ in a single cell is (this rule is off by
+default for that reason).
+
+**Memory per detector** (one per live request, made on its first output ids): a ring of the last
+``window`` tokens, ``window = max(min_span_tokens, min_repeats * max_period) + 1`` (1,025 for the
+defaults), a chain of ``max_period + 1`` positions, and a fixed hash table of the next power of two
+at or above ``max_period + 1`` slots (1,024); the ring and chain grow with the output, so a short
+answer holds only its own tokens. At most ``MAX_CANDIDATES`` candidates. ``state_slots`` counts them:
+at most 2,562 slots: about 70 KiB with the token and position ints they keep alive once an output
+passes 1,025 tokens, about 10 KiB for a 64-token answer (lists: int64 arrays would hold 22 KiB but cost
+1.4x per token, boxing every read).
 """
 
 from __future__ import annotations
@@ -29,8 +42,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-MAX_CANDIDATES = 8
+MAX_CANDIDATES = 8  # live candidate periods (a loop of period p also gives 2p, 3p, ...)
+MAX_CHAIN = (
+    2  # hash-chain links walked per token (4: 1.4x the cost, same answers on the corpus's exact loops)
+)
+_MIN_RUN = 3  # a candidate is kept once three consecutive tokens match (rechecked every token until then)
+_FAR = -(1 << 62)  # "no position": every distance from it exceeds max_period
+_MULT = 0x9E3779B1  # Fibonacci hashing of the bigram
 
 
 @dataclass(frozen=True)
@@ -39,6 +59,7 @@ class LoopHit:
     period: int  # tokens per repeat
     repeats: int  # full repeats in the periodic tail at detection
     span: int  # length of the periodic tail at detection, in tokens
+    changes: int = 0  # tokens that differed from one period before, within the span (near-loops)
 
 
 class LoopDetector:
@@ -46,34 +67,62 @@ class LoopDetector:
 
     __slots__ = (
         "_cands",
-        "_last",
+        "_chain",
+        "_csize",
+        "_head",
+        "_mask",
+        "_mism",
         "_needs",
         "_prev",
         "_ring",
         "_size",
+        "changes",
         "hit",
         "max_period",
+        "min_period",
         "min_repeats",
         "min_span_tokens",
         "n",
     )
 
-    def __init__(self, *, max_period: int, min_repeats: int, min_span_tokens: int) -> None:
+    def __init__(
+        self,
+        *,
+        max_period: int,
+        min_repeats: int,
+        min_span_tokens: int,
+        min_period: int = 1,
+        changes: int = 0,
+    ) -> None:
         if max_period < 1 or min_repeats < 2 or min_span_tokens < 2:
             raise ValueError("max_period >= 1, min_repeats >= 2 and min_span_tokens >= 2 are required")
+        if not 1 <= min_period <= max_period:
+            raise ValueError("1 <= min_period <= max_period is required")
+        if changes not in (0, 1):
+            raise ValueError("changes must be 0 (exact loops) or 1 (one changed token per repeat)")
         self.max_period = max_period
+        self.min_period = min_period
         self.min_repeats = min_repeats
         self.min_span_tokens = min_span_tokens
-        self._size = max_period + 3
-        self._ring = [0] * self._size  # the last max_period + 3 tokens; position j at j % size
-        # bigram ending at position j -> latest j; the bigram (a, b) is keyed by the int a << 32 | b,
-        # cheaper to build and hash than a tuple (exact for ids in 0..2**32; candidates are checked)
-        self._last: dict[int, int] = {}
-        self._cands: dict[int, int] = {}  # candidate period -> run of matches ending at the last token
-        self._needs = _needs(max_period, min_repeats, min_span_tokens)
+        self.changes = changes
+        self._needs = _needs(max_period, min_repeats, min_span_tokens, min_period)
+        # The ring holds the longest span that can be needed, so a candidate's run is measured exactly.
+        self._size = max(min_span_tokens, min_repeats * max_period) + 1
+        self._csize = max_period + 1
+        self._ring: list[int] = []  # token at position j is _ring[j % _size] (grows to _size)
+        self._chain: list[int] = []  # previous position with the same bigram hash, at j % _csize
+        hsize = 1 << max(4, (self._csize - 1).bit_length())  # load <= 1 over the window
+        self._mask = hsize - 1
+        self._head = [_FAR] * hsize
+        self._cands: dict[int, int] = {}  # candidate period -> run ending at the last token
+        self._mism: dict[int, int] = {}  # near-loops: candidate period -> position of its last mismatch
         self._prev = 0  # the last token
         self.n = 0  # tokens seen
         self.hit: LoopHit | None = None
+
+    def state_slots(self) -> int:
+        """List and dict slots this detector holds (8 bytes each, plus the int objects they point to)."""
+        return len(self._ring) + len(self._chain) + len(self._head) + 2 * (len(self._cands) + len(self._mism))
 
     def push(self, token: int) -> LoopHit | None:
         """Add one token; returns the hit on the token where a loop is first detected, else None."""
@@ -86,50 +135,82 @@ class LoopDetector:
         """
         if self.hit is not None:
             return None
-        ring, size, last, cands, needs = self._ring, self._size, self._last, self._cands, self._needs
+        ring, size, chain, csize, head, mask = (
+            self._ring,
+            self._size,
+            self._chain,
+            self._csize,
+            self._head,
+            self._mask,
+        )
+        cands, mism, needs, near = self._cands, self._mism, self._needs, self.changes
         max_period = self.max_period
         i, prev_tok = self.n, self._prev
         for token in tokens:
-            ring[i % size] = token
-            if i:
-                if cands:
-                    dead = None
-                    for p, run in cands.items():
-                        if ring[(i - p) % size] == token:
-                            run += 1
-                            cands[p] = run
-                            if run >= needs[p]:
-                                return self._fire(i, token, p, run)
-                        elif dead is None:
+            if i < size:
+                ring.append(token)
+            else:
+                ring[i % size] = token
+            if cands:
+                dead = None
+                for p, run in cands.items():
+                    if ring[(i - p) % size] == token:
+                        run += 1
+                    elif near and i - mism.get(p, _FAR) >= p:
+                        mism[p] = i  # the one change this period may have
+                        run += 1
+                    else:
+                        if dead is None:
                             dead = [p]
                         else:
                             dead.append(p)
-                    if dead:
-                        for p in dead:
-                            del cands[p]
-                key = prev_tok << 32 | token
-                prev = last.get(key)
-                last[key] = i
-                if prev is not None:
-                    d = i - prev
-                    # The equality check makes a key collision (ids outside 0..2**32) harmless.
-                    if (
-                        d <= max_period
-                        and d not in cands
-                        and ring[(i - d) % size] == token
-                        and ring[(i - 1 - d) % size] == prev_tok
-                    ):
+                        continue
+                    cands[p] = run
+                    if run >= needs[p]:
+                        return self._fire(i, token, p, run)
+                if dead:
+                    for p in dead:
+                        del cands[p]
+                        if near:
+                            mism.pop(p, None)
+            h = (prev_tok * _MULT ^ token) & mask
+            pos = head[h]
+            head[h] = i
+            if i < csize:
+                chain.append(pos)
+            else:
+                chain[i % csize] = pos
+            hops = 0
+            while i - pos <= max_period:
+                d = i - pos
+                if (
+                    d not in cands
+                    and ring[pos % size] == token
+                    and pos
+                    and ring[(pos - 1) % size] == prev_tok
+                ):
+                    # t[i-1..i] == t[i-1-d..i-d]: measure the exact run back from i (the ring holds
+                    # every position the threshold needs: run + d < size).
+                    need = needs[d]
+                    limit = min(need, i - d + 1)
+                    run, j = 2, i - 2
+                    while run < limit and ring[j % size] == ring[(j - d) % size]:
+                        run += 1
+                        j -= 1
+                    if run >= need:
+                        return self._fire(i, token, d, run)
+                    if run >= _MIN_RUN:
                         if len(cands) >= MAX_CANDIDATES:
-                            del cands[min(cands, key=cands.__getitem__)]
-                        cands[d] = 2  # t[i] == t[i-d] and t[i-1] == t[i-1-d]: the repeated bigram
-                        if needs[d] <= 2:
-                            return self._fire(i, token, d, 2)
-                if len(last) > 4 * size:
-                    # Only bigrams of the last max_period + 1 positions can still give a period:
-                    # rebuild from the ring every ~3 * max_period tokens (amortised O(1) per token).
-                    last.clear()
-                    for j in range(max(1, i - max_period), i + 1):
-                        last[ring[(j - 1) % size] << 32 | ring[j % size]] = j
+                            worst = min(cands, key=cands.__getitem__)
+                            del cands[worst]
+                            mism.pop(worst, None)
+                        cands[d] = run
+                        if near:
+                            mism[d] = i - run  # where the exact run stopped: this period's change
+                hops += 1
+                if hops == MAX_CHAIN:
+                    break
+                pos = chain[pos % csize]
             prev_tok = token
             i += 1
         self.n, self._prev = i, prev_tok
@@ -138,22 +219,65 @@ class LoopDetector:
     def _fire(self, i: int, token: int, p: int, run: int) -> LoopHit:
         self.n, self._prev = i + 1, token
         span = run + p
-        self.hit = LoopHit(at=i, period=p, repeats=span // p, span=span)
+        changes = 0
+        if self.changes:
+            ring, size = self._ring, self._size
+            changes = sum(ring[j % size] != ring[(j - p) % size] for j in range(i - run + 1, i + 1))
+        self.hit = LoopHit(at=i, period=p, repeats=span // p, span=span, changes=changes)
         return self.hit
 
 
 @functools.cache
-def _needs(max_period: int, min_repeats: int, min_span_tokens: int) -> tuple[int, ...]:
-    """The run needed to fire, per period: (min_repeats - 1) periods of matches and the span.
+def _needs(max_period: int, min_repeats: int, min_span_tokens: int, min_period: int = 1) -> tuple[int, ...]:
+    """The run needed to fire, per period: span >= min_repeats * p and span >= min_span_tokens.
 
     Shared by every detector with the same settings (one per live request: building it per request
-    cost more than the request's own tokens)."""
-    return (0, *(max((min_repeats - 1) * p, min_span_tokens - p) for p in range(1, max_period + 1)))
+    cost more than the request's own tokens). Periods under ``min_period`` can never fire."""
+    never = 1 << 62
+    return (
+        never,
+        *(
+            max(min_repeats * p, min_span_tokens) - p if p >= min_period else never
+            for p in range(1, max_period + 1)
+        ),
+    )
+
+
+def exact_detector(settings: Any) -> LoopDetector:
+    """A detector for the ``loop`` rule's settings (``ledger.rules.policy.LoopSettings``)."""
+    return LoopDetector(
+        max_period=settings.max_period,
+        min_repeats=settings.min_repeats,
+        min_span_tokens=settings.min_span_tokens,
+    )
+
+
+def near_detector(settings: Any) -> LoopDetector:
+    """A detector for the ``near_loop`` rule's settings (``ledger.rules.policy.NearLoopSettings``)."""
+    return LoopDetector(
+        max_period=settings.max_period,
+        min_repeats=settings.min_repeats,
+        min_span_tokens=settings.min_span_tokens,
+        min_period=settings.min_period,
+        changes=1,
+    )
 
 
 def find_loop(
-    tokens: Iterable[int], *, max_period: int, min_repeats: int, min_span_tokens: int
+    tokens: Iterable[int],
+    *,
+    max_period: int,
+    min_repeats: int,
+    min_span_tokens: int,
+    min_period: int = 1,
+    changes: int = 0,
 ) -> LoopHit | None:
     """Run a fresh detector over a whole output: where it would have cut, or None."""
-    det = LoopDetector(max_period=max_period, min_repeats=min_repeats, min_span_tokens=min_span_tokens)
+    det = LoopDetector(
+        max_period=max_period,
+        min_repeats=min_repeats,
+        min_span_tokens=min_span_tokens,
+        min_period=min_period,
+        changes=changes,
+    )
     return det.extend(tokens)
