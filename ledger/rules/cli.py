@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import httpx
 import typer
 
-from ledger.rules.loop import LoopDetector
+from ledger.rules.loop import LoopHit, exact_detector, near_detector
 from ledger.rules.policy import Policy, PolicyError, load_policy_file, parse_policy
 
 
@@ -45,17 +45,18 @@ def loopcheck(
         str | None, typer.Option(help="admin token for --ledger", envvar="CHUNKLEDGER_ADMIN_TOKEN")
     ] = None,
 ) -> None:
-    """Run the live loop detector over past outputs.
+    """Run the live loop rules over past outputs (audit what they would have cut).
 
-    Prints one JSON line per input line: {"id", "loop", "at": index of the token where it would have cut
-    (or null), "period" (or null)}. Bad lines are reported on stderr (line number and reason) and the
-    exit status is then 1.
+    Prints one JSON line per input line: {"id", "loop", "rule": "loop" or "near_loop" (or null), "at":
+    index of the token where it would have cut (or null), "period", "repeats", "span" (or null)}. The
+    near_loop rule runs only where the policy enables it. Bad lines are reported on stderr (line number
+    and reason) and the exit status is then 1.
     """
     import os
 
     policy = policy or os.environ.get("CHUNKLEDGER_POLICY_FILE") or None
     try:
-        settings = _live_policy(policy, ledger, token).rules_for(model).loop
+        rules = _live_policy(policy, ledger, token).rules_for(model)
     except PolicyError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -85,21 +86,22 @@ def loopcheck(
                 typer.echo(f"{file}:{lineno}: {exc}", err=True)
                 bad += 1
                 continue
-            hit = None
-            if settings.enabled:
-                det = LoopDetector(
-                    max_period=settings.max_period,
-                    min_repeats=settings.min_repeats,
-                    min_span_tokens=settings.min_span_tokens,
-                )
-                hit = det.extend(tokens)
+            found: list[tuple[LoopHit, str]] = []
+            if rules.loop.enabled and (h := exact_detector(rules.loop).extend(tokens)) is not None:
+                found.append((h, "loop"))
+            if rules.near_loop.enabled and (h := near_detector(rules.near_loop).extend(tokens)):
+                found.append((h, "near_loop"))
+            hit, rule = min(found, key=lambda x: x[0].at) if found else (None, None)
             out.write(
                 json.dumps(
                     {
                         "id": item["id"],
                         "loop": hit is not None,
+                        "rule": rule,
                         "at": hit.at if hit else None,
                         "period": hit.period if hit else None,
+                        "repeats": hit.repeats if hit else None,
+                        "span": hit.span if hit else None,
                     }
                 )
                 + "\n"

@@ -18,7 +18,9 @@ old, and the wall-clock rule aborted normal requests.)
 
 Memory is bounded: a request leaves the live set when it finishes (engine ``finished``, or the gateway
 is done and no engine has it), when it has had no event for ``idle_evict_s``, or, least recently touched
-first, when more than ``max_live`` requests are live. The loop detector keeps ``max_period + 3`` tokens.
+first, when more than ``max_live`` requests are live. A loop detector keeps at most
+``max(min_span_tokens, min_repeats * max_period) + 1`` tokens
+(see ``ledger.rules.loop``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any, Protocol
 
 from engine_hooks import events as ev
 from ledger.rules import rules as R
-from ledger.rules.loop import LoopDetector
+from ledger.rules.loop import exact_detector, near_detector
 from ledger.rules.policy import Policy, RuleSettings
 
 log = logging.getLogger(__name__)
@@ -175,18 +177,21 @@ class RuleEngine:
         return r
 
     def _detect(self, r: R.LiveRequest, ids: list[int]) -> None:
-        """Feed output token ids to the request's loop detector (made on its first ids)."""
+        """Feed output token ids to the request's loop detectors (made on its first ids)."""
         det = r.detector
         if det is None:
-            lp = self.rules_for(r.model).loop
-            if not lp.enabled:
+            rules = self.rules_for(r.model)
+            lp, near = rules.loop, rules.near_loop
+            if lp.enabled:
+                det = r.detector = exact_detector(lp)
+            if near.enabled:
+                r.near_detector = near_detector(near)
+            if det is None and r.near_detector is None:
                 return
-            det = r.detector = LoopDetector(
-                max_period=lp.max_period,
-                min_repeats=lp.min_repeats,
-                min_span_tokens=lp.min_span_tokens,
-            )
-        det.extend(ids)
+        if det is not None:
+            det.extend(ids)
+        if r.near_detector is not None:
+            r.near_detector.extend(ids)
 
     def _apply(
         self,

@@ -10,10 +10,12 @@ A policy is a validated document (TOML or YAML file, or JSON through ``PUT /v1/p
     max_forced_waits = 2000       # steps sat out while holding KV; then preemption_action
     preemption_action = "slow_pool"   # or "non_preemptible"
     slow_pool_max_wait_s = 60     # starved this long in the slow pool -> promote
-    [rules.loop]
-    max_period = 64
-    min_repeats = 4
-    min_span_tokens = 128
+    [rules.loop]                  # exact loops: a block of up to max_period tokens repeated
+    max_period = 512
+    min_repeats = 2
+    min_span_tokens = 72
+    [rules.near_loop]             # the same block with one token changed per repeat (a counter)
+    enabled = false               # off by default: a table whose rows differ in one cell is one
 
     [models."llama-3-8b".rules]   # any subset of [rules], merged over the defaults
     max_output_tokens = 4096
@@ -26,8 +28,9 @@ A policy is a validated document (TOML or YAML file, or JSON through ``PUT /v1/p
 
 Every limit accepts ``0`` / ``false`` to switch that rule off (``null`` in JSON). Unknown keys are
 errors, so a typo never silently disables a rule. Loop defaults were chosen by measurement on
-``ledger.rules.corpus`` (see ``bench/loopdetect.py``): the longest legitimate periodic tail there spans
-85 tokens, so loops must span 128 tokens and repeat 4 times.
+``ledger.rules.corpus`` (``python bench/loopdetect.py``): the longest legitimate tail there that repeats
+a block at least twice spans 68 tokens (a JSON array of flags), so a loop must repeat its block twice
+and span 72 tokens.
 """
 
 from __future__ import annotations
@@ -53,11 +56,29 @@ def _off(v: Any) -> Any:
 
 class LoopSettings(_Strict):
     enabled: bool = True
-    max_period: int = Field(64, ge=1, le=512, description="longest repeated block looked for, in tokens")
+    max_period: int = Field(512, ge=1, le=2048, description="longest repeated block looked for, in tokens")
+    min_repeats: int = Field(2, ge=2, le=10_000, description="repeats of the block at the tail")
+    min_span_tokens: int = Field(72, ge=2, le=100_000, description="and the repeated tail at least this long")
+
+
+class NearLoopSettings(_Strict):
+    """Near-loops: a block repeated with at most one token changed per repeat (off by default)."""
+
+    enabled: bool = False
+    min_period: int = Field(4, ge=2, le=2048, description="shortest block (short ones: every list)")
+    max_period: int = Field(512, ge=2, le=2048, description="longest repeated block looked for, in tokens")
     min_repeats: int = Field(4, ge=2, le=10_000, description="repeats of the block at the tail")
     min_span_tokens: int = Field(
-        128, ge=2, le=1_000_000, description="and the repeated tail at least this long"
+        128, ge=2, le=100_000, description="and the repeated tail at least this long"
     )
+
+    @field_validator("max_period")
+    @classmethod
+    def _periods(cls, v: int, info: Any) -> int:
+        lo = info.data.get("min_period")
+        if lo is not None and v < lo:
+            raise ValueError(f"max_period ({v}) must be at least min_period ({lo})")
+        return v
 
 
 class RuleSettings(_Strict):
@@ -69,6 +90,7 @@ class RuleSettings(_Strict):
     preemption_action: Action = "slow_pool"
     slow_pool_max_wait_s: float | None = Field(60.0, gt=0)
     loop: LoopSettings = LoopSettings()
+    near_loop: NearLoopSettings = NearLoopSettings()
 
     @field_validator(
         "max_output_tokens",

@@ -13,6 +13,7 @@ rule                   fires when                                               
 =====================  ==================================================================  ==========
 ``token_cap``          more output tokens than ``max_output_tokens``                       abort
 ``loop``               the loop detector found a repeated tail (see ``ledger.rules.loop``) abort
+``near_loop``          a tail repeating a block with one token changed per repeat (off)    abort
 ``wall_clock_timeout`` admitted longer ago than ``wall_clock_timeout_s`` and not drained    abort
 ``stall_timeout``      running, and no new token (nor prefill progress) for ``stall_...``  abort
 ``preemption_limit``   preempted ``max_preemptions`` times                                 policy's
@@ -56,6 +57,7 @@ class LiveRequest:
     slow_pool_ts: float | None = None  # when the slow_pool command was decided
     finished: bool = False  # the engine finished it (or the gateway completed it)
     detector: LoopDetector | None = None
+    near_detector: LoopDetector | None = None  # only when the near_loop rule is on
     decided: set[str] = field(default_factory=set)  # rules and actions already decided (once each)
     starvation_alerted: bool = False
     touched_mono: float = 0.0  # ledger monotonic time of its newest event (eviction)
@@ -76,6 +78,18 @@ def loop(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
         "loop",
         "abort",
         f"period {hit.period} repeated {hit.repeats} times ({hit.span} tokens) at output token {hit.at}",
+    )
+
+
+def near_loop(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+    hit = r.near_detector.hit if r.near_detector is not None else None
+    if hit is None or not p.near_loop.enabled:
+        return None
+    return Verdict(
+        "near_loop",
+        "abort",
+        f"period {hit.period} repeated {hit.repeats} times ({hit.span} tokens, {hit.changes} changed)"
+        f" at output token {hit.at}",
     )
 
 
@@ -135,7 +149,7 @@ def slow_pool_starved(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | 
 Rule = Callable[[LiveRequest, RuleSettings, float], Verdict | None]
 
 # Checked when a request's events arrive (cheap, counters only) and on the ticker (time-based).
-EVENT_RULES: tuple[Rule, ...] = (token_cap, loop, preemption_limit, forced_wait_limit)
+EVENT_RULES: tuple[Rule, ...] = (token_cap, loop, near_loop, preemption_limit, forced_wait_limit)
 TIME_RULES: tuple[Rule, ...] = (wall_clock_timeout, stall_timeout, slow_pool_starved)
 ALL_RULES = EVENT_RULES + TIME_RULES
 RULE_NAMES = tuple(f.__name__ for f in ALL_RULES)

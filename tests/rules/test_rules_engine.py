@@ -88,6 +88,23 @@ def test_loop_in_token_ids_is_cut_with_period_in_the_detail():
     assert "period 3" in hooks.decisions[0].detail
 
 
+def _counter_loop(n: int = 40) -> list[int]:
+    """A block of 12 ids whose first id counts up: one token changed per repeat."""
+    return [t for i in range(n) for t in (1000 + i, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)]
+
+
+def test_near_loop_is_cut_only_where_the_policy_enables_it():
+    ids = _counter_loop()
+    batch = seqs([tokens("r", len(ids), len(ids), ids=ids)])
+    eng, hooks, _ = make()
+    eng.observe(ENGINE, batch, T0)
+    assert hooks.decisions == [] and eng.get("r").near_detector is None  # off by default
+    eng, hooks, _ = make({"rules": {"near_loop": {"enabled": True}}})
+    eng.observe(ENGINE, batch, T0)
+    assert [d.rule for d in hooks.decisions] == ["near_loop"]
+    assert "period 12" in hooks.decisions[0].detail and "changed" in hooks.decisions[0].detail
+
+
 def test_streaming_gateway_is_a_second_target_until_it_completes():
     eng, hooks, _ = make({"rules": {"max_output_tokens": 10}})
     eng.observe(GATEWAY, seqs([ev.Arrived(seq=0, ts=T0, request_id="r", stream=True)]), T0)

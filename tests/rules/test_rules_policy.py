@@ -48,8 +48,21 @@ def test_yaml_and_json_files_load_the_same_policy(tmp_path):
 
 
 def test_defaults_are_the_measured_loop_settings():
-    loop = Policy().rules.loop
-    assert (loop.max_period, loop.min_repeats, loop.min_span_tokens) == (64, 4, 128)
+    rules = Policy().rules
+    loop, near = rules.loop, rules.near_loop
+    assert (loop.enabled, loop.max_period, loop.min_repeats, loop.min_span_tokens) == (True, 512, 2, 72)
+    assert (near.enabled, near.min_period, near.max_period, near.min_repeats, near.min_span_tokens) == (
+        False,
+        4,
+        512,
+        4,
+        128,
+    )
+
+
+def test_near_loop_periods_must_be_ordered_naming_the_field():
+    with pytest.raises(PolicyError, match=r"rules\.near_loop\.max_period"):
+        load_policy_text("[rules.near_loop]\nmin_period = 64\nmax_period = 8\n", "toml")
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,12 @@ def looping() -> LoopDetector:
     return d
 
 
+def near_looping() -> LoopDetector:
+    d = LoopDetector(max_period=8, min_repeats=4, min_span_tokens=16, min_period=4, changes=1)
+    d.extend([t for i in range(10) for t in (100 + i, 8, 9, 10)])
+    return d
+
+
 CASES = [
     # (name, state fields, policy overrides, rule, expected (rule, action) or None)
     ("under the cap", {"output_tokens": 100}, {}, R.token_cap, None),
@@ -40,6 +46,15 @@ CASES = [
     ),
     ("loop found", {"detector": looping()}, {}, R.loop, ("loop", "abort")),
     ("loop rule disabled", {"detector": looping()}, {"loop": {"enabled": False}}, R.loop, None),
+    ("no near-loop detector", {}, {"near_loop": {"enabled": True}}, R.near_loop, None),
+    (
+        "near-loop found",
+        {"near_detector": near_looping()},
+        {"near_loop": {"enabled": True}},
+        R.near_loop,
+        ("near_loop", "abort"),
+    ),
+    ("near-loop rule off", {"near_detector": near_looping()}, {}, R.near_loop, None),
     ("admitted 59 s ago", {"admitted_ts": NOW - 59}, {}, R.wall_clock_timeout, None),
     (
         "admitted 61 s ago",
@@ -92,9 +107,11 @@ CASES = [
 )
 def test_rule_table(name, fields, overrides, rule, expected):
     state = R.LiveRequest(request_id="r", **fields)
-    policy = P.model_copy(update={k: v for k, v in overrides.items() if k != "loop"})
-    if "loop" in overrides:
-        policy = policy.model_copy(update={"loop": policy.loop.model_copy(update=overrides["loop"])})
+    nested = ("loop", "near_loop")
+    policy = P.model_copy(update={k: v for k, v in overrides.items() if k not in nested})
+    for key in nested:
+        if key in overrides:
+            policy = policy.model_copy(update={key: getattr(policy, key).model_copy(update=overrides[key])})
     if "max_output_tokens" in overrides and overrides["max_output_tokens"] == 0:
         policy = RuleSettings.model_validate({**P.model_dump(), "max_output_tokens": 0})
     v = rule(state, policy, NOW)
