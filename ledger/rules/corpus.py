@@ -5,11 +5,18 @@ word-level tokenizer (a word with its leading space is one token, as in BPE voca
 and newlines are tokens of their own; ids are CRC-32 of the token text), so the test, the bench and the
 defaults in ``ledger.rules.policy`` all measure the same thing.
 
-Legitimate samples (``legit_corpus``): markdown tables (also feature matrices full of the same mark and
-wide separator rows), code with repeated and near-repeated lines, closing braces, enumerations, JSON
-arrays of zeros, of repeated flags and of records, small matrices, CSV, log lines, prose. Degenerate
-samples (``loop_corpus``): a legitimate prefix, then a block of 1..K tokens cut from real-looking text
-repeated far past any legitimate length; ``onset`` is the index of the block's first token.
+Legitimate samples (``legit_corpus``, 300): markdown tables (also feature matrices full of the same mark
+and wide separator rows), code with repeated and near-repeated lines and blocks, closing braces,
+numbered lists, checklists, JSON arrays of zeros, of repeated flags and of records, small matrices, CSV,
+log lines, songs with refrains, separators and banners, emphatic repetition ("no, no, no"), a code block
+shown twice with one change, and prose; short and long (up to about 2,500 tokens).
+
+Degenerate samples (``loop_corpus``, 400): a legitimate prefix (0 to about 3,000 tokens), then a block of
+``p`` tokens cut from real-looking text repeated far past any legitimate length; ``onset`` is the index
+of the block's first token. Periods are log-uniform over 1..512 (40 per octave: 1, 2-3, 4-7, ...,
+256-511, and 512), as degenerate loops in the wild are mostly short (a token, a phrase) and sometimes a
+sentence or a paragraph. Every fourth loop drifts: now and then one repeat carries an extra token.
+``near_loop_corpus``: the same block repeated with one token changed per repeat (a counter).
 """
 
 from __future__ import annotations
@@ -19,12 +26,13 @@ import re
 import zlib
 from dataclasses import dataclass
 
-_TOKEN = re.compile(r"\n| ?\w+| ?[^\w\s]| +")
+# A run of one punctuation mark is one token of up to 16 marks, as BPE vocabularies merge "----" or "====".
+_TOKEN = re.compile(r"\n| ?\w+| ?([^\w\s])\1{1,15}| ?[^\w\s]| +")
 
 
 def tokenize(text: str) -> list[int]:
     """Word-level token ids: stable across runs and machines."""
-    return [zlib.crc32(t.encode()) & 0x7FFFFFFF for t in _TOKEN.findall(text)]
+    return [zlib.crc32(m.group().encode()) & 0x7FFFFFFF for m in _TOKEN.finditer(text)]
 
 
 @dataclass(frozen=True)
@@ -32,7 +40,8 @@ class Sample:
     id: str
     tokens: list[int]
     onset: int | None = None  # degenerate samples: index of the loop's first token
-    period: int | None = None  # degenerate samples: tokens per repeat
+    period: int | None = None  # degenerate samples: tokens per repeat (the base period when it drifts)
+    kind: str = "legit"  # legit | exact | drift (the period grows by one now and then) | near
 
 
 _WORDS = [
@@ -255,61 +264,238 @@ def _dashes(n: int) -> str:
     return "Results\n" + "- " * n + "\nAll " + "good " * 3 + "!"
 
 
-def legit_corpus() -> list[Sample]:
-    """Outputs with legitimate repetition (none must be flagged)."""
+_SENTENCES = [
+    s.strip() + "."
+    for s in (
+        _PROSE.replace("\n", " ")
+        + " The gateway admits a request when the backend has room, and otherwise holds it in a queue."
+        + " A preempted request gives its memory back and is computed again when it is resumed."
+        + " Every step is recorded with its duration, the tokens it computed and the requests it served."
+        + " Alerts are sent as signed webhooks, and every cutoff names the rule that decided it."
+        + " The advice compares the inter-token latency target with the measured decode step."
+        + " When the cache is full, the newest request is preempted first unless the policy says otherwise."
+        + " Long prompts are split into chunks, and each chunk takes part of the step's token budget."
+        + " A runaway request is cut back inside the engine, and the client sees why it ended."
+    ).split(".")
+    if s.strip()
+]
+
+
+def _prose(rng: random.Random, sentences: int) -> str:
+    out, para, recent = [], [], []
+    for _ in range(sentences):
+        s = rng.choice([x for x in _SENTENCES if x not in recent])
+        recent = [*recent[-7:], s]  # prose does not say the same sentence twice in a row
+        para.append(s)
+        if len(para) >= rng.randint(3, 6):
+            out.append(" ".join(para))
+            para = []
+    out.append(" ".join(para))
+    return "\n\n".join(x for x in out if x)
+
+
+def _song(rng: random.Random, verses: int) -> str:
+    chorus = (
+        "Oh the queue is long tonight, and the tokens flow like rain,\n"
+        "we will wait until the light, and then we start again."
+    )
+    parts, lines = [], rng.sample(_SENTENCES, 2 * verses)
+    for v in range(verses):
+        parts.append(f"Verse {v + 1}:\n" + "\n".join(lines[2 * v : 2 * v + 2]))
+        parts.append("Chorus:\n" + chorus)
+    return "\n\n".join(parts)
+
+
+def _banner(rng: random.Random, width: int) -> str:
+    line = rng.choice("=-*#~") * width
+    return f"{line}\n  {rng.choice(_WORDS).upper()} REPORT\n{line}\n" + rng.choice(_SENTENCES)
+
+
+def _emphasis(rng: random.Random) -> str:
+    word = rng.choice(["no", "very", "ha", "go", "yes", "more"])
+    n = rng.randint(3, 8)
+    return (
+        f"{rng.choice(_SENTENCES)} {', '.join([word.title()] + [word] * (n - 1))}! {rng.choice(_SENTENCES)}"
+    )
+
+
+def _setters(rng: random.Random, n: int) -> str:
+    names = rng.sample(_WORDS, n)
+    return (
+        "    def __init__(self, "
+        + ", ".join(names)
+        + "):\n"
+        + "".join(f"        self.{x} = {x}\n" for x in names)
+    )
+
+
+def _near_blocks(rng: random.Random, n: int) -> str:
+    """Test functions that differ in a name and a value: boilerplate, not a loop."""
+    out = []
+    for _ in range(n):
+        w, v = rng.choice(_WORDS), rng.randint(0, 99)
+        out.append(
+            f"def test_{w}_{v}():\n    cfg = Config({w}={v})\n"
+            f"    result = run(cfg)\n    assert result.{w} == {v}\n"
+        )
+    return "\n".join(out)
+
+
+def _shown_twice(rng: random.Random) -> str:
+    before = _CODE_C
+    after = _CODE_C.replace("return 0;", "return -1;")
+    return f"Before:\n```c\n{before}```\nAfter the fix:\n```c\n{after}```\n{rng.choice(_SENTENCES)}"
+
+
+def _switch(rng: random.Random, n: int) -> str:
+    cases = "".join(
+        f"    case {i}:\n        handle_{rng.choice(_WORDS)}(ctx);\n        break;\n" for i in range(n)
+    )
+    return "switch (kind) {\n" + cases + "    default:\n        break;\n}\n"
+
+
+def _numbered(rng: random.Random, n: int) -> str:
+    verb = rng.choice(["Check", "Restart", "Drain", "Measure"])
+    return "\n".join(
+        f"{i}. {verb} the {rng.choice(_WORDS)} on node {rng.randint(1, 64)}" for i in range(1, n + 1)
+    )
+
+
+def _zero_matrix(rng: random.Random, n: int) -> str:
+    return (
+        "["
+        + ",\n ".join("[" + ", ".join("0" for _ in range(n)) + "]" for _ in range(rng.randint(2, 3)))
+        + "]"
+    )
+
+
+def _log(rng: random.Random, n: int) -> str:
+    lines = []
+    for k in range(n):
+        lines.append(
+            f"2026-11-30T10:{k // 60:02d}:{k % 60:02d}Z INFO scheduler step={1200 + k} "
+            f"running={rng.randint(28, 34)} waiting={rng.randint(0, 6)} kv_usage=0.{rng.randint(60, 80)}"
+        )
+    return "\n".join(lines)
+
+
+_KINDS = (
+    ("prose", lambda r: _prose(r, r.randint(3, 40))),
+    ("table", lambda r: _table(r, r.randint(5, 60), r.randint(3, 16))),
+    ("feature-matrix", lambda r: _feature_matrix(r, r.randint(8, 40), r.randint(4, 20))),
+    ("enumeration", lambda r: _enumeration(r, r.randint(5, 120))),
+    ("numbered", lambda r: _numbered(r, r.randint(5, 60))),
+    ("bullets", lambda r: _bullets(r, r.randint(5, 50))),
+    ("json-zeros", lambda r: _json_zeros(r.randint(4, 32))),
+    ("json-flags", lambda r: _json_flags(r, r.randint(8, 48))),
+    ("json-records", lambda r: _json_records(r, r.randint(5, 40))),
+    # an n x n zero matrix repeats its row n times: past 4 x 4 no token-level rule can tell it from a
+    # loop (nor can vLLM's), so the corpus holds identities up to 8 x 8 and zero matrices up to 4 x 4
+    (
+        "matrix",
+        lambda r: _matrix(r.randint(3, 8), True) if r.random() < 0.7 else _matrix(r.randint(2, 4), False),
+    ),
+    ("zero-matrix", lambda r: _zero_matrix(r, r.randint(3, 8))),
+    ("csv", lambda r: _csv(r, r.randint(10, 80))),
+    ("log", lambda r: _log(r, r.randint(5, 40))),
+    (
+        "repeated-lines",
+        lambda r: _repeated_lines(
+            r, r.choice(["state.append(None)", "x += 1", "print()", "pass"]), r.randint(3, 8)
+        ),
+    ),
+    ("closing-braces", lambda r: _closing(r.randint(3, 10))),
+    ("dashes", lambda r: _dashes(r.randint(8, 40))),
+    ("song", lambda r: _song(r, r.randint(2, 5))),
+    ("banner", lambda r: _banner(r, r.randint(20, 80))),
+    ("emphasis", _emphasis),
+    ("setters", lambda r: _setters(r, r.randint(3, 12))),
+    ("near-blocks", lambda r: _near_blocks(r, r.randint(2, 8))),
+    ("shown-twice", _shown_twice),
+    ("switch", lambda r: _switch(r, r.randint(3, 12))),
+    ("code", lambda r: r.choice([_CODE_PY, _CODE_C])),
+)
+
+
+def legit_corpus(per_kind: int = 12) -> list[Sample]:
+    """Outputs with legitimate repetition (none must be flagged): ``per_kind`` of each kind, some long."""
     rng = random.Random(20261201)
-    texts: list[tuple[str, str]] = [
-        ("prose", _PROSE),
-        ("code-py", _CODE_PY),
-        ("code-c", _CODE_C),
-        ("log", _LOG),
-    ]
-    for i, (rows, cols) in enumerate([(10, 4), (30, 6), (60, 8), (20, 12), (40, 16)]):
-        texts.append((f"table-{i}", _table(rng, rows, cols)))
-    for i, (rows, cols) in enumerate([(12, 6), (25, 10), (15, 20), (40, 8)]):
-        texts.append((f"feature-matrix-{i}", _feature_matrix(rng, rows, cols)))
-    for i, n in enumerate([10, 50, 120]):
-        texts.append((f"enumeration-{i}", _enumeration(rng, n)))
-    texts.append(("bullets", _bullets(rng, 40)))
-    for n in (8, 16, 24, 32):
-        texts.append((f"json-zeros-{n}", _json_zeros(n)))
-    for i, n in enumerate([16, 40]):
-        texts.append((f"json-flags-{i}", _json_flags(rng, n)))
-    texts.append(("json-records", _json_records(rng, 30)))
-    for n in (4, 6, 8):
-        texts.append((f"identity-{n}", _matrix(n, True)))
-    texts.append(("zeros-4x4", _matrix(4, False)))
-    texts.append(("csv", _csv(rng, 60)))
-    for i, (line, n) in enumerate([("state.append(None)", 6), ("x += 1", 8), ("print()", 5), ("pass", 4)]):
-        texts.append((f"repeated-lines-{i}", _repeated_lines(rng, line, n)))
-    for depth in (4, 8):
-        texts.append((f"closing-braces-{depth}", _closing(depth)))
-    texts.append(("dashes", _dashes(24)))
-    samples = [
-        Sample(id=f"legit-{name}", tokens=tokenize(f"{_PROSE[:200]}\n\n{text}\n\nThat is all."))
-        for name, text in texts
-    ]
+    samples = []
+    for name, make in _KINDS:
+        for k in range(per_kind):
+            parts = [make(rng) for _ in range(1 if k % 3 else rng.randint(2, 4))]
+            # several parts (some the same) are told apart by a sentence, as an answer would
+            text = _prose(rng, rng.randint(1, 4))
+            for part, said in zip(parts, rng.sample(_SENTENCES, len(parts)), strict=True):
+                text += f"\n\n{said}\n\n{part}"
+            text += "\n\nThat is all."
+            samples.append(Sample(id=f"legit-{name}-{k}", tokens=tokenize(text)))
     return samples
 
 
-def loop_corpus(max_period: int = 64, per_period: int = 3, loop_tokens: int = 1500) -> list[Sample]:
-    """Degenerate outputs: a legitimate prefix, then a block of ``p`` tokens repeated (p = 1..max_period)."""
+def _loop_text(rng: random.Random) -> list[int]:
+    return tokenize(_prose(rng, 200) + "\n" + _CODE_PY + "\n" + _LOG)
+
+
+def loop_periods(per_octave: int = 40, max_period: int = 512) -> list[int]:
+    """Log-uniform periods: ``per_octave`` in each of 1, 2-3, 4-7, ..., and ``max_period`` itself."""
+    rng = random.Random(11)
+    out = [1] * per_octave
+    lo = 2
+    while lo < max_period:
+        hi = min(2 * lo, max_period)
+        out += [rng.randrange(lo, hi) for _ in range(per_octave)]
+        lo = hi
+    out += [max_period] * (per_octave // 4 or 1)
+    return out
+
+
+def loop_corpus(per_octave: int = 40, max_period: int = 512, loop_tokens: int = 1500) -> list[Sample]:
+    """Degenerate outputs: a legitimate prefix, then a block of ``p`` tokens repeated; every fourth drifts."""
     rng = random.Random(7)
-    pool = [t for s in legit_corpus() for t in [s.tokens]]
-    prose = tokenize(_PROSE + "\n" + _CODE_PY + "\n" + _LOG)
+    legit = legit_corpus()
+    text = _loop_text(rng)
     out = []
-    for p in range(1, max_period + 1):
-        for k in range(per_period):
-            prefix = rng.choice(pool)[: rng.randint(20, 300)]
-            start = rng.randrange(0, len(prose) - p)
-            block = prose[start : start + p]
-            reps = max(loop_tokens // p, 12)
-            out.append(
-                Sample(
-                    id=f"loop-p{p}-{k}",
-                    tokens=prefix + block * reps,
-                    onset=len(prefix),
-                    period=p,
-                )
+    for k, p in enumerate(loop_periods(per_octave, max_period)):
+        src = rng.choice(legit).tokens
+        prefix = src[: int(2 ** rng.uniform(0, 11.5))]  # 1 to ~2,900 tokens of normal text
+        start = rng.randrange(0, len(text) - p - 1)
+        block = text[start : start + p]
+        reps = max(loop_tokens // p, 6)
+        drift = k % 4 == 3
+        tail: list[int] = []
+        for r in range(reps):
+            if drift and r > 0 and rng.random() < min(0.3, p / 200):  # about one per 200 tokens
+                j = rng.randrange(p)
+                tail += block[: j + 1] + block[j:]  # one token doubled: this repeat is p + 1 long
+            else:
+                tail += block
+        out.append(
+            Sample(
+                id=f"loop-p{p}-{k}",
+                tokens=prefix + tail,
+                onset=len(prefix),
+                period=p,
+                kind="drift" if drift else "exact",
             )
+        )
+    return out
+
+
+def near_loop_corpus(n: int = 120, loop_tokens: int = 1500) -> list[Sample]:
+    """A block with a counter in it, repeated with the counter going up (one token changed per repeat)."""
+    rng = random.Random(13)
+    out = []
+    for k in range(n):
+        words = [rng.choice(_SENTENCES) for _ in range(rng.randint(1, 4))]
+        words = " ".join(words).split()
+        cut = rng.randint(2, len(words))
+        body = " ".join(words[:cut])
+        p = len(tokenize(f"\nStep 1: {body}"))
+        reps = max(loop_tokens // p, 8)
+        prefix = tokenize(_prose(rng, rng.randint(1, 8)))
+        tail = tokenize("".join(f"\nStep {i}: {body}" for i in range(1, reps + 1)))
+        out.append(
+            Sample(id=f"near-p{p}-{k}", tokens=prefix + tail, onset=len(prefix), period=p, kind="near")
+        )
     return out
