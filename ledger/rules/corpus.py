@@ -282,7 +282,9 @@ _SENTENCES = [
 
 
 def _prose(rng: random.Random, sentences: int) -> str:
-    out, para, recent = [], [], []
+    out: list[str] = []
+    para: list[str] = []
+    recent: list[str] = []
     for _ in range(sentences):
         s = rng.choice([x for x in _SENTENCES if x not in recent])
         recent = [*recent[-7:], s]  # prose does not say the same sentence twice in a row
