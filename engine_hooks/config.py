@@ -36,11 +36,11 @@ class ConfigError(ValueError):
 class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Settings of one :class:`engine_hooks.exporter.Exporter` (one event source)."""
 
-    url: str  # ledger base URL, e.g. "http://127.0.0.1:8900"; events go to {url}/v1/events
+    url: str  # ledger base URL, e.g. "http://127.0.0.1:8321"; events go to {url}/v1/events
     source_id: str  # stable id of this engine or gateway instance; (source_id, seq) identifies an event
-    source_kind: Literal["engine", "gateway"] = "engine"
+    source_kind: Literal["engine", "gateway"] = "engine"  # which event kinds this source may send
     model: str | None = None  # served model name (engines)
-    ingest_token: str | None = None  # sent as "Authorization: Bearer <token>"; None or "": no header
+    ingest_token: str | None = None  # sent as "Authorization: Bearer <token>"; unset or empty: no header
 
     queue_size: PositiveInt = 65536  # events held in memory before emit() starts dropping
     batch_size: PositiveInt = 512  # events per POST; a full batch wakes the worker early
@@ -67,7 +67,7 @@ class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
     # holding each poll this long, so commands arrive even while POSTs wait on a slow ledger commit or
     # nothing is emitted; 0: commands only ride on ingest answers
 
-    seq_start: NonNegInt | None = None  # first seq; None: microseconds since the epoch at start, so a
+    seq_start: NonNegInt | None = None  # first seq; unset: microseconds since the epoch at start, so a
     # restarted source never reuses the identities of its previous run
     shutdown_timeout_s: PositiveFloat = 5.0  # how long the atexit hook lets shutdown() drain
 

