@@ -17,8 +17,9 @@ import uuid
 import sqlalchemy as sa
 
 from engine_hooks import events as ev
-from ledger.advice import Advisor, chunk_size_advice
+from ledger.advice.advisor import Advisor
 from ledger.advice.query import read_steps
+from ledger.advice.service import chunk_size_advice
 from ledger.advice.synthetic import MEASURED_CPU, synthetic_steps
 from ledger.store import open_store
 

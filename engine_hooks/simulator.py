@@ -37,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -61,7 +61,9 @@ from engine_hooks.events import (
     StreamCut,
     Tokens,
 )
-from engine_hooks.exporter import Exporter
+
+if TYPE_CHECKING:  # the exporter (httpx) loads when a simulation starts, not with the command line
+    from engine_hooks.exporter import Exporter
 
 log = logging.getLogger(__name__)
 
@@ -669,6 +671,8 @@ def run_simulation(
     spool_root = spool_dir or os.environ.get("CHUNKLEDGER_SPOOL_DIR") or _DEFAULT_SPOOL_DIR
 
     def make_exporter(source_id: str, kind: str, on_command: Any) -> Exporter:
+        from engine_hooks.exporter import Exporter
+
         config = ExporterConfig.create(
             url=ledger_url,
             source_id=source_id,

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ledger.config import DEFAULT_DB_URL, Settings, UnsafeConfig
+if TYPE_CHECKING:
+    from ledger.config import Settings
+
+from ledger.defaults import DEFAULT_DB_URL, DEFAULT_PORT
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="chunkledger: the request ledger for LLM serving"
@@ -21,6 +24,8 @@ DbOpt = Annotated[
 
 
 def _settings(**overrides: Any) -> Settings:
+    from ledger.config import Settings  # pydantic-settings: loaded only when a command runs
+
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except Exception as exc:  # pydantic ValidationError: print it readably, no traceback
@@ -32,18 +37,23 @@ def _settings(**overrides: Any) -> Settings:
 def serve(
     db: DbOpt = None,
     host: Annotated[str | None, typer.Option(help="bind address (env CHUNKLEDGER_HOST)")] = None,
-    port: Annotated[int | None, typer.Option(help="port (env CHUNKLEDGER_PORT, default 8321)")] = None,
+    port: Annotated[
+        int | None, typer.Option(help=f"port (env CHUNKLEDGER_PORT, default {DEFAULT_PORT})")
+    ] = None,
     access_log: Annotated[bool, typer.Option(help="log every HTTP request")] = False,
 ) -> None:
     """Upgrade the database schema, then serve the ledger API."""
     import uvicorn
 
     from ledger.app import create_app
+    from ledger.config import UnsafeConfig
+    from ledger.store import MissingDriver, check_driver
 
     settings = _settings(db_url=db, host=host, port=port)
     try:
         settings.check_safe_to_bind()
-    except UnsafeConfig as exc:
+        check_driver(settings.db_url)
+    except (UnsafeConfig, MissingDriver) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     if settings.policy_file:
@@ -84,10 +94,14 @@ def serve(
 def migrate(db: DbOpt = None) -> None:
     """Create or upgrade the ledger tables (Alembic) and print the revision."""
     from ledger import migrate as m
-    from ledger.store import make_engine
+    from ledger.store import MissingDriver, make_engine
 
     settings = _settings(db_url=db)
-    engine = make_engine(settings.db_url)
+    try:
+        engine = make_engine(settings.db_url)
+    except MissingDriver as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     m.upgrade(engine)
     typer.echo(
         json.dumps(
@@ -146,8 +160,8 @@ _register_rules()
 
 
 def _register_sql() -> None:
-    from ledger.export import export_command
-    from ledger.sql import query_command, sql_reader_command
+    from ledger.export_cli import export_command
+    from ledger.sql_cli import query_command, sql_reader_command
 
     app.command(name="query")(query_command)
     app.command(name="export")(export_command)

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-DEFAULT_LEDGER_URL = "http://127.0.0.1:8321"
+from ledger.defaults import DEFAULT_LEDGER_URL
 
 
 class LedgerError(RuntimeError):

@@ -7,57 +7,8 @@
 * ``profile``   drives a real engine with controlled chunk sizes, depths and decode loads;
 * ``synthetic`` step events from a known cost model (tests, benchmarks, demos).
 
-``chunk_size_advice`` is the one call the API and the CLI (``--db``) share.
+* ``service``   ``chunk_size_advice``: the one call the API and the CLI (``--db``) share;
+* ``defaults``  the defaults the CLI's options and the API's parameters show (no heavy imports).
+
+The package itself imports nothing, so ``chunkledger --help`` does not load numpy or the store.
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-import sqlalchemy as sa
-
-from ledger.advice.advisor import DEFAULT_ARRIVAL_SHARE, MIN_USEFUL_CHUNK, AdviceError, Advisor
-from ledger.advice.fit import FitError, StepData, StepTimeFit, fit_step_time
-from ledger.advice.query import DEFAULT_MAX_STEPS, read_steps
-
-
-def chunk_size_advice(
-    engine: sa.Engine,
-    *,
-    itl_target_ms: float,
-    model: str | None = None,
-    source_id: str | None = None,
-    since: str | float | None = None,
-    until: str | float | None = None,
-    depth: int | None = None,
-    arrival_share: float = DEFAULT_ARRIVAL_SHARE,
-    max_steps: int = DEFAULT_MAX_STEPS,
-    min_chunk: int = MIN_USEFUL_CHUNK,
-) -> dict[str, Any]:
-    """Advice for ``itl_target_ms`` from the ledger's steps; AdviceError (with an HTTP status) if none."""
-    window = read_steps(
-        engine, model=model, source_id=source_id, since=since, until=until, max_steps=max_steps
-    )
-    try:
-        advisor = Advisor(window.data)
-    except FitError as exc:
-        raise AdviceError(exc.reason, str(exc), status=409, window=window.as_dict(), **exc.details) from None
-    try:
-        advice = advisor.advise(itl_target_ms, depth=depth, arrival_share=arrival_share, min_chunk=min_chunk)
-    except AdviceError as exc:
-        exc.details["window"] = window.as_dict()
-        raise
-    return {"window": window.as_dict(), **advice}
-
-
-__all__ = [
-    "DEFAULT_ARRIVAL_SHARE",
-    "MIN_USEFUL_CHUNK",
-    "AdviceError",
-    "Advisor",
-    "FitError",
-    "StepData",
-    "StepTimeFit",
-    "chunk_size_advice",
-    "fit_step_time",
-]

@@ -17,7 +17,7 @@ steps it decodes in. Given a target:
    ``long_prefill_token_threshold`` = (1 - arrival_share)·T, so that a long prompt being chunked
    leaves part of every step's prefill budget to new arrivals (vLLM schedules running requests
    first; without the threshold a long prompt takes the whole budget and arrivals' TTFT waits for
-   it to end — ARCHITECTURE.md, "Why two knobs").
+   it to end — docs/design.md, "Why two knobs").
 
 The margin is the residual p99 of the steps whose prediction lies near the target (half to twice
 it) when there are enough of them — step noise is roughly proportional to step time, so the global
@@ -39,12 +39,11 @@ from typing import Any
 
 import numpy as np
 
+from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, MIN_USEFUL_CHUNK
 from ledger.advice.fit import StepData, StepTimeFit, check_data, fit_step_time
 
 NOISY_FIT = 0.25  # cross-validated relative error above which the advice says the fit is poor
 MARGIN_MIN_STEPS = 50  # steps near the target needed to use their residual p99 as the margin
-DEFAULT_ARRIVAL_SHARE = 0.25
-MIN_USEFUL_CHUNK = 64  # prefill tokens per step below which the advice refuses (see the docstring)
 SETTING_MULTIPLE = 16  # engine settings are rounded down to a multiple of this (vLLM's KV block size)
 
 

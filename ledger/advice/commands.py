@@ -7,10 +7,9 @@ from typing import Annotated, Any
 
 import typer
 
-from ledger.advice.advisor import DEFAULT_ARRIVAL_SHARE, MIN_USEFUL_CHUNK
-from ledger.advice.query import DEFAULT_MAX_STEPS
+from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN_USEFUL_CHUNK
+from ledger.defaults import DEFAULT_LEDGER_URL
 
-DEFAULT_LEDGER_URL = "http://127.0.0.1:8321"
 LEDGER_ENV = ["CHUNKLEDGER_LEDGER_URL", "CHUNKLEDGER_URL"]
 
 
@@ -45,7 +44,8 @@ def _via_http(url: str, token: str | None, params: dict[str, Any]) -> tuple[int,
 def _via_db(url: str, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     import sqlalchemy as sa
 
-    from ledger.advice import AdviceError, chunk_size_advice
+    from ledger.advice.advisor import AdviceError
+    from ledger.advice.service import chunk_size_advice
 
     # Read-only: never migrate or write someone's ledger from a reporting tool.
     connect_args = {"read_only": True} if url.startswith("duckdb") else {}

@@ -14,10 +14,9 @@ import sqlalchemy as sa
 
 from ledger import schema
 from ledger.advice.advisor import AdviceError
+from ledger.advice.defaults import DEFAULT_MAX_STEPS
 from ledger.advice.fit import COLUMNS, StepData
 from ledger.analytics.window import BadTime, Window
-
-DEFAULT_MAX_STEPS = 100_000  # newest steps in the window that a fit reads
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,11 @@ from typing import Annotated, Any
 
 import typer
 
-from ledger.analytics.queries import METRICS
-from ledger.client import LedgerClient, LedgerError
+from ledger.defaults import DEFAULT_LEDGER_URL
 
 LedgerOpt = Annotated[
     str | None,
-    typer.Option("--ledger", help="ledger URL (env CHUNKLEDGER_LEDGER_URL; http://127.0.0.1:8321)"),
+    typer.Option("--ledger", help=f"ledger URL (env CHUNKLEDGER_LEDGER_URL; {DEFAULT_LEDGER_URL})"),
 ]
 TokenOpt = Annotated[str | None, typer.Option("--token", help="read token (env CHUNKLEDGER_READ_TOKEN)")]
 FormatOpt = Annotated[str, typer.Option("--format", help="table or json")]
@@ -26,6 +25,8 @@ SinceOpt = Annotated[str | None, typer.Option(help="unix seconds, ISO 8601, or a
 
 
 def _call(ledger: str | None, token: str | None, path: str, **params: Any) -> Any:
+    from ledger.client import LedgerClient, LedgerError  # httpx: loaded only when a command runs
+
     try:
         with LedgerClient(ledger, token) as c:
             return c.get(path, **params)
@@ -88,8 +89,7 @@ def attribution(
             f"{g['preemptions']} preemptions"
         )
         rows = []
-        for layer in METRICS:
-            s = g["layers"][layer]
+        for layer, s in g["layers"].items():  # in the API's order: entry, admission, ... (METRICS)
             rows.append(
                 [layer.removesuffix("_s"), s["n"], *(_ms(s[k]) for k in ("p50", "p90", "p99", "max", "mean"))]
             )

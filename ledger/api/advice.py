@@ -8,8 +8,9 @@ from typing import Any
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
-from ledger.advice import DEFAULT_ARRIVAL_SHARE, MIN_USEFUL_CHUNK, AdviceError, chunk_size_advice
-from ledger.advice.query import DEFAULT_MAX_STEPS
+from ledger.advice.advisor import AdviceError
+from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN_USEFUL_CHUNK
+from ledger.advice.service import chunk_size_advice
 from ledger.api.deps import StoreDep, require
 
 router = APIRouter(dependencies=[require("read")])

@@ -1,20 +1,27 @@
-"""``chunkledger loopcheck`` and ``chunkledger policy-check``: the rules offline."""
+"""``chunkledger loopcheck`` and ``chunkledger policy-check``: the rules offline.
+
+The rules and the policy model load when a command runs, not when the command line starts.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import httpx
 import typer
 
-from ledger.rules.loop import LoopHit, exact_detector, near_detector
-from ledger.rules.policy import Policy, PolicyError, load_policy_file, parse_policy
+if TYPE_CHECKING:
+    from ledger.rules.loop import LoopHit
+    from ledger.rules.policy import Policy
 
 
 def _live_policy(policy_file: str | None, ledger: str | None, token: str | None) -> Policy:
     """The policy to use: from the running ledger, else the policy file, else the defaults."""
+    import httpx
+
+    from ledger.rules.policy import Policy, PolicyError, load_policy_file, parse_policy
+
     if ledger:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
@@ -53,6 +60,9 @@ def loopcheck(
     and reason) and the exit status is then 1.
     """
     import os
+
+    from ledger.rules.loop import exact_detector, near_detector
+    from ledger.rules.policy import PolicyError
 
     policy = policy or os.environ.get("CHUNKLEDGER_POLICY_FILE") or None
     try:
@@ -112,6 +122,8 @@ def loopcheck(
 
 def policy_check(file: Annotated[str, typer.Argument(help="policy file (.toml, .yaml or .json)")]) -> None:
     """Validate a policy file; print the effective policy as JSON (exit 2 naming the bad field)."""
+    from ledger.rules.policy import PolicyError, load_policy_file
+
     try:
         p = load_policy_file(file)
     except PolicyError as exc:

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from engine_hooks import events as ev
-from ledger.advice import AdviceError, Advisor, FitError, chunk_size_advice, fit_step_time
-from ledger.advice.fit import StepData
+from ledger.advice.advisor import AdviceError, Advisor
+from ledger.advice.fit import FitError, StepData, fit_step_time
+from ledger.advice.service import chunk_size_advice
 from ledger.advice.synthetic import MEASURED_CPU, WORKED_EXAMPLE, LinearCost, MeasuredCost, synthetic_steps
 from ledger.store import Store, open_store
 

@@ -1,0 +1,138 @@
+"""``chunkledger export``: a window of the ledger as Parquet files, through the service or from the
+database. The export itself is ``ledger.export``; this module holds the command, so that the command
+line's help does not load pyarrow."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import typer
+
+from ledger.defaults import DEFAULT_LEDGER_URL
+
+if TYPE_CHECKING:
+    from ledger.export import Window as ExportWindow
+
+
+def export_command(
+    since: Annotated[
+        str, typer.Option("--since", help="window start: ISO 8601, unix seconds, or an age (1h, 2d)")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="directory for <table>.parquet and manifest.json")],
+    until: Annotated[str | None, typer.Option("--until", help="window end (default: open)")] = None,
+    format: Annotated[Literal["parquet"], typer.Option("--format", help="file format")] = "parquet",
+    db: Annotated[
+        str | None,
+        typer.Option("--db", help="read the database directly (the service must not hold a DuckDB file)"),
+    ] = None,
+    ledger: Annotated[
+        str,
+        typer.Option(
+            "--ledger",
+            envvar=["CHUNKLEDGER_LEDGER_URL", "CHUNKLEDGER_URL"],
+            help="running ledger to export through",
+        ),
+    ] = DEFAULT_LEDGER_URL,
+    token: Annotated[
+        str | None, typer.Option("--token", envvar="CHUNKLEDGER_READ_TOKEN", help="read token")
+    ] = None,
+    tables: Annotated[
+        str | None, typer.Option("--tables", help="comma-separated subset (default: every table)")
+    ] = None,
+) -> None:
+    """Write a window of the ledger (requests view, steps, events, sources) as Parquet files.
+
+    Through the running ledger by default; with --db, straight from the database.
+    """
+    from ledger.export import (
+        TABLES,
+        LedgerLocked,
+        Window,
+        direct_connection,
+        export_dir,
+        parse_time,
+        write_manifest,
+    )
+
+    try:
+        window = Window(
+            since=parse_time(since, field="--since"),
+            until=None if until is None else parse_time(until, field="--until"),
+        )
+        names = TABLES if tables is None else tuple(t.strip() for t in tables.split(",") if t.strip())
+        bad = [t for t in names if t not in TABLES]
+        if bad or not names:
+            raise ValueError(f"--tables: {', '.join(bad) or 'none'}; choose from {', '.join(TABLES)}")
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    assert format == "parquet"
+    out.mkdir(parents=True, exist_ok=True)
+    if db:
+        try:
+            with direct_connection(db) as (conn, dialect):
+                manifest = export_dir(conn, dialect, window, out, names)
+        except (LedgerLocked, FileNotFoundError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        import sqlalchemy as sa
+
+        manifest["source"] = sa.engine.make_url(db).render_as_string(hide_password=True)
+        write_manifest(out, manifest)
+    else:
+        manifest = _export_through(ledger, token, window, out, names)
+        write_manifest(out, manifest)
+    for table, info in manifest["tables"].items():
+        typer.echo(
+            f"{table:<9} {info['rows']:>10} rows {info['bytes'] / 1024:>10.1f} KiB  {out / info['file']}"
+        )
+
+
+def _export_through(
+    ledger: str, token: str | None, window: ExportWindow, out: Path, names: tuple[str, ...]
+) -> dict[str, Any]:
+    import httpx
+    import pyarrow.parquet as pq
+
+    from ledger.sql_cli import fail
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    params = {k: v for k, v in (("since", window.since), ("until", window.until)) if v is not None}
+    manifest: dict[str, Any] = {
+        "window": window.as_dict(),
+        "exported_at": time.time(),
+        "source": ledger,
+        "tables": {},
+    }
+    for table in names:
+        path = out / f"{table}.parquet"
+        tmp = path.with_name(path.name + ".part")
+        try:
+            with httpx.stream(
+                "GET",
+                f"{ledger.rstrip('/')}/v1/export/{table}.parquet",
+                params=params,
+                headers=headers,
+                timeout=3600.0,
+            ) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    fail(r)
+                with open(tmp, "wb") as f:
+                    for chunk in r.iter_bytes():
+                        f.write(chunk)
+            os.replace(tmp, path)
+        except httpx.HTTPError as exc:
+            typer.echo(
+                f"error: export of {table} from {ledger} failed ({exc}); is `chunkledger serve` running?",
+                err=True,
+            )
+            raise typer.Exit(2) from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        rows = pq.read_metadata(path).num_rows
+        manifest["tables"][table] = {"file": path.name, "rows": rows, "bytes": path.stat().st_size}
+    return manifest

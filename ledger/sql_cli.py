@@ -1,0 +1,144 @@
+"""``chunkledger query`` and ``chunkledger sql-reader``: read-only SQL from a terminal.
+
+The SQL itself runs in the ledger (``ledger.sql``); this module only holds the commands, so that the
+command line's help loads neither DuckDB nor SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, NoReturn
+
+import typer
+
+from ledger.defaults import DEFAULT_LEDGER_URL
+
+
+def query_command(
+    sql: Annotated[str, typer.Argument(help="one SELECT statement ('-' reads it from stdin)")],
+    format: Annotated[
+        Literal["table", "csv", "json"], typer.Option("--format", "-f", help="table, csv or json")
+    ] = "table",
+    ledger: Annotated[
+        str,
+        typer.Option(
+            "--ledger",
+            envvar=["CHUNKLEDGER_LEDGER_URL", "CHUNKLEDGER_URL"],
+            help="ledger base URL (env CHUNKLEDGER_LEDGER_URL)",
+        ),
+    ] = DEFAULT_LEDGER_URL,
+    token: Annotated[
+        str | None, typer.Option("--token", envvar="CHUNKLEDGER_READ_TOKEN", help="read token (env ...)")
+    ] = None,
+    max_rows: Annotated[
+        int | None, typer.Option("--max-rows", min=1, help="row cap (default: ledger's)")
+    ] = None,
+    param: Annotated[
+        list[str] | None, typer.Option("--param", "-p", help="name=value for a $name placeholder; repeatable")
+    ] = None,
+) -> None:
+    """Run read-only SQL on a running ledger (tables: requests, steps, events, sources)."""
+    import sys
+
+    from ledger.sql import parse_param, to_csv, to_table
+
+    if sql == "-":
+        sql = sys.stdin.read()
+    body: dict[str, Any] = {"sql": sql}
+    try:
+        if param:
+            body["params"] = dict(parse_param(p) for p in param)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if max_rows is not None:
+        body["max_rows"] = max_rows
+    answer = ledger_request("POST", ledger, "/v1/sql", token, json_body=body)
+    result = answer.json()
+    if format == "json":
+        typer.echo(json.dumps(result, ensure_ascii=False))
+    elif format == "csv":
+        typer.echo(to_csv(result["columns"], result["rows"]), nl=False)
+    else:
+        typer.echo(to_table(result["columns"], result["types"], result["rows"]))
+        n = len(result["rows"])
+        typer.echo(f"({n} row{'s' if n != 1 else ''}, {result['elapsed_s'] * 1000:.1f} ms)")
+    if result.get("truncated"):
+        if result.get("truncated_by") == "bytes":
+            why = "the ledger's answer size cap (CHUNKLEDGER_SQL_MAX_BYTES); select fewer or shorter columns"
+        else:
+            why = "raise --max-rows or narrow the query"
+        typer.echo(f"truncated at {len(result['rows'])} rows: {why}", err=True)
+
+
+def ledger_request(
+    method: str, ledger: str, path: str, token: str | None, *, json_body: Any = None, params: Any = None
+) -> Any:
+    """One call to the ledger's API; on an error status, the ledger's message on stderr and exit 1."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = ledger.rstrip("/") + path
+    try:
+        r = httpx.request(method, url, json=json_body, params=params, headers=headers, timeout=3600.0)
+    except httpx.HTTPError as exc:
+        typer.echo(
+            f"error: cannot reach the ledger at {ledger} ({exc}); is `chunkledger serve` running?", err=True
+        )
+        raise typer.Exit(2) from None
+    if r.status_code >= 400:
+        fail(r)
+    return r
+
+
+def fail(r: Any) -> NoReturn:
+    try:
+        payload = r.json()
+        detail = payload.get("detail", payload) if isinstance(payload, dict) else payload
+        reason = payload.get("reason") if isinstance(payload, dict) else None
+    except ValueError:
+        detail, reason = r.text.strip() or r.reason_phrase, None
+    if isinstance(detail, list):  # FastAPI validation errors: "field: message" each
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', [])[1:])}: {e.get('msg')}"
+            if isinstance(e, dict)
+            else str(e)
+            for e in detail
+        )
+    label = f"{r.status_code} {reason}" if reason else str(r.status_code)
+    hint = " (pass --token or set CHUNKLEDGER_READ_TOKEN)" if r.status_code in (401, 403) else ""
+    typer.echo(f"error ({label}): {detail}{hint}", err=True)
+    raise typer.Exit(1)
+
+
+def sql_reader_command(
+    db: Annotated[
+        str | None,
+        typer.Option("--db", help="the ledger's PostgreSQL URL, as its owner (env CHUNKLEDGER_DB_URL)"),
+    ] = None,
+    role: Annotated[str, typer.Option("--role", help="name of the read-only role")] = "chunkledger_reader",
+    password: Annotated[
+        str | None, typer.Option("--password", envvar="CHUNKLEDGER_SQL_READER_PASSWORD", help="its password")
+    ] = None,
+) -> None:
+    """PostgreSQL: create or update the role /v1/sql runs as (SELECT on the ledger tables, nothing else)."""
+    import os
+
+    import sqlalchemy as sa
+
+    from ledger.sql import _first_line, grant_reader_role, reader_url
+
+    url = db or os.environ.get("CHUNKLEDGER_DB_URL", "")
+    if not url.startswith("postgresql"):
+        typer.echo("error: --db must be the ledger's postgresql URL (DuckDB needs no reader role)", err=True)
+        raise typer.Exit(2)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        grant_reader_role(engine, role, password)
+    except (ValueError, sa.exc.SQLAlchemyError) as exc:
+        typer.echo(f"error: {_first_line(getattr(exc, 'orig', None) or exc)}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        engine.dispose()
+    shown = reader_url(url, role, "***" if password else None)
+    typer.echo(f"role {role} may now SELECT the ledger tables; set CHUNKLEDGER_SQL_READER_URL={shown}")
