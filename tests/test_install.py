@@ -1,0 +1,323 @@
+"""Every documented install works: the package as a wheel, in a fresh virtual environment per extra.
+
+The docs tell a user to install ``chunkledger`` (the ledger), ``chunkledger[postgres]``,
+``chunkledger[dashboard]`` and ``chunkledger[vllm]``. Each fresh environment gets only what that install
+brings (from the wheel built here, so package data is checked too), then runs what a user runs first:
+``chunkledger --help``, ``chunkledger serve`` until ``/readyz`` answers, and for the dashboard extra
+``chunkledger dashboard`` until Streamlit's health check answers. A command that needs an extra the
+install lacks must say which one, not crash. The vLLM extra is the test environment itself (a fresh one
+would download several GB of torch). Statically, every third-party import in the packages is a declared
+dependency, and the command line loads none of the heavy libraries, so that ``--help`` is quick.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+import venv
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("ledger", "engine_hooks", "dashboard", "migrations")
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _dist_name(requirement: str) -> str:
+    name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement)
+    assert name, requirement
+    return re.sub(r"[-_.]+", "-", name[0]).lower()
+
+
+def _declared() -> dict[str, set[str]]:
+    """Distribution names per install: "" (base) and each extra (with the base, and nested extras)."""
+    base = {_dist_name(r) for r in PYPROJECT["dependencies"]}
+    out = {"": base}
+    for extra, reqs in PYPROJECT["optional-dependencies"].items():
+        out[extra] = base | {_dist_name(r) for r in reqs if not r.startswith("chunkledger")}
+    return out
+
+
+def _third_party_imports() -> dict[str, set[str]]:
+    """Top-level module -> the files importing it, over the installed packages' sources."""
+    found: dict[str, set[str]] = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    top = name.split(".")[0]
+                    if top not in sys.stdlib_module_names and top not in PACKAGES:
+                        found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+# Where a module may import a package that only an extra brings (everything else: the base install).
+EXTRA_ZONES = {
+    "postgres": ("ledger/sql.py", "ledger/store/postgres.py"),
+    "dashboard": ("dashboard/",),
+    "vllm": ("engine_hooks/vllm/", "ledger/advice/profile.py"),
+}
+
+
+def test_every_third_party_import_is_declared_by_the_install_that_runs_it():
+    declared = _declared()
+    by_module = md.packages_distributions()
+    missing = []
+    for module, files in sorted(_third_party_imports().items()):
+        dists = {_dist_name(d) for d in by_module.get(module, [module])}
+        for f in sorted(files):
+            extras = [e for e, zone in EXTRA_ZONES.items() if f.startswith(zone)]
+            if not any(dists & declared[e] for e in ["", *extras]):
+                missing.append(
+                    f"{f} imports {module} ({', '.join(sorted(dists))}), declared by none of: "
+                    f"base{''.join(', [' + e + ']' for e in extras)}"
+                )
+    assert not missing, "\n".join(missing)
+
+
+HEAVY = (
+    "numpy",
+    "pandas",
+    "pyarrow",
+    "duckdb",
+    "sqlalchemy",
+    "pydantic_settings",
+    "fastapi",
+    "httpx",
+    "uvicorn",
+    "streamlit",
+    "torch",
+    "vllm",
+)
+
+
+def test_the_command_line_loads_no_heavy_library_so_help_is_quick():
+    code = f"import sys, ledger.cli; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "", f"`import ledger.cli` loads {out.stdout.strip()}: import them lazily"
+
+
+# -- fresh environments -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (found,) = out.glob("chunkledger-*.whl")
+    return found
+
+
+class Install:
+    """A fresh virtual environment holding ``chunkledger[extra]`` from the wheel."""
+
+    def __init__(self, root: Path, wheel: Path, extra: str) -> None:
+        self.root = root
+        self.bin = root / "bin"
+        venv.EnvBuilder(with_pip=True, clear=True).create(root)
+        spec = f"{wheel}[{extra}]" if extra else str(wheel)
+        r = subprocess.run(
+            [str(self.bin / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", spec],
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 0, f"pip install {spec} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("CHUNKLEDGER_", "VIRTUAL_ENV"))}
+        self.env["PATH"] = f"{self.bin}:{os.environ.get('PATH', '')}"
+
+    def run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        # From the environment's folder, never the repository: the checkout must not be importable.
+        return subprocess.run(
+            [str(self.bin / "chunkledger"), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=self.root,
+            env=self.env,
+        )
+
+    def serve(
+        self, log: Path, args: list[str], ready_url: str, timeout: float = 60
+    ) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [str(self.bin / "chunkledger"), *args],
+            stdout=log.open("ab"),
+            stderr=subprocess.STDOUT,
+            cwd=self.root,
+            env=self.env,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(
+                    f"chunkledger {args[0]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+                )
+            try:
+                if httpx.get(ready_url, timeout=1).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        _stop(proc)
+        pytest.fail(f"{ready_url} did not answer 200 in {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def installs(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Install]]:
+    made: dict[str, Install] = {}
+
+    class Lazy(dict[str, Install]):
+        def __missing__(self, extra: str) -> Install:
+            made[extra] = Install(tmp_path_factory.mktemp(f"venv-{extra or 'base'}"), wheel, extra)
+            self[extra] = made[extra]
+            return made[extra]
+
+    yield Lazy()
+
+
+COMMANDS = (
+    "serve",
+    "migrate",
+    "simulate",
+    "gateway",
+    "advise",
+    "profile",
+    "requests",
+    "why",
+    "query",
+    "export",
+    "loopcheck",
+    "dashboard",
+)
+
+
+def _serve_ledger(install: Install, db_url: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = install.serve(log, ["serve", "--db", db_url, "--port", str(port)], f"{url}/readyz")
+    return proc, url
+
+
+@pytest.mark.slow
+def test_the_base_install_runs_the_ledger_on_duckdb_and_names_the_extra_other_commands_need(
+    installs: dict[str, Install], tmp_path: Path
+):
+    base = installs[""]
+    r = base.run("--help")
+    assert r.returncode == 0, r.stderr
+    for command in COMMANDS:
+        assert re.search(rf"\b{command}\b", r.stdout), f"--help does not list {command}"
+    proc, url = _serve_ledger(base, f"duckdb:///{tmp_path / 'ledger.duckdb'}", tmp_path / "serve.log")
+    try:
+        ready = httpx.get(f"{url}/readyz").json()
+        assert ready["status"] == "ready", ready
+        assert httpx.get(f"{url}/v1/requests").status_code == 200
+        advice = httpx.get(f"{url}/v1/advice/chunk-size", params={"itl_target_ms": 50})
+        assert advice.status_code < 500, advice.text  # numpy is there: no steps yet is a 4xx, not a crash
+    finally:
+        _stop(proc)
+    r = base.run("serve", "--db", "postgresql+psycopg://root@127.0.0.1:5432/test")
+    assert r.returncode == 2 and "chunkledger[postgres]" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    r = base.run("dashboard")
+    assert r.returncode == 2 and "[dashboard]" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_the_postgres_install_runs_the_ledger_on_postgresql(
+    installs: dict[str, Install], pg_database: str, tmp_path: Path
+):
+    pg = installs["postgres"]
+    assert pg.run("--help").returncode == 0
+    r = pg.run("migrate", "--db", pg_database)
+    assert r.returncode == 0, r.stderr
+    proc, url = _serve_ledger(pg, pg_database, tmp_path / "serve.log")
+    try:
+        assert httpx.get(f"{url}/readyz").json()["status"] == "ready"
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.slow
+def test_the_dashboard_install_serves_the_dashboard_over_a_ledger(
+    installs: dict[str, Install], tmp_path: Path
+):
+    dash = installs["dashboard"]
+    assert dash.run("--help").returncode == 0
+    ledger, url = _serve_ledger(dash, f"duckdb:///{tmp_path / 'ledger.duckdb'}", tmp_path / "serve.log")
+    port = free_port()
+    try:
+        board = dash.serve(
+            tmp_path / "dashboard.log",
+            ["dashboard", "--ledger", url, "--port", str(port), "--refresh-s", "0"],
+            f"http://127.0.0.1:{port}/_stcore/health",
+            timeout=90,
+        )
+        try:
+            page = httpx.get(f"http://127.0.0.1:{port}/")
+            assert page.status_code == 200 and "<html" in page.text.lower()
+        finally:
+            _stop(board)
+    finally:
+        _stop(ledger)
+
+
+@pytest.mark.vllm
+def test_the_vllm_install_loads_the_plugin_and_the_profile_command():
+    pytest.importorskip("vllm", reason="the vllm extra is not installed")
+    code = (
+        "import vllm, engine_hooks.vllm as p; "
+        "from vllm.v1.core.sched.scheduler import Scheduler; "
+        "assert issubclass(p.LedgerScheduler, Scheduler)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "ledger.cli", "profile", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and "vLLM" in r.stdout, r.stderr
