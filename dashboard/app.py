@@ -5,11 +5,24 @@ Reads only through the ledger's HTTP API (``CHUNKLEDGER_LEDGER_URL``, ``CHUNKLED
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import streamlit as st
 
 from dashboard import ui
 
-st.set_page_config(page_title="chunkledger", page_icon=":bar_chart:", layout="wide")
+FAVICON = Path(__file__).with_name("favicon.png")
+TITLE = "chunkledger"
+
+# No Deploy button or developer menu for operators: client.toolbarMode = "viewer", from
+# dashboard/.streamlit/config.toml (read next to this script, from any working directory) and from
+# ``chunkledger dashboard``'s command line. (st.set_option here would come too late for the first page.)
+st.set_page_config(
+    page_title=TITLE,
+    page_icon=str(FAVICON) if FAVICON.exists() else ":bar_chart:",
+    layout="wide",
+    menu_items={"About": "chunkledger: a request ledger for vLLM with chunked prefill."},
+)
 
 PAGES = [
     st.Page("views/overview.py", title="Overview", url_path="overview", default=True),

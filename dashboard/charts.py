@@ -1,4 +1,15 @@
-"""Altair charts: units on every axis, tails drawn next to (never instead of) means."""
+"""Altair charts: units on every axis, tails drawn next to (never instead of) means.
+
+Sizes: every chart is drawn with ``autosize: fit-x`` (``sized``): its width follows the page and its
+``height`` is the plot's own height, with the title, axes and legends added around it. Streamlit's
+default (``fit`` in both directions) makes ``height`` the whole chart's: a chart title, an x axis and a
+y-axis title longer than what was left of the plot squeezed the plot to nothing (the KV page's
+preemption bars were drawn 0 px tall, and its axis titles ran off the chart). Axis titles are short
+(what and unit; the chart title says the rest) so that they fit along their axis.
+
+Time-bucketed bars span their bucket (``time`` to ``time_end``) on an x scale that covers the whole
+data span: one bucket is a bar as wide as its bucket, not a sliver alone in the middle.
+"""
 
 from __future__ import annotations
 
@@ -47,8 +58,70 @@ GANTT_COLORS = alt.Scale(
         "#000000",
     ],
 )
-TIME_AXIS = alt.X("time:T", title="time (UTC)", axis=alt.Axis(format="%H:%M:%S"))
+# labelFlush: the first and last time labels stay inside the plot (the last one was cut at the edge)
+TIME_AXIS = alt.X("time:T", title="time (UTC)", axis=alt.Axis(format="%H:%M:%S", labelFlush=True))
 P99_SELECTION = "p99_point"
+AUTOSIZE = alt.AutoSizeParams(type="fit-x", contains="padding")
+# room inside the chart's edges: glyphs of the outermost labels and titles are not clipped
+PADDING = {"left": 6, "top": 6, "right": 14, "bottom": 6}
+
+Sizeable = Any  # an Altair chart: Chart, LayerChart, ...
+
+
+def sized(chart: Sizeable, height: int | alt.Step, title: str | None = None) -> Any:
+    """``chart`` with a plot ``height`` that titles and axes do not eat into (see the module doc)."""
+    props: dict[str, Any] = {"height": height, "autosize": AUTOSIZE, "padding": PADDING}
+    if title is not None:
+        props["title"] = title
+    return chart.properties(**props)
+
+
+def time_x(domain: tuple[float, float] | None = None) -> alt.X:
+    """The time axis (UTC); ``domain`` (unix seconds) fixes its extent, e.g. to the buckets' span."""
+    if domain is None:
+        return TIME_AXIS
+    lo, hi = (pd.to_datetime(t, unit="s", utc=True).isoformat() for t in domain)
+    return alt.X(
+        "time:T", title="time (UTC)", axis=alt.Axis(format="%H:%M:%S"), scale=alt.Scale(domain=[lo, hi])
+    )
+
+
+def bucket_bars(
+    df: pd.DataFrame,
+    field: str,
+    y_title: str,
+    title: str,
+    *,
+    domain: tuple[float, float] | None = None,
+    color: str | alt.Color = "#4c78a8",
+    height: int = 180,
+    tooltip: list[Any] | None = None,
+) -> Any:
+    """One bar per time bucket from ``time`` to ``time_end``, from 0 up to ``field`` (the series of a
+    ``color`` field stack, in the frame's order). A bar spanning x and x2 gets no baseline from
+    Vega-Lite (it would be drawn as a thin line at its value), so the bars' bottoms and tops are
+    computed here."""
+    df = df.copy()
+    df["_top"] = df.groupby("time")[field].cumsum() if len(df) else df[field]
+    df["_bottom"] = df["_top"] - df[field]
+    enc: dict[str, Any] = {
+        "x": time_x(domain),
+        "x2": "time_end:T",
+        "y": alt.Y("_top:Q", title=y_title, scale=alt.Scale(zero=True)),
+        "y2": "_bottom:Q",
+        "tooltip": tooltip
+        or [
+            alt.Tooltip("time:T", title="from (UTC)", format="%H:%M:%S"),
+            alt.Tooltip("time_end:T", title="to (UTC)", format="%H:%M:%S"),
+            alt.Tooltip(f"{field}:Q", format=",.2f"),
+        ],
+    }
+    mark: dict[str, Any] = {"stroke": "white", "strokeWidth": 0.5}
+    if isinstance(color, str):
+        mark["color"] = color
+    else:
+        enc["color"] = color
+    return sized(alt.Chart(df).mark_bar(**mark).encode(**enc), height, title)
 
 
 def latency_tails(
@@ -57,7 +130,7 @@ def latency_tails(
     """p50/p90/p99 (and max, dashed) of one latency over time, in ms; p99 points are clickable."""
     base = alt.Chart(df).encode(
         x=TIME_AXIS,
-        y=alt.Y("ms:Q", title=f"{title} (ms)", scale=alt.Scale(zero=True)),
+        y=alt.Y("ms:Q", title="latency (ms)", scale=alt.Scale(zero=True)),
         color=alt.Color("tail:N", scale=TAIL_COLORS, title="tail"),
         tooltip=[
             alt.Tooltip("time:T", title="bucket (UTC)", format="%H:%M:%S"),
@@ -73,16 +146,16 @@ def latency_tails(
     if selectable:
         sel = alt.selection_point(name=P99_SELECTION, fields=["bucket_ts", "metric"], on="click")
         points = points.add_params(sel)
-    return alt.layer(lines, points).properties(height=220, title=f"{title}: p50 / p90 / p99 / max")
+    return sized(alt.layer(lines, points), 220, f"{title}: p50 / p90 / p99 / max")
 
 
 def itl_tails(df: pd.DataFrame) -> alt.Chart:
-    return (
+    return sized(
         alt.Chart(df)
         .mark_line(point=True)
         .encode(
             x=TIME_AXIS,
-            y=alt.Y("ms:Q", title="inter-token latency (ms)"),
+            y=alt.Y("ms:Q", title="ITL (ms)"),
             color=alt.Color("tail:N", scale=TAIL_COLORS, title="tail"),
             strokeDash=alt.StrokeDash("tail:N", scale=TAIL_DASH, legend=None),
             tooltip=[
@@ -91,19 +164,20 @@ def itl_tails(df: pd.DataFrame) -> alt.Chart:
                 alt.Tooltip("ms:Q", format=",.1f"),
                 "n:Q",
             ],
-        )
-        .properties(height=220, title="decode ITL: p50 / p90 / p99 / max")
+        ),
+        220,
+        "decode ITL: p50 / p90 / p99 / max",
     )
 
 
 def layers_stacked(df: pd.DataFrame) -> alt.Chart:
     """Mean of each layer, stacked: the stack's height is mean e2e (the layers add up exactly)."""
-    return (
+    return sized(
         alt.Chart(df)
         .mark_bar(size=bar_px(df))
         .encode(
             x=TIME_AXIS,
-            y=alt.Y("mean_ms:Q", title="mean time per request (ms), stacked", stack="zero"),
+            y=alt.Y("mean_ms:Q", title="mean (ms)", stack="zero"),
             color=alt.Color("layer:N", scale=LAYER_COLORS, title="layer", sort=list(LAYER_COLORS.domain)),
             order=alt.Order("order:Q"),
             tooltip=[
@@ -113,26 +187,28 @@ def layers_stacked(df: pd.DataFrame) -> alt.Chart:
                 alt.Tooltip("share:Q", title="share of e2e", format=".0%"),
                 alt.Tooltip("p99_ms:Q", title="p99 ms", format=",.1f"),
             ],
-        )
-        .properties(height=240, title="layer attribution: mean per layer, stacked")
+        ),
+        240,
+        "layer attribution: mean per request, stacked",
     )
 
 
 def layers_p99(df: pd.DataFrame) -> alt.Chart:
-    return (
+    return sized(
         alt.Chart(df)
         .mark_line(point=True)
         .encode(
             x=TIME_AXIS,
-            y=alt.Y("p99_ms:Q", title="p99 per layer (ms)"),
+            y=alt.Y("p99_ms:Q", title="p99 (ms)"),
             color=alt.Color("layer:N", scale=LAYER_COLORS, title="layer", sort=list(LAYER_COLORS.domain)),
             tooltip=[
                 alt.Tooltip("time:T", format="%H:%M:%S"),
                 "layer:N",
                 alt.Tooltip("p99_ms:Q", format=",.1f"),
             ],
-        )
-        .properties(height=240, title="layer attribution: p99 per layer")
+        ),
+        240,
+        "layer attribution: p99 per layer",
     )
 
 
@@ -141,17 +217,11 @@ def bar_px(df: pd.DataFrame, width_px: int = 420) -> float:
     return max(2.0, min(40.0, 0.8 * width_px / max(1, df["time"].nunique())))
 
 
-def rate(df: pd.DataFrame, field: str, title: str, unit: str) -> alt.Chart:
-    return (
-        alt.Chart(df)
-        .mark_bar(size=bar_px(df))
-        .encode(
-            x=TIME_AXIS,
-            y=alt.Y(f"{field}:Q", title=f"{title} ({unit})"),
-            tooltip=[alt.Tooltip("time:T", format="%H:%M:%S"), alt.Tooltip(f"{field}:Q", format=",.2f")],
-        )
-        .properties(height=180, title=title)
-    )
+def rate(
+    df: pd.DataFrame, field: str, title: str, unit: str, domain: tuple[float, float] | None = None
+) -> alt.Chart:
+    """A per-second rate per time bucket (``df`` has ``time`` and ``time_end``), in ``unit``."""
+    return bucket_bars(df, field, unit, title, domain=domain)
 
 
 def gantt(df: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
@@ -172,7 +242,7 @@ def gantt(df: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
         .transform_filter(alt.datum.end_s > alt.datum.start_s)
         .mark_bar()
         .encode(
-            x=alt.X("start_s:Q", title="seconds since arrival (s)"),
+            x=alt.X("start_s:Q", title="since arrival (s)"),
             x2="end_s:Q",
             y=y,
             color=color,
@@ -183,9 +253,9 @@ def gantt(df: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
         alt.Chart(df)
         .transform_filter(alt.datum.end_s <= alt.datum.start_s)
         .mark_tick(thickness=2)
-        .encode(x=alt.X("start_s:Q", title="seconds since arrival (s)"), y=y, color=color, tooltip=tooltip)
+        .encode(x=alt.X("start_s:Q", title="since arrival (s)"), y=y, color=color, tooltip=tooltip)
     )
-    return alt.layer(bars, ticks).properties(height=alt.Step(34))
+    return sized(alt.layer(bars, ticks), alt.Step(34))
 
 
 def bars(df: pd.DataFrame, x: str, y: str, x_title: str, y_title: str, color: str | None = None) -> alt.Chart:
@@ -196,7 +266,7 @@ def bars(df: pd.DataFrame, x: str, y: str, x_title: str, y_title: str, color: st
     }
     if color:
         enc["color"] = alt.Color(f"{color}:N")
-    return alt.Chart(df).mark_bar().encode(**enc).properties(height=max(120, 18 * len(df)))
+    return sized(alt.Chart(df).mark_bar().encode(**enc), max(120, 18 * len(df)))
 
 
 def step_fit(points: pd.DataFrame, curves: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
@@ -205,10 +275,10 @@ def step_fit(points: pd.DataFrame, curves: pd.DataFrame) -> alt.LayerChart | alt
         alt.Chart(points)
         .mark_circle(opacity=0.45, size=22)
         .encode(
-            x=alt.X("prefill_tokens:Q", title="prefill tokens in the step (tokens)"),
+            x=alt.X("prefill_tokens:Q", title="step prefill (tokens)"),
             y=alt.Y("duration_ms:Q", title="step time (ms)"),
             color=alt.Color(
-                "max_prefill_depth:Q", title="deepest chunk start (tokens)", scale=alt.Scale(scheme="viridis")
+                "max_prefill_depth:Q", title="chunk depth (tokens)", scale=alt.Scale(scheme="viridis")
             ),
             tooltip=[
                 "prefill_tokens:Q",
@@ -230,19 +300,18 @@ def step_fit(points: pd.DataFrame, curves: pd.DataFrame) -> alt.LayerChart | alt
             tooltip=["curve:N", "prefill_tokens:Q", alt.Tooltip("predicted_ms:Q", format=",.1f")],
         )
     )
-    return alt.layer(dots, lines).properties(
-        height=320, title="step time: observed (points) vs fitted (lines)"
-    )
+    return sized(alt.layer(dots, lines), 320, "step time: observed (points) vs fitted (lines)")
 
 
 def residuals(points: pd.DataFrame) -> alt.Chart:
-    return (
+    return sized(
         alt.Chart(points)
         .mark_circle(opacity=0.45, size=18)
         .encode(
-            x=alt.X("predicted_ms:Q", title="predicted step time (ms)"),
-            y=alt.Y("duration_ms:Q", title="observed step time (ms)"),
+            x=alt.X("predicted_ms:Q", title="predicted (ms)"),
+            y=alt.Y("duration_ms:Q", title="observed (ms)"),
             tooltip=["prefill_tokens:Q", "max_prefill_depth:Q", "num_decode_reqs:Q"],
-        )
-        .properties(height=320, title="observed vs predicted (ms)")
+        ),
+        320,
+        "step time: observed vs predicted",
     )

@@ -28,6 +28,9 @@ def streamlit_command(port: int, host: str) -> list[str]:
         "true",
         "--browser.gatherUsageStats",
         "false",
+        # no Deploy button or developer menu for the operators (dashboard/app.py sets it too)
+        "--client.toolbarMode",
+        "viewer",
     ]
 
 
@@ -50,7 +53,11 @@ def dashboard(
     try:
         import streamlit  # noqa: F401
     except ImportError:
-        typer.echo("error: the dashboard needs its extra: pip install -e '.[dashboard]'", err=True)
+        typer.echo(
+            "error: the dashboard needs its extra: pip install 'chunkledger[dashboard]' "
+            "(from a checkout: pip install -e '.[dashboard]')",
+            err=True,
+        )
         raise typer.Exit(2) from None
     if not ledger.startswith(("http://", "https://")):
         typer.echo(f"error: --ledger: {ledger!r} is not an http(s) URL", err=True)

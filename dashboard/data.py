@@ -344,17 +344,37 @@ def layers_long(groups: list[dict[str, Any]]) -> pd.DataFrame:
 
 
 def throughput(groups: list[dict[str, Any]], bucket_s: float) -> pd.DataFrame:
-    """Finished requests per second and output tokens per second, per bucket."""
+    """Finished requests per second, output tokens per second and preemptions (of the requests that
+    finished in it), per bucket; ``time`` .. ``time_end`` is the bucket."""
     rows = [
         {
             "time": pd.to_datetime(g["bucket_ts"], unit="s", utc=True),
+            "time_end": pd.to_datetime(g["bucket_ts"] + bucket_s, unit="s", utc=True),
+            "bucket_ts": float(g["bucket_ts"]),
+            "requests": int(g["requests"]),
             "requests_per_s": g["requests"] / bucket_s,
             "output_tokens_per_s": (g.get("output_tokens") or 0) / bucket_s,
-            "preemptions": g.get("preemptions") or 0,
+            "preemptions": int(g.get("preemptions") or 0),
         }
         for g in groups
     ]
-    return pd.DataFrame(rows, columns=["time", "requests_per_s", "output_tokens_per_s", "preemptions"])
+    cols = [
+        "time",
+        "time_end",
+        "bucket_ts",
+        "requests",
+        "requests_per_s",
+        "output_tokens_per_s",
+        "preemptions",
+    ]
+    return pd.DataFrame(rows, columns=cols)
+
+
+def bucket_domain(lo: float, hi: float, bucket_s: float) -> tuple[float, float]:
+    """The x extent of time-bucketed bars over the data span ``lo``..``hi``: whole buckets."""
+    start = math.floor(lo / bucket_s) * bucket_s
+    end = max(start + bucket_s, math.ceil(hi / bucket_s) * bucket_s)
+    return start, end
 
 
 def timeline(

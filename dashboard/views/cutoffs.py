@@ -9,7 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, ui
-from dashboard.data import Unavailable, bucket_for
+from dashboard.data import Unavailable, bucket_domain, bucket_for
 from ledger.client import LedgerError
 
 
@@ -39,19 +39,28 @@ def show_decisions(ctx: ui.Context, df: pd.DataFrame) -> None:
     c = st.columns(min(4, len(by_rule)) or 1)
     for i, row in by_rule.head(4).iterrows():
         c[int(i) % len(c)].metric(f"{row['rule']} → {row['action']}", f"{row['decisions']:,}")
-    bucket_s = bucket_for(max(time.time(), df["decided_ts"].max()) - df["decided_ts"].min())
-    df["time"] = pd.to_datetime((df["decided_ts"] // bucket_s) * bucket_s, unit="s", utc=True)
-    over = df.groupby(["time", "rule"]).size().reset_index(name="decisions")
+    now = time.time()
+    lo, hi = float(df["decided_ts"].min()), max(now, float(df["decided_ts"].max()))
+    bucket_s = bucket_for(hi - lo)
+    df["bucket_ts"] = (df["decided_ts"] // bucket_s) * bucket_s
+    over = df.groupby(["bucket_ts", "rule"]).size().reset_index(name="decisions")
+    over["time"] = pd.to_datetime(over["bucket_ts"], unit="s", utc=True)
+    over["time_end"] = pd.to_datetime(over["bucket_ts"] + bucket_s, unit="s", utc=True)
     st.altair_chart(
-        alt.Chart(over)
-        .mark_bar()
-        .encode(
-            x=charts.TIME_AXIS,
-            y=alt.Y("decisions:Q", title=f"decisions per {int(bucket_s)} s (count)"),
+        charts.bucket_bars(
+            over,
+            "decisions",
+            "decisions",
+            f"cutoff decisions per {int(bucket_s)} s, by rule",
+            domain=bucket_domain(lo, hi, bucket_s),
             color=alt.Color("rule:N", title="rule"),
-            tooltip=["time:T", "rule:N", "decisions:Q"],
+            height=200,
+            tooltip=[
+                alt.Tooltip("time:T", title="from (UTC)", format="%H:%M:%S"),
+                "rule:N",
+                alt.Tooltip("decisions:Q", title="decisions"),
+            ],
         )
-        .properties(height=200, title="cutoff decisions over time, by rule")
     )
     applied = df["applied_ts"].astype(float) - df["decided_ts"]
     st.caption(
@@ -60,7 +69,7 @@ def show_decisions(ctx: ui.Context, df: pd.DataFrame) -> None:
         if applied.count()
         else "no decision confirmed as applied yet"
     )
-    log = df.drop(columns=["time"]).copy()
+    log = df.drop(columns=["bucket_ts"]).copy()
     for col in (
         "decided_ts",
         "delivered_ts",

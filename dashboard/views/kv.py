@@ -9,8 +9,10 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, ui
-from dashboard.data import Unavailable, bucket_for, data_span, throughput
+from dashboard.data import Unavailable, bucket_domain, bucket_for, data_span, throughput
 from ledger.client import LedgerError
+
+PREEMPTED_ROWS = 50  # the preempted requests listed under the chart, most preempted first
 
 
 def stall_ranking(ctx: ui.Context) -> None:
@@ -77,29 +79,44 @@ def idle_block_seconds(ctx: ui.Context) -> None:
         )
 
 
-def preemptions(ctx: ui.Context) -> None:
-    st.subheader("Preemptions")
-    now = time.time()
+def preemption_buckets(ctx: ui.Context, now: float) -> tuple[pd.DataFrame, float, tuple[float, float]]:
+    """Preemptions of the requests that finished in the window, per bucket of their end time (the
+    ledger's attribution), the bucket width, and the x extent: whole buckets over the data span."""
     lo, hi = data_span(ctx.data, ctx.since, ctx.since_s, now)
     bucket_s = bucket_for(hi - lo)
+    groups = ctx.data.attribution(ctx.since, bucket_s=bucket_s).get("groups", [])
+    tp = throughput(groups, bucket_s)
+    return tp, bucket_s, bucket_domain(lo, hi, bucket_s)
+
+
+def preemptions(ctx: ui.Context) -> None:
+    st.subheader("Preemptions")
     with ui.ledger_errors("attribution"):
-        groups = ctx.data.attribution(ctx.since, bucket_s=bucket_s).get("groups", [])
-        tp = throughput(groups, bucket_s)
-        if tp.empty or not tp["preemptions"].any():
+        tp, bucket_s, span = preemption_buckets(ctx, time.time())
+        total = int(tp["preemptions"].sum()) if not tp.empty else 0
+        if not total:
             st.caption("no preemptions among the requests that finished in this window")
         else:
             st.altair_chart(
-                alt.Chart(tp)
-                .mark_bar(color="#d62728")
-                .encode(
-                    x=charts.TIME_AXIS,
-                    y=alt.Y("preemptions:Q", title=f"preemptions per {int(bucket_s)} s (count)"),
-                )
-                .properties(
-                    height=180, title=f"preemptions of finished requests per {int(bucket_s)} s, by end time"
+                charts.bucket_bars(
+                    tp,
+                    "preemptions",
+                    "preemptions",
+                    f"preemptions per {int(bucket_s)} s (finished requests, by end time)",
+                    domain=span,
+                    color="#d62728",
+                    tooltip=[
+                        alt.Tooltip("time:T", title="from (UTC)", format="%H:%M:%S"),
+                        alt.Tooltip("time_end:T", title="to (UTC)", format="%H:%M:%S"),
+                        alt.Tooltip("preemptions:Q", title="preemptions"),
+                        alt.Tooltip("requests:Q", title="finished requests"),
+                    ],
                 )
             )
-        out = ctx.data.requests(since=ctx.since, sort="preemptions", order="desc", limit=20)
+            st.caption(f"{total:,} preemptions of requests that finished in this window")
+        out = ctx.data.requests(
+            since=ctx.since, live=False, sort="preemptions", order="desc", limit=PREEMPTED_ROWS
+        )
         df = pd.DataFrame(out["rows"])
         if not df.empty and (df["preemptions"].fillna(0) > 0).any():
             df = df[df["preemptions"].fillna(0) > 0][
@@ -109,6 +126,7 @@ def preemptions(ctx: ui.Context) -> None:
             st.dataframe(
                 df,
                 hide_index=True,
+                key="preempted_requests",
                 column_config={"open": st.column_config.LinkColumn("open", display_text="open")},
             )
 
@@ -135,24 +153,30 @@ def kv_usage(ctx: ui.Context) -> None:
     df["kv_usage_pct"] = df["kv_usage_max"].astype(float) * 100
     left, right = st.columns(2)
     left.altair_chart(
-        alt.Chart(df)
-        .mark_line()
-        .encode(
-            x=charts.TIME_AXIS,
-            y=alt.Y("kv_usage_pct:Q", title="KV cache in use, max per 5 s (%)"),
-            color="source_id:N",
+        charts.sized(
+            alt.Chart(df)
+            .mark_line(point=True)
+            .encode(
+                x=charts.TIME_AXIS,
+                y=alt.Y("kv_usage_pct:Q", title="KV in use (%)", scale=alt.Scale(domain=[0, 100])),
+                color=alt.Color("source_id:N", title="engine", legend=alt.Legend(orient="bottom")),
+            ),
+            220,
+            "KV cache in use, max per 5 s",
         )
-        .properties(height=220)
     )
     right.altair_chart(
-        alt.Chart(df)
-        .mark_line()
-        .encode(
-            x=charts.TIME_AXIS,
-            y=alt.Y("waiting:Q", title="waiting requests, max per 5 s (count)"),
-            color="source_id:N",
+        charts.sized(
+            alt.Chart(df)
+            .mark_line(point=True)
+            .encode(
+                x=charts.TIME_AXIS,
+                y=alt.Y("waiting:Q", title="waiting (requests)"),
+                color=alt.Color("source_id:N", title="engine", legend=alt.Legend(orient="bottom")),
+            ),
+            220,
+            "waiting requests, max per 5 s",
         )
-        .properties(height=220)
     )
 
 

@@ -17,6 +17,7 @@ from dashboard.data import (
     LATENCIES,
     TAILS,
     LedgerData,
+    bucket_domain,
     bucket_for,
     data_span,
     layers_long,
@@ -175,8 +176,9 @@ def body() -> None:
             st.subheader("Throughput")
             tp = throughput(groups, bucket_s)
             left, right = st.columns(2)
-            left.altair_chart(charts.rate(tp, "requests_per_s", "finished requests", "requests/s"))
-            right.altair_chart(charts.rate(tp, "output_tokens_per_s", "output tokens", "tokens/s"))
+            span = bucket_domain(lo, hi, bucket_s)
+            left.altair_chart(charts.rate(tp, "requests_per_s", "finished requests", "requests/s", span))
+            right.altair_chart(charts.rate(tp, "output_tokens_per_s", "output tokens", "tokens/s", span))
             with st.expander("the p99 points as a table (links to the requests behind each)"):
                 rows = []
                 for g in groups:

@@ -79,8 +79,8 @@ def why_list(why: dict[str, Any]) -> None:
                 hide_index=True,
                 column_config={
                     "open": st.column_config.LinkColumn("open", display_text="open"),
-                    "prefill_tokens": st.column_config.NumberColumn("prefill tokens (tokens)"),
-                    "max_depth": st.column_config.NumberColumn("deepest position (tokens)"),
+                    "prefill_tokens": st.column_config.NumberColumn("prefill (tokens)"),
+                    "max_depth": st.column_config.NumberColumn("deepest (tokens)"),
                 },
             )
 
@@ -114,7 +114,15 @@ def render(data: LedgerData, request_id: str) -> None:
     c[4].metric("chunks / preemptions", f"{r.get('chunks') or 0} / {r.get('preemptions') or 0}")
     c[5].metric("finish", str(r.get("finish_reason") or "live"), help=r.get("stop_reason") or None)
     if r.get("cut_rule"):
-        st.error(f"cut off by rule **{r['cut_rule']}** ({r.get('stop_reason') or r.get('finish_reason')})")
+        # cut_rule names any rule whose command a source applied: an abort cuts the request off, an
+        # escape valve (slow pool, non-preemptible) only changes how the engine schedules it.
+        actions = {e.get("action") for e in events if e.get("kind") == "cutoff_applied"}
+        stop = str(r.get("stop_reason") or "")
+        if "abort" in actions or r.get("stream_cut_ts") or stop.startswith("chunkledger:"):
+            st.error(f"cut off by rule **{r['cut_rule']}** ({stop or r.get('finish_reason')})")
+        else:
+            done = ", ".join(sorted(a.replace("_", " ") for a in actions if a)) or "applied"
+            st.info(f"rule **{r['cut_rule']}**: {done} (an escape valve; the request was not cut off)")
     with ui.ledger_errors("ITL"):
         itl = data.request_itl(request_id)
         if itl.get("n"):

@@ -18,7 +18,8 @@ def body() -> None:
     ctx = ui.context()
     st.caption(
         "One SELECT (or EXPLAIN) at a time, run read-only with a row and time limit. Tables: requests "
-        "(the view), steps, events, sources, cutoffs, webhook_outbox; see the README's Tables section."
+        "(the view), steps, events, sources, cutoffs, webhook_outbox; their columns: the docs' SQL "
+        "tables page (docs/reference/tables.md)."
     )
     query = st.text_area("SQL", st.query_params.get("q", EXAMPLE), height=160, key="sql_text")
     if st.button("Run", type="primary", key="sql_run"):

@@ -1,9 +1,12 @@
-"""Fixtures for the dashboard tests: a real ledger filled by a recorded simulator run, an empty one,
-and AppTest runs of the dashboard's pages against them."""
+"""Fixtures for the dashboard tests: a real ledger filled by a recorded simulator run, one filled by
+replaying a run recorded from real vLLM (``tests/dashboard/data/vllm_run.jsonl.gz``, made by
+``tools/record_vllm_run.py``), an empty one, and AppTest runs of the dashboard's pages against them."""
 
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,6 +20,10 @@ from dashboard import data
 from engine_hooks.simulator import run_simulation
 from ledger.client import LedgerClient
 from tests.conftest import LedgerServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import replay
 
 APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
 PAGES = {
@@ -66,6 +73,32 @@ def recorded_ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ledger
     assert not summary["exporter"]["dropped"]
     yield server
     server.stop()
+
+
+# The recorded vLLM run ends this long before the replay: inside the dashboard's default window (1 hour),
+# far enough back that the time buckets are wide (120 s) and the whole run falls in one or two of them,
+# as an operator sees a run from earlier in the hour.
+VLLM_RUN_AGE_S = 45 * 60
+
+
+@pytest.fixture(scope="session")
+def vllm_ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LedgerServer]:
+    """A ledger holding a run recorded from real vLLM (the LedgerScheduler plugin and the gateway in
+    front; a small KV cache: preemptions; long prompts; a runaway the loop rule cut), replayed through
+    ``POST /v1/events`` with its timestamps moved to end ``VLLM_RUN_AGE_S`` ago. No vLLM runs here."""
+    tmp = tmp_path_factory.mktemp("vllm_run")
+    server = LedgerServer(f"duckdb:///{tmp / 'ledger.duckdb'}", tmp / "ledger.log")
+    server.start()
+    out = replay.replay(server.url, replay.load(), end_at=time.time() - VLLM_RUN_AGE_S)
+    assert out["accepted"] > 1000
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def vllm_api(vllm_ledger: LedgerServer) -> Iterator[LedgerClient]:
+    with LedgerClient(vllm_ledger.url) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")

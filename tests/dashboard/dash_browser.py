@@ -36,6 +36,47 @@ def find_chromium() -> str | None:
     return None
 
 
+MIN_PLOT_PX = 20  # a plot (SVG) less tall than this counts as empty: its titles squeezed it away
+
+# Installed in every document before its own scripts: remembers each text a canvas draws (Vega's canvas
+# renderer draws titles and labels with fillText, already truncated with "…" where it had to cut them),
+# with its box in the canvas's pixels, so that the page check can tell a cut or clipped axis title. A
+# clear of (nearly) the whole canvas starts a new frame.
+TEXT_RECORDER_JS = r"""
+(() => {
+  if (window.__chunkledgerTexts) return;
+  const frames = new WeakMap();
+  window.__chunkledgerTexts = frames;
+  const P = CanvasRenderingContext2D.prototype;
+  const clear = P.clearRect, fill = P.fillText;
+  P.clearRect = function (x, y, w, h) {
+    try {
+      const m = this.getTransform();
+      if (Math.abs(m.a * w) >= this.canvas.width * 0.9 && Math.abs(m.d * h) >= this.canvas.height * 0.9)
+        frames.set(this.canvas, []);
+    } catch (e) {}
+    return clear.apply(this, arguments);
+  };
+  P.fillText = function (text, x, y) {
+    try {
+      const m = this.getTransform(), t = this.measureText(String(text));
+      const l = x - t.actualBoundingBoxLeft, r = x + t.actualBoundingBoxRight;
+      const top = y - t.actualBoundingBoxAscent, bottom = y + t.actualBoundingBoxDescent;
+      const pts = [[l, top], [r, top], [l, bottom], [r, bottom]].map(
+        ([px, py]) => [m.a * px + m.c * py + m.e, m.b * px + m.d * py + m.f]);
+      const xs = pts.map(p => p[0]), ys = pts.map(p => p[1]);
+      if (!frames.has(this.canvas)) frames.set(this.canvas, []);
+      frames.get(this.canvas).push({
+        text: String(text), font: this.font, rotated: Math.abs(m.b) > 1e-6,
+        x0: Math.min(...xs), x1: Math.max(...xs), y0: Math.min(...ys), y1: Math.max(...ys),
+        w: this.canvas.width, h: this.canvas.height,
+      });
+    } catch (e) {}
+    return fill.apply(this, arguments);
+  };
+})();
+"""
+
 # Runs in the page: what the test needs to know about a rendered Streamlit page. A chart counts as drawn
 # when its canvas (or SVG) has coloured pixels / marks: axes and labels are grey, data marks are not.
 PAGE_STATE_JS = r"""
@@ -56,15 +97,53 @@ PAGE_STATE_JS = r"""
         }
       } catch (e) { coloured = -1; }
     }
-    const marks = c.querySelectorAll('svg .mark-rect path, svg .mark-line path, svg .mark-area path,'
-      + ' svg .mark-symbol path, svg .mark-tick path').length;
-    return {coloured, marks, w: c.clientWidth, h: c.clientHeight};
+    // texts cut short ("…"), drawn past the edge of their canvas / SVG (by more than 1 px), or axis
+    // titles longer than their axis (the plot's height or width)
+    const cut = [];
+    const past = (t, w, h) => t.x0 < -1 || t.y0 < -1 || t.x1 > w + 1 || t.y1 > h + 1;
+    for (const cv of c.querySelectorAll('canvas')) {
+      for (const t of (window.__chunkledgerTexts && window.__chunkledgerTexts.get(cv)) || []) {
+        if (/(…|\.\.\.)$/.test(t.text) || past(t, cv.width, cv.height)) cut.push({...t, why: 'canvas'});
+      }
+    }
+    for (const svg of c.querySelectorAll('svg.marks')) {
+      const box = svg.getBoundingClientRect();
+      const bg = svg.querySelector('.role-frame.root > g > path.background');
+      const plot = bg ? bg.getBoundingClientRect() : null;
+      for (const el of svg.querySelectorAll('text')) {
+        const r = el.getBoundingClientRect(), text = el.textContent || '';
+        const t = {text, x0: r.left - box.left, y0: r.top - box.top, x1: r.right - box.left,
+                   y1: r.bottom - box.top, w: box.width, h: box.height};
+        const title = !!el.closest('.role-axis-title');
+        const vertical = r.height > r.width;
+        if (/(…|\.\.\.)$/.test(text)) cut.push({...t, why: 'ellipsis'});
+        else if (past(t, box.width, box.height)) cut.push({...t, why: 'past the edge'});
+        else if (title && plot && (vertical ? r.height > plot.height + 2 : r.width > plot.width + 2))
+          cut.push({...t, why: 'longer than its axis', plot: [plot.width, plot.height]});
+      }
+    }
+    const texts = Array.from(c.querySelectorAll('canvas')).reduce(
+      (n, cv) => n + ((window.__chunkledgerTexts && window.__chunkledgerTexts.get(cv)) || []).length, 0)
+      + c.querySelectorAll('svg.marks text').length;
+    // data marks with an area on screen (a bar squeezed to 0 px is not drawn)
+    const marks = Array.from(c.querySelectorAll('svg .mark-rect path, svg .mark-line path,'
+      + ' svg .mark-area path, svg .mark-symbol path, svg .mark-tick path')).filter(p => {
+        const r = p.getBoundingClientRect(); return r.width >= 1 && r.height >= 1; }).length;
+    // the plot's height (SVG): a plot squeezed by its titles and axes draws nothing readable
+    const frame = c.querySelector('svg.marks .role-frame.root > g > path.background');
+    const plot_h = frame ? frame.getBoundingClientRect().height : null;
+    return {coloured, marks, plot_h, w: c.clientWidth, h: c.clientHeight, cut, texts};
   });
   return {
     ready: !!document.querySelector('[data-testid="stMain"] [data-testid="stElementContainer"]') && !running,
     title: (document.querySelector('h1') || {}).innerText || '',
     exceptions: q('[data-testid="stException"]').map(e => e.innerText.slice(0, 500)),
     errors: q('[data-testid="stAlertContentError"]').map(e => e.innerText.slice(0, 300)),
+    deploy: q('[data-testid="stAppDeployButton"], [data-testid="stDeployButton"]').filter(
+      e => e.offsetParent !== null).length > 0,
+    doc_title: document.title,
+    favicon: (document.querySelector('link[rel~="icon"]') || {}).href || '',
+    tables: q('[data-testid="stDataFrame"], [data-testid="stTable"]').length,
     charts: drawn,
     text: document.body ? document.body.innerText.slice(0, 20000) : '',
   };
@@ -80,10 +159,25 @@ class PageState:
     errors: list[str]
     charts: list[dict[str, Any]]
     text: str
+    deploy: bool = False
+    doc_title: str = ""
+    favicon: str = ""
+    tables: int = 0
 
     @property
     def empty_charts(self) -> list[int]:
-        return [i for i, c in enumerate(self.charts) if c["coloured"] <= 20 and c["marks"] == 0]
+        return [
+            i
+            for i, c in enumerate(self.charts)
+            if (c["coloured"] <= 20 and c["marks"] == 0)
+            or (c.get("plot_h") is not None and c["plot_h"] < MIN_PLOT_PX)
+        ]
+
+    @property
+    def cut_texts(self) -> list[tuple[int, str, str]]:
+        """(chart, text, why) of every title or label drawn cut short ("…") or past its chart's edge,
+        and of every axis title longer than its axis."""
+        return [(i, t["text"], t.get("why", "")) for i, c in enumerate(self.charts) for t in c.get("cut", [])]
 
 
 class Browser:
@@ -118,6 +212,7 @@ class Browser:
         self._ids = itertools.count(1)
         self.send("Page.enable")
         self.send("Runtime.enable")
+        self.send("Page.addScriptToEvaluateOnNewDocument", source=TEXT_RECORDER_JS)
         self.send(
             "Emulation.setDeviceMetricsOverride",
             width=width,
@@ -188,6 +283,32 @@ class Browser:
             ):
                 return state
         return state
+
+    def main_menu(self) -> list[str]:
+        """Open Streamlit's main menu (top right) and return its items' texts ([] when there is none)."""
+        opened = self.evaluate(
+            """(() => { const b = document.querySelector('[data-testid="stMainMenuButton"], '
+              + '[data-testid="stMainMenu"] button'); if (!b) return false; b.click(); return true; })()"""
+        )
+        if not opened:
+            return []
+        items: list[str] = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not items:
+            time.sleep(0.25)
+            items = (
+                self.evaluate(
+                    """Array.from(document.querySelectorAll('[data-testid="stMainMenuList"] li, '
+                  + '[data-testid="stMainMenuPopover"] li, [role="menu"] li, [role="menuitem"], '
+                  + '[role="option"]')).map(e => e.innerText.trim()).filter(t => t)"""
+                )
+                or []
+            )
+        for kind in ("keyDown", "keyUp"):
+            self.send(
+                "Input.dispatchKeyEvent", type=kind, key="Escape", code="Escape", windowsVirtualKeyCode=27
+            )
+        return list(items)
 
     def screenshot(self, path: Path) -> None:
         data = self.send("Page.captureScreenshot", format="png", captureBeyondViewport=False)["data"]

@@ -1,6 +1,10 @@
 """The dashboard in a real browser: ``chunkledger dashboard`` serves it, headless Chromium loads every
-page, waits for it to render and takes a screenshot; a Streamlit exception box or a chart with nothing
-drawn in it fails the test.
+page, waits for it to render and takes a screenshot. Over two ledgers: a simulator-recorded run, and a
+run recorded from real vLLM (the plugin and the gateway in front, preemptions, a loop-rule cut; replayed,
+no vLLM runs here). A page fails on: a Streamlit exception or error box; a chart with nothing drawn in
+it (no marks with an area, or a plot squeezed to nothing by its titles); a cut axis title (ellipsised,
+drawn past its chart's edge, or longer than its axis); Streamlit's Deploy button or developer menu
+items (Rerun, Clear cache) shown to the operator.
 
 Chromium: Debian's ``chromium`` (scripts/test.sh installs it when missing), or CHUNKLEDGER_CHROMIUM.
 Screenshots go to CHUNKLEDGER_SCREENSHOTS (default: the test's temporary folder).
@@ -19,13 +23,15 @@ from urllib.parse import parse_qs, urlparse
 
 import httpx
 import pytest
-from dash_browser import Browser, find_chromium
+from dash_browser import Browser, PageState, find_chromium
 
 from tests.conftest import LedgerServer, free_port
 
 pytestmark = pytest.mark.slow
 
-# page -> charts it must draw with the recorded run (at least)
+DEVELOPER_MENU_ITEMS = ("Rerun", "Clear cache", "Deploy", "Developer", "Settings")
+
+# page -> charts it must draw with the simulator-recorded run (at least)
 PAGES = {
     "": 7,  # overview: TTFT, e2e, ITL tails; stacked layers, p99 per layer; two throughput charts
     "requests": 0,
@@ -34,6 +40,26 @@ PAGES = {
     "advice": 2,
     "sql": 0,
 }
+
+
+# page -> charts it must draw with the recorded vLLM run (at least): the KV page's preemption chart, KV
+# usage and waiting; the run's cutoffs (loop rule, preemption limit) over time; the step-time fit
+VLLM_PAGES = {"": 7, "requests": 0, "kv": 3, "cutoffs": 1, "advice": 2, "sql": 0}
+
+
+def check_page(state: PageState, page: str, min_charts: int) -> None:
+    """What every page must satisfy in the browser."""
+    name = page or "overview"
+    assert state.ready, f"{name}: still running after the timeout"
+    assert not state.exceptions, f"{name}: {state.exceptions}"
+    assert not state.errors, f"{name}: {state.errors}"
+    assert "Page not found" not in state.text, page
+    assert not state.deploy, f"{name}: Streamlit's Deploy button is shown"
+    assert state.doc_title.startswith("chunkledger"), state.doc_title
+    assert state.favicon.endswith(".png"), f"{name}: favicon {state.favicon!r}"
+    assert len(state.charts) >= min_charts, f"{name}: {len(state.charts)} charts, {state.tables} tables"
+    assert not state.empty_charts, f"{name}: empty charts {state.empty_charts}: {state.charts}"
+    assert not state.cut_texts, f"{name}: cut titles {state.cut_texts}"
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +74,22 @@ def chromium() -> str:
 
 def _serve(args: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    _wait_health(proc, url, log)
+    return proc
+
+
+def _wait_health(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{args[:4]} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}: {log.read_text()[-2000:]}")
         try:
             if httpx.get(url, timeout=1).status_code == 200:
-                return proc
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
+    _stop(proc)
     raise TimeoutError(f"not serving at {url}: {log.read_text()[-2000:]}")
 
 
@@ -71,22 +103,23 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(5)
 
 
-@pytest.fixture(scope="module")
-def dashboard_url(recorded_ledger: LedgerServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def _dashboard(ledger_url: str, log: Path) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = tmp_path_factory.mktemp("dashboard") / "dashboard.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "ledger.cli",
-        "dashboard",
-        "--ledger",
-        recorded_ledger.url,
-        "--port",
-        str(port),
-    ]
-    proc = _serve(cmd, f"{url}/_stcore/health", log)
+    cmd = [sys.executable, "-m", "ledger.cli", "dashboard", "--ledger", ledger_url, "--port", str(port)]
+    return url, _serve(cmd, f"{url}/_stcore/health", log)
+
+
+@pytest.fixture(scope="module")
+def dashboard_url(recorded_ledger: LedgerServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url, proc = _dashboard(recorded_ledger.url, tmp_path_factory.mktemp("dashboard") / "dashboard.log")
+    yield url
+    _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def vllm_dashboard_url(vllm_ledger: LedgerServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url, proc = _dashboard(vllm_ledger.url, tmp_path_factory.mktemp("dashboard") / "dashboard.log")
     yield url
     _stop(proc)
 
@@ -116,15 +149,36 @@ def test_every_page_renders_in_chromium_without_errors_or_empty_charts(
         state = browser.load(f"{dashboard_url}/{page}", min_charts=min_charts)
         name = (page.split("?")[0] or "overview") + ".png"
         browser.screenshot(shots / name)
-        assert state.ready, f"{page or 'overview'}: still running after the timeout"
-        assert not state.exceptions, f"{page or 'overview'}: {state.exceptions}"
-        assert not state.errors, f"{page or 'overview'}: {state.errors}"
-        assert "Page not found" not in state.text, page
-        assert len(state.charts) >= min_charts, f"{page or 'overview'}: {len(state.charts)} charts"
-        assert not state.empty_charts, (
-            f"{page or 'overview'}: empty charts {state.empty_charts}: {state.charts}"
-        )
+        check_page(state, page, min_charts)
         assert (shots / name).stat().st_size > 10_000
+
+
+def test_every_page_renders_over_a_run_recorded_from_real_vllm(
+    vllm_dashboard_url: str, browser: Browser, shots: Path, vllm_api
+) -> None:
+    """The recorded vLLM run (84 requests, 44 preemptions, 45 min ago: the whole run in one or two
+    120 s buckets of the default 1-hour window, as the operator saw it): every page, and the request
+    pages of the most preempted request and of the slowest waiter."""
+    top = vllm_api.get("/v1/requests", sort="preemptions", order="desc", limit=1, live=False)["rows"][0]
+    assert top["preemptions"] > 0
+    waiter = vllm_api.get("/v1/requests", sort="backend_wait_s", order="desc", limit=1, live=False)["rows"][0]
+    pages = {
+        **VLLM_PAGES,
+        f"request?id={top['request_id']}": 1,
+        f"request?id={waiter['request_id']}": 1,
+    }
+    for i, (page, min_charts) in enumerate(pages.items()):
+        state = browser.load(f"{vllm_dashboard_url}/{page}", min_charts=min_charts)
+        name = f"vllm-{page.split('?')[0] or 'overview'}{'-' + str(i) if '?' in page else ''}.png"
+        browser.screenshot(shots / name)
+        check_page(state, page, min_charts)
+        if page == "kv":
+            assert "Preemptions" in state.text and "44 preemptions" in state.text
+            assert state.tables >= 2  # the preempted requests under the chart; the escape valve
+        assert (shots / name).stat().st_size > 10_000
+    menu = browser.main_menu()
+    assert menu, "the main menu opens"
+    assert not [m for m in menu if m.startswith(DEVELOPER_MENU_ITEMS)], menu
 
 
 P99_POINTS_JS = """(() => {
@@ -155,25 +209,51 @@ def test_one_click_on_a_p99_point_opens_the_requests_behind_it(dashboard_url: st
     assert "finished between" in state.text
 
 
-def test_the_page_check_catches_an_exception_box_and_an_empty_chart(browser: Browser, tmp_path: Path) -> None:
-    """The checks above can fail: a page with an exception and an empty chart is caught by both."""
+def test_the_page_check_catches_exceptions_empty_charts_cut_titles_and_the_developer_menu(
+    browser: Browser, tmp_path: Path
+) -> None:
+    """The checks above can fail. A page served by plain ``streamlit run`` (developer mode: Deploy
+    button, Rerun / Clear cache in the menu) with an exception, a chart with no data, a chart whose
+    y-axis title is longer than its plot (drawn as the dashboard draws charts: fit-x), and one with
+    such a title under Streamlit's default sizing (the title squeezes the plot to nothing, as the KV
+    page's preemption chart was), beside a good chart that passes."""
     script = tmp_path / "broken.py"
     script.write_text(
         "import altair as alt, pandas as pd, streamlit as st\n"
+        "from dashboard import charts\n"
         "st.title('broken')\n"
         "df = pd.DataFrame({'x': [1, 2, 3], 'y': [3, 1, 2]})\n"
-        "st.altair_chart(alt.Chart(df).mark_line().encode(x='x:Q', y='y:Q'))\n"
+        "line = alt.Chart(df).mark_line()\n"
+        "st.altair_chart(charts.sized(line.encode(x='x:Q', y=alt.Y('y:Q', title='fits (s)')), 150))\n"
         "st.altair_chart(alt.Chart(df.iloc[:0]).mark_line().encode(x='x:Q', y='y:Q'))\n"
+        "long = alt.Y('y:Q', title='a deliberately far too long axis title for this chart (count)')\n"
+        "st.altair_chart(charts.sized(line.encode(x='x:Q', y=long), 150))\n"
+        "st.altair_chart(line.encode(x='x:Q', y=long).properties(height=150, title='default sizing'))\n"
         "raise RuntimeError('boom')\n"
     )
     port = free_port()
     cmd = [sys.executable, "-m", "streamlit", "run", str(script), "--server.port", str(port)]
     cmd += ["--server.headless", "true", "--browser.gatherUsageStats", "false"]
-    proc = _serve(cmd, f"http://127.0.0.1:{port}/_stcore/health", tmp_path / "st.log")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen(
+        cmd,
+        stdout=(tmp_path / "st.log").open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+    )
     try:
-        state = browser.load(f"http://127.0.0.1:{port}/")
+        _wait_health(proc, f"http://127.0.0.1:{port}/_stcore/health", tmp_path / "st.log")
+        state = browser.load(f"http://127.0.0.1:{port}/", min_charts=4)
+        menu = browser.main_menu()
     finally:
         _stop(proc)
     assert any("boom" in e for e in state.exceptions)
-    assert len(state.charts) == 2
-    assert state.empty_charts == [1]
+    assert len(state.charts) == 4
+    assert state.empty_charts == [1, 3]  # no data; a plot squeezed to nothing
+    cut = {(i, why) for i, _, why in state.cut_texts}
+    assert (2, "longer than its axis") in cut
+    assert 3 in {i for i, _ in cut}
+    assert 0 not in {i for i, _ in cut}  # the short title fits
+    assert state.deploy
+    assert [m for m in menu if m.startswith(DEVELOPER_MENU_ITEMS)]

@@ -29,3 +29,19 @@ def test_dashboard_runs_streamlit_headless_on_the_port_asked() -> None:
     assert cmd[4].endswith("dashboard/app.py")
     assert cmd[cmd.index("--server.port") + 1] == "8600"
     assert cmd[cmd.index("--server.headless") + 1] == "true"
+
+
+def test_dashboard_hides_streamlits_deploy_button_and_developer_menu() -> None:
+    """``chunkledger dashboard`` passes toolbarMode viewer, and the config next to app.py says the same
+    for ``streamlit run dashboard/app.py`` from any working directory."""
+    import tomllib
+    from pathlib import Path
+
+    import dashboard
+
+    cmd = streamlit_command(8600, "127.0.0.1")
+    assert cmd[cmd.index("--client.toolbarMode") + 1] == "viewer"
+    package = Path(dashboard.__file__).parent
+    config = tomllib.loads((package / ".streamlit" / "config.toml").read_text())
+    assert config["client"]["toolbarMode"] == "viewer"
+    assert (package / "favicon.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -388,3 +388,82 @@ def test_timeline_bars_start_at_arrival_and_follow_the_layers(api) -> None:
     assert layers.loc["entry", "start_s"] == pytest.approx(0.0)
     assert layers.loc["decode", "end_s"] == pytest.approx(r["end_ts"] - r["start_ts"])
     assert (bars.end_s >= bars.start_s).all()
+
+
+# -- a run recorded from real vLLM (replayed) -------------------------------------------------------
+def _preemption_chart(at: AppTest) -> dict[str, Any]:
+    (spec,) = [c for c in charts(at) if "preemptions" in json.dumps(c.get("encoding", {}))]
+    return spec
+
+
+def test_kv_preemption_chart_counts_every_preemption_the_ledger_reports(
+    vllm_ledger, run_page, vllm_api
+) -> None:
+    """The recorded vLLM run ended 45 min ago: its requests fall in one or two 120 s buckets of the
+    default window. The chart's bars add up to the ledger's preemptions (attribution and the table),
+    each bar spans its bucket, and the plot keeps its height (fit-x: titles are added around it)."""
+    at = run_page(vllm_ledger.url, "kv")
+    no_exceptions(at)
+    whole = vllm_api.get("/v1/attribution", since="1h")["groups"][0]
+    rows = vllm_api.get("/v1/requests", since="1h", live=False, sort="preemptions", order="desc", limit=1000)
+    preempted = [r for r in rows["rows"] if r["preemptions"]]
+    assert whole["preemptions"] == sum(r["preemptions"] for r in preempted) >= 10
+    spec = _preemption_chart(at)
+    bars = pd.DataFrame(spec["rows"])
+    assert bars["preemptions"].sum() == whole["preemptions"]
+    assert 1 <= len(bars) <= 3  # a short run, 120 s buckets
+    bucket_s = 120.0
+    assert f"per {int(bucket_s)} s" in json.dumps(spec["title"])
+    span = pd.to_datetime(bars["time_end"]) - pd.to_datetime(bars["time"])
+    assert (span.dt.total_seconds() == bucket_s).all()
+    assert (bars["_top"] - bars["_bottom"] == bars["preemptions"]).all()  # bars from 0 up to the count
+    assert spec["autosize"]["type"] == "fit-x" and spec["height"] >= 150
+    # the x axis covers the window's data span, not just the run's bucket
+    domain = spec["encoding"]["x"]["scale"]["domain"]
+    assert pd.Timestamp(domain[1]) - pd.Timestamp(domain[0]) >= pd.Timedelta(minutes=40)
+    table = next(df.value for df in at.dataframe if "recomputed_tokens" in df.value.columns)
+    assert table["preemptions"].sum() == whole["preemptions"]
+    assert list(table["request_id"]) == [r["request_id"] for r in preempted]
+    assert f"{whole['preemptions']:,} preemptions" in texts(at)
+
+
+def _axis_titles(spec: dict[str, Any]) -> list[str]:
+    out = []
+    for layer in [spec, *spec.get("layer", [])]:
+        for ch in ("x", "y"):
+            title = (layer.get("encoding", {}).get(ch) or {}).get("title")
+            if isinstance(title, str):
+                out.append(title)
+    return out
+
+
+@pytest.mark.parametrize("page", ["overview", "kv", "cutoffs", "advice", "request"])
+def test_axis_titles_are_short_and_say_their_unit_once(vllm_ledger, run_page, vllm_api, page) -> None:
+    query = {}
+    if page == "request":
+        top = vllm_api.get("/v1/requests", sort="preemptions", order="desc", limit=1, live=False)["rows"][0]
+        query = {"id": top["request_id"]}
+    at = run_page(vllm_ledger.url, page, query, window="all" if page == "cutoffs" else None)
+    no_exceptions(at)
+    specs = charts(at)
+    assert specs
+    for spec in specs:
+        assert spec.get("autosize", {}).get("type") == "fit-x", spec.get("title")
+        for title in _axis_titles(spec):
+            assert len(title) <= 22, title  # fits along a 150 px axis (the browser test measures it)
+            assert not ("seconds" in title and "(s)" in title), title
+            assert title.count("(") <= 1, title
+
+
+def test_request_page_tells_an_escape_valve_from_a_cut(vllm_ledger, run_page, vllm_api) -> None:
+    """preemption_limit moved the most preempted request to the slow pool: a note, not a "cut off"
+    error; the loop rule's aborts are cuts."""
+    cut = vllm_api.get("/v1/cutoffs", limit=1000)["cutoffs"]
+    valve = next(c for c in cut if c["action"] == "slow_pool" and c["state"] == "applied")
+    at = run_page(vllm_ledger.url, "request", {"id": valve["request_id"]})
+    no_exceptions(at)
+    assert "escape valve" in texts(at) and "cut off by rule" not in texts(at)
+    loop = next(c for c in cut if c["rule"] == "loop" and c["state"] == "applied")
+    at = run_page(vllm_ledger.url, "request", {"id": loop["request_id"]})
+    assert not at.exception
+    assert at.error and "cut off by rule **loop**" in at.error[0].value
