@@ -20,7 +20,7 @@ from ledger.config import Settings, get_settings
 from ledger.ingest import IngestWriter
 from ledger.metrics import LedgerMetrics
 from ledger.rules.service import RunawayService
-from ledger.sql import open_runner as open_sql_runner
+from ledger.sql.runners import open_runner as open_sql_runner
 from ledger.store import Store, open_store
 from ledger.watchdog import LoopWatchdog
 from ledger.webhooks.targets import TargetPolicy

@@ -161,7 +161,7 @@ _register_rules()
 
 def _register_sql() -> None:
     from ledger.export_cli import export_command
-    from ledger.sql_cli import query_command, sql_reader_command
+    from ledger.sql.cli import query_command, sql_reader_command
 
     app.command(name="query")(query_command)
     app.command(name="export")(export_command)

@@ -97,7 +97,7 @@ def _export_through(
     import httpx
     import pyarrow.parquet as pq
 
-    from ledger.sql_cli import fail
+    from ledger.sql.cli import fail
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     params = {k: v for k, v in (("since", window.since), ("until", window.until)) if v is not None}

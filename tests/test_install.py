@@ -71,7 +71,7 @@ def _third_party_imports() -> dict[str, set[str]]:
 
 # Where a module may import a package that only an extra brings (everything else: the base install).
 EXTRA_ZONES = {
-    "postgres": ("ledger/sql.py", "ledger/store/postgres.py"),
+    "postgres": ("ledger/sql/runners.py", "ledger/store/postgres.py"),
     "dashboard": ("dashboard/",),
     "vllm": ("engine_hooks/vllm/", "ledger/advice/profile.py"),
 }

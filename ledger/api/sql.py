@@ -12,7 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ledger import export
 from ledger.api.deps import SettingsDep, StoreDep, require
-from ledger.sql import SqlError, SqlRunner, dumps, to_csv
+from ledger.sql.base import SqlError
+from ledger.sql.runners import SqlRunner
+from ledger.sql.values import dumps, to_csv
 
 router = APIRouter(dependencies=[require("read")])
 

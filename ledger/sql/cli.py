@@ -1,7 +1,7 @@
 """``chunkledger query`` and ``chunkledger sql-reader``: read-only SQL from a terminal.
 
-The SQL itself runs in the ledger (``ledger.sql``); this module only holds the commands, so that the
-command line's help loads neither DuckDB nor SQLAlchemy.
+The SQL itself runs in the ledger (the rest of ``ledger.sql``); this module only holds the commands and
+imports the rest when one runs, so that the command line's help loads neither DuckDB nor SQLAlchemy.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def query_command(
     """Run read-only SQL on a running ledger (tables: requests, steps, events, sources)."""
     import sys
 
-    from ledger.sql import parse_param, to_csv, to_table
+    from ledger.sql.values import parse_param, to_csv, to_table
 
     if sql == "-":
         sql = sys.stdin.read()
@@ -126,7 +126,8 @@ def sql_reader_command(
 
     import sqlalchemy as sa
 
-    from ledger.sql import _first_line, grant_reader_role, reader_url
+    from ledger.sql.guard import first_line
+    from ledger.sql.roles import grant_reader_role, reader_url
 
     url = db or os.environ.get("CHUNKLEDGER_DB_URL", "")
     if not url.startswith("postgresql"):
@@ -136,7 +137,7 @@ def sql_reader_command(
     try:
         grant_reader_role(engine, role, password)
     except (ValueError, sa.exc.SQLAlchemyError) as exc:
-        typer.echo(f"error: {_first_line(getattr(exc, 'orig', None) or exc)}", err=True)
+        typer.echo(f"error: {first_line(getattr(exc, 'orig', None) or exc)}", err=True)
         raise typer.Exit(1) from None
     finally:
         engine.dispose()
