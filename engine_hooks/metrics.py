@@ -3,6 +3,10 @@
 A custom collector reads ``Exporter.stats()`` at scrape time, so the hot path pays nothing. One
 collector per registry serves every exporter registered on it (the simulator runs many), labelled by
 ``source``. prometheus_client is imported only when a host passes a registry.
+
+This module imports nothing from the exporter: it reads any object with a ``stats()`` method whose
+snapshot looks like ``engine_hooks.exporter.ExporterStats`` (``StatsSource``), so the exporter may
+import it (lazily, for ``registry=``) without a cycle.
 """
 
 from __future__ import annotations
@@ -10,10 +14,24 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from engine_hooks.exporter import Exporter
+
+class StatsSnapshot(Protocol):
+    """What the collector reads of a snapshot (``ExporterStats``); other fields by name."""
+
+    @property
+    def source_id(self) -> str: ...
+
+    @property
+    def dropped(self) -> dict[str, int]: ...
+
+
+class StatsSource(Protocol):
+    """An exporter, as far as its metrics are concerned."""
+
+    def stats(self) -> StatsSnapshot: ...
+
 
 DROP_REASONS = ("queue_full", "spool_full", "rejected", "invalid", "spool_torn", "shutdown")
 
@@ -23,7 +41,7 @@ _lock = threading.Lock()
 
 class _ExporterCollector:
     def __init__(self) -> None:
-        self.exporters: weakref.WeakSet[Exporter] = weakref.WeakSet()
+        self.exporters: weakref.WeakSet[StatsSource] = weakref.WeakSet()
 
     def describe(self) -> list[Any]:
         return []  # metric names are fixed, but describing would make registration collect eagerly
@@ -71,7 +89,7 @@ class _ExporterCollector:
         yield dropped
 
 
-def register_exporter(exporter: Exporter, registry: Any) -> None:
+def register_exporter(exporter: StatsSource, registry: Any) -> None:
     """Expose ``exporter``'s self-metrics in ``registry`` (a prometheus_client CollectorRegistry)."""
     with _lock:
         collector = _collectors.get(registry)

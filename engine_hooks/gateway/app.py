@@ -35,7 +35,6 @@ import math
 import os
 import re
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -101,19 +100,6 @@ _REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,256}$")  # visible ASCII: fits a he
 _MAX_BODY = 64 << 20
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
-
-
-class _PollError(Exception):
-    def __init__(self, message: str, status: int):
-        super().__init__(message)
-        self.status = status
-
-
-class _CommandsAnswer(msgspec.Struct):
-    commands: list[Command] = []
-
-
-_commands_decoder = msgspec.json.Decoder(_CommandsAnswer)
 
 
 class BadRequest(Exception):
@@ -229,8 +215,6 @@ class Gateway:
         self._urls: dict[str, httpx.URL] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._active: dict[str, _Exchange] = {}
-        self._commands_seen: OrderedDict[str, None] = OrderedDict()
-        self._poller: asyncio.Task[None] | None = None
         self._request_id_header = config.request_id_header.lower().encode()
         self._priority_header = config.priority_header.lower().encode()
         self._retry_after = str(max(1, math.ceil(config.retry_after_s))).encode()
@@ -271,20 +255,15 @@ class Gateway:
         self._timeouts = timeout.as_dict()
         self._urls = {path: httpx.URL(self.config.upstream_base + path) for path in _ENDPOINTS}
         if self.exporter_config is not None:
-            # The gateway long-polls for commands on its own loop (_poll_commands); the exporter's
-            # polling thread would be a second poll of the same source.
-            exporter_config = msgspec.structs.replace(self.exporter_config, command_poll_wait_s=0.0)
+            # Commands reach on_command through the exporter, once per command id (its
+            # CommandDeduper): on ingest answers and, when poll_commands is on, by its long-poll of
+            # GET /v1/commands (CommandPoller), held for the gateway's command_poll_wait_s.
+            wait_s = self.config.command_poll_wait_s if self.config.poll_commands else 0.0
+            exporter_config = msgspec.structs.replace(self.exporter_config, command_poll_wait_s=wait_s)
             self.exporter = Exporter(exporter_config, on_command=self.on_command, registry=self.registry)
             self._emit_on(self.exporter)
-            if self.config.poll_commands:
-                self._poller = asyncio.ensure_future(self._poll_commands(self.exporter_config))
 
     async def shutdown(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
-            self._poller = None
         if self._client is not None:
             await self._client.aclose()  # closes the pool too
             self._client = self._pool = None
@@ -317,63 +296,13 @@ class Gateway:
     # -- commands from the ledger -----------------------------------------------------------------
 
     def on_command(self, command: Command) -> None:
-        """Exporter worker thread: hand the command to the event loop (raises if the loop is gone,
-        so the exporter does not remember it and the ledger sends it again)."""
+        """Exporter sender or command-poll thread, once per command id: hand the command to the event
+        loop (raises if the loop is gone, so the exporter does not remember it and the ledger sends it
+        again)."""
         loop = self._loop
         if loop is None or loop.is_closed():
             raise RuntimeError("the gateway's event loop is not running")
-        loop.call_soon_threadsafe(self.receive_command, command)
-
-    async def _poll_commands(self, exporter_config: ExporterConfig) -> None:
-        """Long-poll ``GET /v1/commands`` for this source while the gateway runs.
-
-        Commands also come back in ingest responses, but those only flow while the gateway emits
-        events, and a long stream emits none between its first byte and its end.
-        """
-        wait_s = self.config.command_poll_wait_s
-        url = exporter_config.url.rstrip("/") + "/v1/commands"
-        params = {"source_id": exporter_config.source_id, "wait_s": str(wait_s)}
-        headers = (
-            {"authorization": f"Bearer {exporter_config.ingest_token}"}
-            if exporter_config.ingest_token
-            else {}
-        )
-        timeout = httpx.Timeout(wait_s + 10, connect=exporter_config.connect_timeout_s)
-        backoff = 0.5
-        complained: set[str] = set()
-        async with httpx.AsyncClient(timeout=timeout, trust_env=False, headers=headers) as client:
-            while True:
-                started = time.monotonic()
-                try:
-                    response = await client.get(url, params=params)
-                    if response.status_code != 200:
-                        raise _PollError(
-                            f"HTTP {response.status_code}: {response.text[:200]}", response.status_code
-                        )
-                    answer = _commands_decoder.decode(response.content)
-                except (httpx.HTTPError, msgspec.DecodeError, _PollError) as exc:
-                    key = type(exc).__name__ + str(getattr(exc, "status", ""))
-                    if key not in complained:
-                        complained.add(key)
-                        log.warning("chunkledger gateway: polling %s for commands failed: %s", url, exc)
-                    delay = 30.0 if getattr(exc, "status", None) == 404 else backoff
-                    backoff = min(backoff * 2, 10.0)
-                    await asyncio.sleep(delay)
-                    continue
-                backoff = 0.5
-                for command in answer.commands:
-                    self.receive_command(command)
-                if not answer.commands and time.monotonic() - started < wait_s / 2:
-                    await asyncio.sleep(1.0)  # a ledger that does not hold the poll: do not spin
-
-    def receive_command(self, command: Command) -> None:
-        """Event loop: a command from either path, applied once per command id."""
-        if command.id in self._commands_seen:
-            return
-        self._commands_seen[command.id] = None
-        if len(self._commands_seen) > 4096:
-            self._commands_seen.popitem(last=False)
-        self.apply_command(command)
+        loop.call_soon_threadsafe(self.apply_command, command)
 
     def apply_command(self, command: Command) -> None:
         """Event loop: cut the request the command names, if this gateway holds it."""

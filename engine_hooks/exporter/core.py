@@ -1,0 +1,270 @@
+"""``Exporter``: one source's events from its hooks to the ledger, wired from the parts of this package.
+
+The exporter is the event queue the engine thread emits into (``queue.py``) and owns the rest: the
+worker (``batcher.py``), its sender threads (``window.py``) with their transport (``transport.py``),
+the command poller and de-duplicator (``commands.py``), the spool and the counters (``stats.py``).
+It also handles the process life cycle: a forked child becomes a new source, and every live exporter
+is shut down at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from engine_hooks.config import ExporterConfig
+from engine_hooks.events import Source
+from engine_hooks.exporter.batcher import Batcher
+from engine_hooks.exporter.commands import CommandCallback, CommandDeduper, CommandPoller
+from engine_hooks.exporter.encode import Encoder, Prepared
+from engine_hooks.exporter.logonce import LogOnce, log
+from engine_hooks.exporter.queue import EventQueue, Layout
+from engine_hooks.exporter.stats import Counters, ExporterStats
+from engine_hooks.exporter.transport import Transport
+from engine_hooks.exporter.window import Senders
+from engine_hooks.spool import Spool, SpoolError
+
+_live: weakref.WeakSet[Exporter] = weakref.WeakSet()
+
+
+class Exporter(EventQueue):
+    """Sends one source's events to the ledger; see the package docstring.
+
+    ``on_command`` is called on a sender or the command-poll thread with each ``Command`` from the ledger
+    (once per command id, never concurrently); it should only hand the command over (e.g. to a queue the
+    engine drains) and return.
+    ``registry``: a ``prometheus_client.CollectorRegistry`` to expose the self-metrics in.
+    """
+
+    def __init__(
+        self,
+        config: ExporterConfig,
+        *,
+        on_command: CommandCallback | None = None,
+        registry: Any = None,
+    ):
+        self.config = config
+        self._on_command = on_command
+        self._source = Source(id=config.source_id, kind=config.source_kind, model=config.model)
+        self._init_queue(config.queue_size, config.batch_size)
+        self._log = LogOnce()
+        self._init_state(self._open_spool())
+        self._start()
+        _live.add(self)
+        if registry is not None:
+            from engine_hooks.metrics import register_exporter
+
+            register_exporter(self, registry)
+
+    @classmethod
+    def from_env(
+        cls, *, on_command: CommandCallback | None = None, registry: Any = None, **overrides: Any
+    ) -> Exporter:
+        """An exporter configured from ``CHUNKLEDGER_*`` variables; keyword ``overrides`` win."""
+        return cls(ExporterConfig.from_env(**overrides), on_command=on_command, registry=registry)
+
+    def _init_state(self, spool: Spool | None) -> None:
+        """State that a forked child re-creates: the queue's counters, the worker and its parts."""
+        config, log_once = self.config, self._log
+        self._stop = threading.Event()
+        self._reset_queue(threading.Event())
+        self._shutdown_started = False
+        self._spool = spool
+        self._counters = Counters()
+        self._commands = CommandDeduper(self._on_command, log_once) if self._on_command is not None else None
+        seq_start = config.seq_start if config.seq_start is not None else time.time_ns() // 1000
+        self._encoder = Encoder(self._source, config.batch_size, seq_start, log_once, self._record_drop)
+        senders = Senders(
+            count=config.max_in_flight,
+            name=f"chunkledger-sender-{self._source.id}",
+            transport=Transport(config, self._counters, log_once),
+            counters=self._counters,
+            record_drop=self._record_drop,
+            hand_over=self._commands,
+            wake=self._wake,
+            stop=self._stop,
+            log=log_once,
+        )
+        self._batcher = Batcher(
+            config=config,
+            queue=self,
+            spool=spool,
+            encoder=self._encoder,
+            senders=senders,
+            counters=self._counters,
+            wake=self._wake,
+            stop=self._stop,
+            log=log_once,
+            name=f"chunkledger-exporter-{self._source.id}",
+        )
+        self._poller: CommandPoller | None = None
+        if self._commands is not None and config.command_poll_wait_s > 0:
+            self._poller = CommandPoller(
+                url=config.url,
+                source_id=self._source.id,
+                wait_s=config.command_poll_wait_s,
+                token=config.ingest_token,
+                connect_timeout_s=config.connect_timeout_s,
+                deliver=self._commands,
+                stop=self._stop,
+                log=log_once,
+            )
+
+    def _open_spool(self) -> Spool | None:
+        if not self.config.spool_enabled:
+            return None
+        assert self.config.spool_dir is not None
+        return Spool(
+            os.path.join(self.config.spool_dir, self._source.id),
+            max_bytes=self.config.spool_max_bytes,
+            segment_bytes=self.config.spool_segment_bytes,
+            fsync=self.config.spool_fsync,
+        )
+
+    def _start(self) -> None:
+        self._batcher.start()
+        if self._poller is not None:
+            self._poller.start()
+
+    @property
+    def source(self) -> Source:
+        return self._source
+
+    def _prepare(self, entries: Iterable[tuple[Layout, Any]]) -> list[Prepared]:
+        """Number and encode queue entries (the worker's step; ``bench/exporter.py`` times it)."""
+        return self._encoder.prepare(entries)
+
+    # -- host API ---------------------------------------------------------------------------------
+
+    def force_flush(self, timeout: float | None = None) -> bool:
+        """Wait until every event emitted so far is acknowledged by the ledger; False on timeout.
+
+        Spooled events count as not yet delivered, so while the ledger is down this waits out the
+        timeout. Never raises.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            batcher = self._batcher
+            with batcher.progress:
+                while True:
+                    self._wake.set()
+                    if batcher.drained():
+                        return True
+                    if self._shutdown_started and not batcher.thread.is_alive():
+                        return False
+                    remaining = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+                    if remaining <= 0:
+                        return False
+                    batcher.progress.wait(remaining)
+        except Exception:
+            self._log(logging.ERROR, "flush", "chunkledger exporter: force_flush() failed", exc_info=True)
+            return False
+
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Stop accepting events, deliver (or spool) what is queued, stop the worker. Idempotent.
+
+        Returns True when everything was delivered or spooled within ``timeout`` seconds (default
+        ``config.shutdown_timeout_s``). Events emitted afterwards are counted as dropped ("shutdown").
+        """
+        timeout = self.config.shutdown_timeout_s if timeout is None else timeout
+        batcher = self._batcher
+        first = self._close_queue()
+        self._shutdown_started = True
+        if first:
+            batcher.send_deadline = time.monotonic() + 0.8 * max(0.0, timeout)  # then spool the rest
+            self._stop.set()
+            self._wake.set()
+        batcher.join(timeout)
+        if self._poller is not None:
+            with contextlib.suppress(Exception):  # ends a poll held by the ledger
+                self._poller.close()
+        if batcher.thread.is_alive():
+            batcher.shutdown_ok = False
+            self._log(
+                logging.WARNING, "shutdown", "chunkledger exporter: shutdown timed out after %.1fs", timeout
+            )
+        return batcher.shutdown_ok
+
+    def stats(self) -> ExporterStats:
+        """The self-metrics as a snapshot (cheap; safe from any thread)."""
+        spool, counters, encoder = self._spool, self._counters, self._encoder
+        with counters.lock:  # one consistent snapshot of what the worker and the senders count
+            sent, duplicates, batches_sent = counters.sent, counters.duplicates, counters.batches_sent
+            attempts, failures, retried = counters.attempts, counters.send_failures, counters.retried
+            spooled, replayed, last_success_ts = counters.spooled, counters.replayed, counters.last_success_ts
+        next_seq, first_seq = encoder.next_seq, encoder.first_seq
+        return ExporterStats(
+            source_id=self._source.id,
+            queued=len(self._queue) + self._extra,
+            numbered=next_seq - first_seq,
+            last_seq=next_seq - 1 if next_seq > first_seq else None,
+            sent=sent,
+            duplicates=duplicates,
+            batches_sent=batches_sent,
+            send_attempts=attempts,
+            send_failures=failures,
+            retried=retried,
+            spooled=spooled,
+            replayed=replayed,
+            spool_bytes=spool.size_bytes if spool is not None else 0,
+            spool_pending=spool.pending_events if spool is not None else 0,
+            spool_torn_records=spool.torn_records if spool is not None else 0,
+            dropped=dict(self._dropped),
+            commands=self._commands.handed if self._commands is not None else 0,
+            last_success_ts=last_success_ts,
+        )
+
+    # -- process life cycle -----------------------------------------------------------------------
+
+    def _after_fork_in_child(self) -> None:
+        """The child of a fork becomes a new source ``<id>-<pid>`` with its own queue, worker and spool.
+
+        The parent keeps sending what it had queued; the child must neither re-send it nor share the
+        parent's sequence numbers, HTTP connection or spool folder.
+        """
+        was_closed = self._closed
+        self._queue.clear()  # the same deque object: emitters hold a reference to it
+        self._source = Source(
+            id=f"{self.config.source_id[:100]}-{os.getpid()}",
+            kind=self._source.kind,
+            model=self._source.model,
+        )
+        self.config = msgspec.structs.replace(self.config, source_id=self._source.id, seq_start=None)
+        self._log = LogOnce()
+        if was_closed:
+            self._init_state(None)
+            self._closed = self._shutdown_started = True
+            self._limit = 0
+            return
+        try:
+            spool = self._open_spool()
+        except SpoolError as exc:
+            spool = None
+            log.error("chunkledger exporter: no spool after fork: %s", exc)
+        self._init_state(spool)
+        self._start()
+
+
+def _after_fork() -> None:
+    for exporter in list(_live):
+        with contextlib.suppress(Exception):
+            exporter._after_fork_in_child()
+
+
+def _shutdown_all() -> None:
+    for exporter in list(_live):
+        with contextlib.suppress(Exception):
+            exporter.shutdown(exporter.config.shutdown_timeout_s)
+
+
+os.register_at_fork(after_in_child=_after_fork)
+atexit.register(_shutdown_all)

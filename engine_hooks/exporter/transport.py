@@ -1,0 +1,158 @@
+"""Transport: one POST of a batch to ``/v1/events`` and what its answer means (the status rules).
+
+=============================================  ==================  ======================================
+answer                                         ``Outcome``         the worker then
+=============================================  ==================  ======================================
+2xx                                            ``ACKED``           releases it (its commands are handed
+                                                                   over by the sender)
+connection error, timeout, 5xx, 408, 429,      ``RETRY``           retries a fresh batch, then spools it;
+401/403/404 (the ledger or our config is                           ``retry_after`` carries the ledger's
+wrong, not the batch: keep it)                                     ``Retry-After`` hint
+another 4xx, a merged replay of several        ``SPLIT``           sends its records again one per POST
+spool records
+another 4xx, one batch                         ``REJECTED``        drops it (counted, marker)
+=============================================  ==================  ======================================
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import threading
+from typing import NamedTuple
+
+import httpx
+
+from engine_hooks.config import ExporterConfig
+from engine_hooks.exporter.logonce import LogOnce
+from engine_hooks.exporter.stats import Counters
+
+_RETRY_STATUSES = frozenset({401, 403, 404, 408, 429})  # 401/403/404: the ledger or our config is wrong,
+# not the batch: keep it (spool) so that it is delivered once that is fixed, instead of dropping it.
+
+
+class Outcome(enum.Enum):
+    ACKED = "acked"  # the ledger stored the batch (now or before)
+    RETRY = "retry"  # not taken, try again later (error status, timeout, refused connection)
+    REJECTED = "rejected"  # refused for good (4xx): the batch is dropped
+    SPLIT = "split"  # a merged replay was refused: its records are sent again one per POST
+
+
+class SendResult(NamedTuple):
+    """What became of a POST: the outcome, the ledger's retry hint (s) and, when acked, its answer."""
+
+    outcome: Outcome
+    retry_after: float | None = None
+    content: bytes = b""
+
+
+FAILED = SendResult(Outcome.RETRY)
+
+
+def backoff(config: ExporterConfig, attempt: int, hint: float | None) -> float:
+    """Exponential backoff with equal jitter: half the delay fixed, half random; at least ``hint``."""
+    delay = min(config.backoff_max_s, config.backoff_initial_s * (2**attempt))
+    delay = delay / 2 + random.uniform(0, delay / 2)
+    return min(config.backoff_max_s, max(delay, hint or 0.0))
+
+
+def retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+class Transport:
+    """POSTs encoded batches to the ledger over one pooled client (``max_in_flight`` connections)."""
+
+    def __init__(self, config: ExporterConfig, counters: Counters, log: LogOnce):
+        self._config = config
+        self._counters = counters
+        self._log = log
+        headers = {"content-type": "application/json"}
+        if config.ingest_token:
+            headers["authorization"] = f"Bearer {config.ingest_token}"
+        self._client = httpx.Client(
+            headers=headers,
+            timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s),
+            limits=httpx.Limits(
+                max_connections=config.max_in_flight,  # one per sender (the poller has its own client)
+                max_keepalive_connections=config.max_in_flight,
+                keepalive_expiry=30.0,
+            ),
+            trust_env=False,
+        )
+
+    def send(self, body: bytes, *, attempts: int, records: int, stop: threading.Event) -> SendResult:
+        """POST ``body`` up to ``attempts`` times while it fails, with backoff; stops early on ``stop``."""
+        result = FAILED
+        for attempt in range(attempts):
+            result = self.post(body, records)
+            if result.outcome is not Outcome.RETRY or attempt + 1 == attempts:
+                break
+            with self._counters.lock:
+                self._counters.retried += 1
+            if stop.wait(backoff(self._config, attempt, result.retry_after)):
+                break  # shutting down: the worker spools it
+        return result
+
+    def post(self, body: bytes, records: int = 1) -> SendResult:
+        """One POST; ``records`` > 1: a merged replay, which a 4xx splits instead of rejecting."""
+        counters = self._counters
+        with counters.lock:
+            counters.attempts += 1
+        try:
+            response = self._client.post(self._config.events_url, content=body)
+        except httpx.HTTPError as exc:
+            with counters.lock:
+                counters.send_failures += 1
+            self._log(
+                logging.WARNING,
+                f"send:{type(exc).__name__}",
+                "chunkledger exporter: ledger at %s unreachable (%s: %s); retrying, then spooling",
+                self._config.url,
+                type(exc).__name__,
+                exc,
+            )
+            return FAILED
+        status = response.status_code
+        if 200 <= status < 300:
+            return SendResult(Outcome.ACKED, None, response.content)
+        with counters.lock:
+            counters.send_failures += 1
+        if status >= 500 or status in _RETRY_STATUSES:
+            self._log(
+                logging.ERROR if status in (401, 403, 404) else logging.WARNING,
+                f"status:{status}",
+                "chunkledger exporter: ledger answered HTTP %d (%s); retrying, then spooling",
+                status,
+                response.text[:200],
+            )
+            return SendResult(Outcome.RETRY, retry_after(response))
+        if records > 1:  # merged spool records: find the one it refuses, drop only that
+            self._log(
+                logging.WARNING,
+                f"split:{status}",
+                "chunkledger exporter: ledger refused a merged replay with HTTP %d (%s); sending its "
+                "%d batches one by one",
+                status,
+                response.text[:200],
+                records,
+            )
+            return SendResult(Outcome.SPLIT)
+        self._log(
+            logging.ERROR,
+            f"rejected:{status}",
+            "chunkledger exporter: ledger rejected a batch with HTTP %d (%s); dropping it",
+            status,
+            response.text[:200],
+        )
+        return SendResult(Outcome.REJECTED)
+
+    def close(self) -> None:
+        self._client.close()
