@@ -1,32 +1,96 @@
-"""A small HTTP client for the ledger's read API, used by the CLI (and usable from notebooks).
+"""The one HTTP client of the ledger's API: the CLI's commands and the dashboard use it (so can notebooks).
 
 While the service runs it owns the DuckDB file, so tools read through the API rather than the file.
+Errors come back as :class:`LedgerError`: ``status_code`` None when the ledger could not be reached,
+else the HTTP status with the ledger's ``reason`` (a short machine word, when it gives one) and
+``detail`` (for people; FastAPI's list of validation errors is flattened to ``field: message; ...``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 
-from ledger.defaults import DEFAULT_LEDGER_URL
+from ledger.defaults import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
 
 
 class LedgerError(RuntimeError):
     """The ledger answered with an error (its message says why) or could not be reached."""
 
-    def __init__(self, message: str, status_code: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status_code: int | None = None,
+        *,
+        reason: str | None = None,
+        detail: str | None = None,
+        body: Any = None,
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.reason = reason
+        self.detail = message if detail is None else detail
+        self.body = body  # the decoded error body, when it was JSON
+
+    @property
+    def unreachable(self) -> bool:
+        return self.status_code is None
+
+    @property
+    def label(self) -> str:
+        """``"422"`` or ``"400 not_read_only"``: the status and the ledger's reason."""
+        return f"{self.status_code} {self.reason}" if self.reason else str(self.status_code)
+
+
+def flatten_errors(errors: list[Any]) -> str:
+    """FastAPI's validation errors as ``field: message; ...`` (the location less its ``query``/``body``)."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', [])[1:])}: {e.get('msg')}" if isinstance(e, dict) else str(e)
+        for e in errors
+    )
+
+
+def error_from(response: httpx.Response) -> LedgerError:
+    """The :class:`LedgerError` for an error answer (its body must have been read)."""
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = None
+    reason = body.get("reason") if isinstance(body, dict) else None
+    detail: Any = body.get("detail", body) if isinstance(body, dict) else body
+    if detail is None:
+        detail = response.text.strip() or response.reason_phrase
+    if isinstance(detail, list):
+        detail = flatten_errors(detail)
+    detail = str(detail)
+    return LedgerError(
+        f"{response.status_code}: {detail}",
+        response.status_code,
+        reason=reason if isinstance(reason, str) else None,
+        detail=detail,
+        body=body,
+    )
 
 
 class LedgerClient:
-    def __init__(self, url: str | None = None, token: str | None = None, *, timeout_s: float = 30.0) -> None:
-        # CHUNKLEDGER_URL is what the exporters read; the same ledger serves both.
-        env_url = os.environ.get("CHUNKLEDGER_LEDGER_URL") or os.environ.get("CHUNKLEDGER_URL")
+    """``url``: else CHUNKLEDGER_LEDGER_URL, CHUNKLEDGER_URL, the default; ``token``: else the variable
+    ``token_env`` (the read token by default; the policy commands pass the admin token's)."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        token_env: str = "CHUNKLEDGER_READ_TOKEN",
+        timeout_s: float = 30.0,
+    ) -> None:
+        env_url = next((os.environ[v] for v in LEDGER_URL_ENV if os.environ.get(v)), None)
         self.url = (url or env_url or DEFAULT_LEDGER_URL).rstrip("/")
-        token = token if token is not None else os.environ.get("CHUNKLEDGER_READ_TOKEN", "")
+        token = token if token is not None else os.environ.get(token_env, "")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
 
@@ -39,23 +103,44 @@ class LedgerClient:
     def close(self) -> None:
         self._http.close()
 
-    def request(self, method: str, path: str, **kw: Any) -> Any:
-        if "params" in kw:
-            kw["params"] = {k: v for k, v in kw["params"].items() if v is not None}
+    def _unreachable(self, exc: httpx.HTTPError) -> LedgerError:
+        return LedgerError(f"cannot reach the ledger at {self.url}: {exc}")
+
+    def response(
+        self, method: str, path: str, *, params: dict[str, Any] | None = None, json: Any = None
+    ) -> httpx.Response:
+        """One call; the answer when its status is below 400, else :class:`LedgerError`."""
+        if params is not None:
+            params = {k: v for k, v in params.items() if v is not None}
         try:
-            r = self._http.request(method, path, **kw)
+            r = self._http.request(method, path, params=params, json=json)
         except httpx.HTTPError as exc:
-            raise LedgerError(f"cannot reach the ledger at {self.url}: {exc}") from None
+            raise self._unreachable(exc) from None
         if r.status_code >= 400:
-            try:
-                detail = r.json().get("detail", r.text)
-            except ValueError:
-                detail = r.text
-            raise LedgerError(f"{r.status_code}: {detail}", r.status_code)
-        return r.json()
+            raise error_from(r)
+        return r
+
+    def request(self, method: str, path: str, **kw: Any) -> Any:
+        """One call; its JSON answer."""
+        return self.response(method, path, **kw).json()
 
     def get(self, path: str, **params: Any) -> Any:
         return self.request("GET", path, params=params)
 
     def post(self, path: str, body: Any) -> Any:
         return self.request("POST", path, json=body)
+
+    @contextmanager
+    def stream(self, path: str, **params: Any) -> Iterator[httpx.Response]:
+        """A GET whose body is read as it arrives (``iter_bytes``); :class:`LedgerError` on an error
+        status, or when the connection fails before or while the body streams."""
+        try:
+            with self._http.stream(
+                "GET", path, params={k: v for k, v in params.items() if v is not None}
+            ) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise error_from(r)
+                yield r
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from None

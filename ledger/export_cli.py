@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from ledger.defaults import DEFAULT_LEDGER_URL
+from ledger.defaults import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
 
 if TYPE_CHECKING:
     from ledger.export import Window as ExportWindow
@@ -32,7 +32,7 @@ def export_command(
         str,
         typer.Option(
             "--ledger",
-            envvar=["CHUNKLEDGER_LEDGER_URL", "CHUNKLEDGER_URL"],
+            envvar=list(LEDGER_URL_ENV),
             help="running ledger to export through",
         ),
     ] = DEFAULT_LEDGER_URL,
@@ -94,45 +94,33 @@ def export_command(
 def _export_through(
     ledger: str, token: str | None, window: ExportWindow, out: Path, names: tuple[str, ...]
 ) -> dict[str, Any]:
-    import httpx
     import pyarrow.parquet as pq
 
-    from ledger.sql.cli import fail
+    from ledger.cli_errors import exit_for
+    from ledger.client import LedgerClient, LedgerError
 
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    params = {k: v for k, v in (("since", window.since), ("until", window.until)) if v is not None}
     manifest: dict[str, Any] = {
         "window": window.as_dict(),
         "exported_at": time.time(),
         "source": ledger,
         "tables": {},
     }
-    for table in names:
-        path = out / f"{table}.parquet"
-        tmp = path.with_name(path.name + ".part")
-        try:
-            with httpx.stream(
-                "GET",
-                f"{ledger.rstrip('/')}/v1/export/{table}.parquet",
-                params=params,
-                headers=headers,
-                timeout=3600.0,
-            ) as r:
-                if r.status_code >= 400:
-                    r.read()
-                    fail(r)
-                with open(tmp, "wb") as f:
+    with LedgerClient(ledger, token, timeout_s=3600.0) as client:
+        for table in names:
+            path = out / f"{table}.parquet"
+            tmp = path.with_name(path.name + ".part")
+            try:
+                with (
+                    client.stream(f"/v1/export/{table}.parquet", since=window.since, until=window.until) as r,
+                    open(tmp, "wb") as f,
+                ):
                     for chunk in r.iter_bytes():
                         f.write(chunk)
-            os.replace(tmp, path)
-        except httpx.HTTPError as exc:
-            typer.echo(
-                f"error: export of {table} from {ledger} failed ({exc}); is `chunkledger serve` running?",
-                err=True,
-            )
-            raise typer.Exit(2) from None
-        finally:
-            tmp.unlink(missing_ok=True)
-        rows = pq.read_metadata(path).num_rows
-        manifest["tables"][table] = {"file": path.name, "rows": rows, "bytes": path.stat().st_size}
+                os.replace(tmp, path)
+            except LedgerError as exc:
+                exit_for(exc)
+            finally:
+                tmp.unlink(missing_ok=True)
+            rows = pq.read_metadata(path).num_rows
+            manifest["tables"][table] = {"file": path.name, "rows": rows, "bytes": path.stat().st_size}
     return manifest

@@ -8,37 +8,28 @@ from typing import Annotated, Any
 import typer
 
 from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN_USEFUL_CHUNK
-from ledger.defaults import DEFAULT_LEDGER_URL
-
-LEDGER_ENV = ["CHUNKLEDGER_LEDGER_URL", "CHUNKLEDGER_URL"]
+from ledger.defaults import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
 
 
 def _via_http(url: str, token: str | None, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    import httpx
+    from ledger.client import LedgerClient, LedgerError
 
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        r = httpx.get(
-            f"{url.rstrip('/')}/v1/advice/chunk-size",
-            params={k: v for k, v in params.items() if v is not None},
-            headers=headers,
-            timeout=120.0,
-        )
-    except httpx.HTTPError as exc:
-        typer.echo(f"error: cannot reach the ledger at {url}: {exc} (start it, or pass --db)", err=True)
-        raise typer.Exit(2) from None
-    try:
-        body = r.json()
-    except ValueError:
-        body = {"detail": r.text[:500], "reason": f"http_{r.status_code}"}
-    if r.status_code == 422 and isinstance(body.get("detail"), list):  # FastAPI's parameter validation
-        body = {
-            "reason": "bad_parameter",
-            "detail": "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in body["detail"]),
-        }
-    elif r.status_code in (401, 403):
-        body = {"reason": "auth", "detail": f"{body.get('detail')} (pass --token or CHUNKLEDGER_READ_TOKEN)"}
-    return r.status_code, body
+        with LedgerClient(url, token, timeout_s=120.0) as client:
+            return 200, client.get("/v1/advice/chunk-size", **params)
+    except LedgerError as exc:
+        if exc.unreachable:
+            typer.echo(f"error: {exc} (start it, or pass --db)", err=True)
+            raise typer.Exit(2) from None
+        status = exc.status_code or 0
+        if not isinstance(exc.body, dict):
+            return status, {"detail": exc.detail[:500], "reason": f"http_{status}"}
+        if status == 422 and isinstance(exc.body.get("detail"), list):  # FastAPI's parameter validation
+            return status, {"reason": "bad_parameter", "detail": exc.detail}
+        if status in (401, 403):
+            hint = "pass --token or CHUNKLEDGER_READ_TOKEN"
+            return status, {"reason": "auth", "detail": f"{exc.detail} ({hint})"}
+        return status, exc.body
 
 
 def _via_db(url: str, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -78,7 +69,7 @@ def advise(
         str | None,
         typer.Option(
             help=f"ledger base URL (env CHUNKLEDGER_LEDGER_URL; default {DEFAULT_LEDGER_URL})",
-            envvar=LEDGER_ENV,
+            envvar=list(LEDGER_URL_ENV),
         ),
     ] = None,
     db: Annotated[

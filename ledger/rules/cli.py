@@ -18,19 +18,20 @@ if TYPE_CHECKING:
 
 def _live_policy(policy_file: str | None, ledger: str | None, token: str | None) -> Policy:
     """The policy to use: from the running ledger, else the policy file, else the defaults."""
-    import httpx
-
+    from ledger.client import LedgerClient, LedgerError
     from ledger.rules.policy import Policy, PolicyError, load_policy_file, parse_policy
 
     if ledger:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            r = httpx.get(f"{ledger.rstrip('/')}/v1/policy", headers=headers, timeout=10)
-        except httpx.HTTPError as exc:
-            raise PolicyError(f"cannot reach {ledger}: {exc}") from None
-        if r.status_code != 200:
-            raise PolicyError(f"GET {ledger}/v1/policy answered {r.status_code}: {r.text[:200]}")
-        return parse_policy(r.json()["policy"])
+            with LedgerClient(ledger, token, token_env="CHUNKLEDGER_ADMIN_TOKEN", timeout_s=10) as client:
+                answer = client.get("/v1/policy")
+        except LedgerError as exc:
+            if exc.unreachable:
+                raise PolicyError(str(exc)) from None
+            raise PolicyError(
+                f"GET {ledger}/v1/policy answered {exc.status_code}: {exc.detail[:200]}"
+            ) from None
+        return parse_policy(answer["policy"])
     if policy_file:
         return load_policy_file(policy_file)
     return Policy()

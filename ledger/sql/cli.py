@@ -7,11 +7,11 @@ imports the rest when one runs, so that the command line's help loads neither Du
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, NoReturn
+from typing import Annotated, Any, Literal
 
 import typer
 
-from ledger.defaults import DEFAULT_LEDGER_URL
+from ledger.defaults import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
 
 
 def query_command(
@@ -23,7 +23,7 @@ def query_command(
         str,
         typer.Option(
             "--ledger",
-            envvar=["CHUNKLEDGER_LEDGER_URL", "CHUNKLEDGER_URL"],
+            envvar=list(LEDGER_URL_ENV),
             help="ledger base URL (env CHUNKLEDGER_LEDGER_URL)",
         ),
     ] = DEFAULT_LEDGER_URL,
@@ -53,8 +53,14 @@ def query_command(
         raise typer.Exit(2) from None
     if max_rows is not None:
         body["max_rows"] = max_rows
-    answer = ledger_request("POST", ledger, "/v1/sql", token, json_body=body)
-    result = answer.json()
+    from ledger.cli_errors import exit_for
+    from ledger.client import LedgerClient, LedgerError
+
+    try:
+        with LedgerClient(ledger, token, timeout_s=3600.0) as client:
+            result = client.post("/v1/sql", body)
+    except LedgerError as exc:
+        exit_for(exc)
     if format == "json":
         typer.echo(json.dumps(result, ensure_ascii=False))
     elif format == "csv":
@@ -69,46 +75,6 @@ def query_command(
         else:
             why = "raise --max-rows or narrow the query"
         typer.echo(f"truncated at {len(result['rows'])} rows: {why}", err=True)
-
-
-def ledger_request(
-    method: str, ledger: str, path: str, token: str | None, *, json_body: Any = None, params: Any = None
-) -> Any:
-    """One call to the ledger's API; on an error status, the ledger's message on stderr and exit 1."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    url = ledger.rstrip("/") + path
-    try:
-        r = httpx.request(method, url, json=json_body, params=params, headers=headers, timeout=3600.0)
-    except httpx.HTTPError as exc:
-        typer.echo(
-            f"error: cannot reach the ledger at {ledger} ({exc}); is `chunkledger serve` running?", err=True
-        )
-        raise typer.Exit(2) from None
-    if r.status_code >= 400:
-        fail(r)
-    return r
-
-
-def fail(r: Any) -> NoReturn:
-    try:
-        payload = r.json()
-        detail = payload.get("detail", payload) if isinstance(payload, dict) else payload
-        reason = payload.get("reason") if isinstance(payload, dict) else None
-    except ValueError:
-        detail, reason = r.text.strip() or r.reason_phrase, None
-    if isinstance(detail, list):  # FastAPI validation errors: "field: message" each
-        detail = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', [])[1:])}: {e.get('msg')}"
-            if isinstance(e, dict)
-            else str(e)
-            for e in detail
-        )
-    label = f"{r.status_code} {reason}" if reason else str(r.status_code)
-    hint = " (pass --token or set CHUNKLEDGER_READ_TOKEN)" if r.status_code in (401, 403) else ""
-    typer.echo(f"error ({label}): {detail}{hint}", err=True)
-    raise typer.Exit(1)
 
 
 def sql_reader_command(
