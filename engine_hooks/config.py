@@ -15,18 +15,18 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from engine_hooks.settings import convert, from_environ, is_bool_field, parse_bool
+
 ENV_PREFIX = "CHUNKLEDGER_"
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
-NonNegFloat = Annotated[float, msgspec.Meta(ge=0, le=60)]
+PollWait = Annotated[float, msgspec.Meta(ge=0, le=60)]  # the ledger holds a command long-poll 60 s at most
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SOURCE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 
 
 class ConfigError(ValueError):
@@ -63,7 +63,7 @@ class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
     spool_segment_bytes: PositiveInt = 8 << 20  # the spool rolls to a new file past this size
     spool_fsync: bool = True  # fsync each spooled batch (survives a machine crash, not only a process crash)
 
-    command_poll_wait_s: NonNegFloat = 20.0  # with an on_command callback, long-poll GET /v1/commands
+    command_poll_wait_s: PollWait = 20.0  # with an on_command callback, long-poll GET /v1/commands
     # holding each poll this long, so commands arrive even while POSTs wait on a slow ledger commit or
     # nothing is emitted; 0: commands only ride on ingest answers
 
@@ -103,19 +103,13 @@ class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
     @classmethod
     def create(cls, **settings: Any) -> ExporterConfig:
         """Build from keyword arguments, raising :class:`ConfigError` with a readable message."""
-        return _convert(settings, names={k: k for k in settings})
+        return convert(cls, settings, {k: k for k in settings}, what="exporter setting", error=ConfigError)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ExporterConfig:
         """Build from ``CHUNKLEDGER_*`` variables; keyword ``overrides`` win over the environment."""
         env = os.environ if environ is None else environ
-        raw: dict[str, Any] = {}
-        names: dict[str, str] = {}
-        for field in msgspec.structs.fields(cls):
-            var = ENV_PREFIX + field.name.upper()
-            if var in env:
-                raw[field.name] = _parse_env_value(field.name, var, env[var])
-                names[field.name] = var
+        raw, names = from_environ(cls, ENV_PREFIX, env, _parse_env_value)
         for key, value in overrides.items():
             raw[key] = value
             names[key] = key
@@ -124,7 +118,7 @@ class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError(
                     f"{ENV_PREFIX}{required.upper()} is not set (or pass {required}=... to the exporter)"
                 )
-        return _convert(raw, names)
+        return convert(cls, raw, names, what="exporter setting", error=ConfigError)
 
 
 def _parse_env_value(name: str, var: str, value: str) -> Any:
@@ -133,13 +127,8 @@ def _parse_env_value(name: str, var: str, value: str) -> Any:
         return parse_size(value, var)
     if name in ("spool_dir", "model", "ingest_token", "seq_start"):
         return value if value.strip() else None
-    if name == "spool_fsync":
-        lowered = value.strip().lower()
-        if lowered in _TRUE:
-            return True
-        if lowered in _FALSE:
-            return False
-        raise ConfigError(f"{var} must be a boolean (1/0, true/false, yes/no, on/off), got {value!r}")
+    if is_bool_field(ExporterConfig, name):
+        return parse_bool(var, value, ConfigError)
     return value
 
 
@@ -152,21 +141,3 @@ def parse_size(value: str | int, what: str = "size") -> int:
         raise ConfigError(f"{what} must be a byte size like 1048576, 64KiB, 256MiB or 1G, got {value!r}")
     number, unit = match.groups()
     return int(number) * _SIZE_UNITS[(unit or "")[:1].lower()]
-
-
-def _convert(raw: dict[str, Any], names: Mapping[str, str]) -> ExporterConfig:
-    unknown = sorted(set(raw) - {f.name for f in msgspec.structs.fields(ExporterConfig)})
-    if unknown:
-        raise ConfigError(f"unknown exporter setting(s): {', '.join(unknown)}")
-    try:
-        return msgspec.convert(raw, ExporterConfig, strict=False)
-    except msgspec.ValidationError as exc:
-        message = str(exc)
-        match = re.search(r"at `\$\.(\w+)`", message)
-        if match:
-            field = match.group(1)
-            shown = names.get(field, field)
-            raise ConfigError(f"{shown}: {message.split(' - at ')[0]} (got {raw.get(field)!r})") from None
-        for field, shown in names.items():  # cross-field checks name fields: show the variable instead
-            message = re.sub(rf"\b{field}\b", shown, message)
-        raise ConfigError(f"invalid exporter settings: {message}") from None

@@ -7,6 +7,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from engine_hooks.settings import convert
+
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -52,17 +54,6 @@ class GatewayConfig(msgspec.Struct, kw_only=True, frozen=True):
     @classmethod
     def create(cls, **settings: Any) -> GatewayConfig:
         """Build from keywords; raises GatewayConfigError naming the setting that is wrong."""
-        unknown = sorted(set(settings) - set(cls.__struct_fields__))
-        if unknown:
-            raise GatewayConfigError(f"unknown gateway setting(s): {', '.join(unknown)}")
-        try:
-            return msgspec.convert(settings, cls, strict=False)
-        except msgspec.ValidationError as exc:
-            message = str(exc)
-            match = re.search(r"at `\$\.(\w+)`", message)
-            if match:
-                field = match.group(1)
-                raise GatewayConfigError(
-                    f"{field}: {message.split(' - at ')[0]} (got {settings.get(field)!r})"
-                ) from None
-            raise GatewayConfigError(f"invalid gateway settings: {message}") from None
+        return convert(
+            cls, settings, {k: k for k in settings}, what="gateway setting", error=GatewayConfigError
+        )

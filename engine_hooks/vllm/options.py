@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from engine_hooks.config import ConfigError
+from engine_hooks.settings import convert, from_environ, is_bool_field, parse_bool
 
 ENV_PREFIX = "CHUNKLEDGER_VLLM_"
 
@@ -84,30 +85,15 @@ class LedgerOptions(msgspec.Struct, kw_only=True, frozen=True):
     ) -> LedgerOptions:
         """Options from ``CHUNKLEDGER_VLLM_*`` variables, then ``extra`` (additional_config) on top."""
         env = os.environ if environ is None else environ
-        raw: dict[str, Any] = {}
-        names: dict[str, str] = {}
-        fields = {f.name for f in msgspec.structs.fields(cls)}
-        for name in fields:
-            var = ENV_PREFIX + name.upper()
-            if var in env:
-                raw[name] = _parse_bool(var, env[var]) if name in _BOOLS else env[var]
-                names[name] = var
+        raw, names = from_environ(cls, ENV_PREFIX, env, _parse_env_value)
+        fields = set(cls.__struct_fields__)
         for key, value in (extra or {}).items():
             if key not in fields:
                 known = ", ".join(sorted(fields))
                 raise ConfigError(f"additional_config.chunkledger.{key}: unknown option (known: {known})")
             raw[key] = value
             names[key] = f"additional_config.chunkledger.{key}"
-        try:
-            opts = msgspec.convert(raw, cls, strict=False)
-        except msgspec.ValidationError as exc:
-            message = str(exc)
-            for field, shown in names.items():
-                if f"`$.{field}`" in message:
-                    raise ConfigError(
-                        f"{shown}: {message.split(' - at ')[0]} (got {raw.get(field)!r})"
-                    ) from None
-            raise ConfigError(f"invalid chunkledger vLLM options: {message}") from None
+        opts = convert(cls, raw, names, what="chunkledger vLLM option", error=ConfigError)
         for name in _NEED_RESERVE:
             if getattr(opts, name) and not opts.admission_reserve:
                 shown = names.get(name, name)
@@ -118,20 +104,13 @@ class LedgerOptions(msgspec.Struct, kw_only=True, frozen=True):
         return opts
 
 
-_BOOLS = {"kv_idle_victim", "token_ids", "admission_arrivals_first"}
 # options that do nothing without admission_reserve
 _NEED_RESERVE = ("admission_step_target_s", "admission_arrivals_first")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
 
 
-def _parse_bool(var: str, value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise ConfigError(f"{var} must be a boolean (1/0, true/false, yes/no, on/off), got {value!r}")
+def _parse_env_value(name: str, var: str, value: str) -> Any:
+    """Booleans parsed here (an empty value is false); numbers are left to msgspec's lax conversion."""
+    return parse_bool(var, value, ConfigError, empty=False) if is_bool_field(LedgerOptions, name) else value
 
 
 __all__ = ["LedgerOptions"]
