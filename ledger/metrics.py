@@ -19,7 +19,6 @@ from prometheus_client.registry import Collector
 from ledger.rules.rules import RULE_NAMES
 
 LAYERS = ("entry", "admission", "backend_wait", "frontend", "engine_queue", "prefill", "decode", "delivery")
-ACTIONS = ("abort", "slow_pool", "non_preemptible", "promote")
 _RULE_ACTIONS = {
     "preemption_limit": ("slow_pool", "non_preemptible"),
     "forced_wait_limit": ("slow_pool", "non_preemptible"),

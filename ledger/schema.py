@@ -143,7 +143,9 @@ requests = sa.Table(
 
 # Indexes that only PostgreSQL gets: on DuckDB the unique (source_id, seq) is enforced by the single
 # writer (high-water mark plus a range check), and request lookups scan with zone maps; an ART index
-# over tens of millions of rows would cost the append path more than it saves.
+# over tens of millions of rows would cost the append path more than it saves. Building an ``sa.Index``
+# attaches it to its table, so the metadata (and the migration check against it) knows them; nothing
+# reads the tuple itself.
 PG_ONLY_INDEXES = (
     sa.Index("events_source_seq_key", events.c.source_id, events.c.seq, unique=True),
     sa.Index("events_request_id_idx", events.c.request_id),

@@ -40,9 +40,6 @@ from ledger.webhooks.outbox import Webhooks
 
 log = logging.getLogger(__name__)
 
-# A batch to observe, the late events to observe instead (None: on arrival), and its completion.
-_IntakeItem = tuple[ev.Batch, list[Any] | None, concurrent.futures.Future[list[Any]]]
-
 OBSERVE_DELAY_S = 3.0  # wait this long after the engine's finish before reading the row (gateway end)
 _VIEW_COLUMNS = (
     "request_id, model, output_tokens, entry_s, admission_s, backend_wait_s, frontend_s, engine_queue_s, "

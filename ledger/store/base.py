@@ -34,7 +34,6 @@ from ledger.fold import AGGREGATES, SUM_COLUMNS, Row, fold_into, fold_steps
 EVENT_COLUMNS = [c.name for c in schema.events.columns]
 STEP_COLUMNS = [c.name for c in schema.steps.columns]
 STEP_FIELDS = [c for c in STEP_COLUMNS if c not in ("source_id", "interval_s")]  # copied from the Step as is
-REQUEST_COLUMNS = [c.name for c in schema.request_rows.columns]
 
 
 @dataclass
