@@ -17,6 +17,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ledger.rules.rules import RULE_NAMES
+from ledger.rules.slo import itl_of
 
 LAYERS = ("entry", "admission", "backend_wait", "frontend", "engine_queue", "prefill", "decode", "delivery")
 _RULE_ACTIONS = {
@@ -243,14 +244,6 @@ class LedgerMetrics:
         if itl is not None:
             self.itl_seconds.labels(model).observe(itl)
         self.requests_finished.labels(model).inc()
-
-
-def itl_of(row: dict[str, object]) -> float | None:
-    """Mean inter-token latency of a request: decode time over the gaps between its output tokens."""
-    decode, n = row.get("decode_s"), row.get("output_tokens")
-    if isinstance(decode, (int, float)) and isinstance(n, int) and n > 1 and decode >= 0:
-        return float(decode) / (n - 1)
-    return None
 
 
 def set_advised_chunk(model: str, tokens: int) -> None:

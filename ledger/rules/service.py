@@ -26,17 +26,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from engine_hooks import events as ev
-from ledger.metrics import LedgerMetrics, itl_of
 from ledger.rules import rules as R
 from ledger.rules.commands import CommandBook, Pending
 from ledger.rules.engine import Decision, RuleEngine
 from ledger.rules.policy_store import PolicyStore
+from ledger.rules.slo import SloMonitor, itl_of
 from ledger.webhooks.outbox import Webhooks
+
+if TYPE_CHECKING:  # the app hands the service its metrics: the rules do not import them
+    from ledger.metrics import LedgerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -45,62 +48,6 @@ _VIEW_COLUMNS = (
     "request_id, model, output_tokens, entry_s, admission_s, backend_wait_s, frontend_s, engine_queue_s, "
     "prefill_s, decode_s, delivery_s, e2e_s, ttft_s, client_ttft_s"
 )
-
-
-class SloMonitor:
-    """Per model, p99 TTFT and mean-ITL over a sliding window of finished requests, with hysteresis.
-
-    Fires when the p99 exceeds the target (with at least ``min_samples`` requests in the window) and
-    resolves only when it drops below ``target * clear_ratio``: a p99 hovering at the target does not
-    flap.
-    """
-
-    def __init__(self) -> None:
-        self.samples: dict[str, deque[tuple[float, float | None, float | None]]] = {}
-        self.firing: set[tuple[str, str]] = set()
-
-    def add(self, model: str, now: float, ttft: float | None, itl: float | None) -> None:
-        dq = self.samples.get(model)
-        if dq is None:
-            dq = self.samples[model] = deque(maxlen=50_000)
-        dq.append((now, ttft, itl))
-
-    def check(self, policy: Any, now: float) -> list[dict[str, Any]]:
-        alerts = policy.alerts
-        out = []
-        for model, dq in self.samples.items():
-            while dq and dq[0][0] < now - alerts.slo_window_s:
-                dq.popleft()
-            slo = policy.slo_for(model)
-            for metric, target, idx in (("ttft", slo.ttft_p99_s, 1), ("itl", slo.itl_p99_s, 2)):
-                key = (model, metric)
-                if target is None:
-                    self.firing.discard(key)
-                    continue
-                values = sorted(x for v in dq if (x := v[idx]) is not None)
-                if len(values) < alerts.slo_min_samples:
-                    continue
-                p99 = values[min(len(values) - 1, int(0.99 * len(values)))]
-                state = None
-                if key not in self.firing and p99 > target:
-                    self.firing.add(key)
-                    state = "firing"
-                elif key in self.firing and p99 < target * alerts.slo_clear_ratio:
-                    self.firing.discard(key)
-                    state = "resolved"
-                if state is not None:
-                    out.append(
-                        {
-                            "model": model,
-                            "metric": metric,
-                            "state": state,
-                            "p99_s": p99,
-                            "target_s": target,
-                            "samples": len(values),
-                            "window_s": alerts.slo_window_s,
-                        }
-                    )
-        return out
 
 
 class RunawayService:
