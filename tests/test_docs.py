@@ -125,6 +125,22 @@ def test_relative_links_point_to_files_that_exist(path: Path):
     assert not broken, f"{path.relative_to(ROOT)} links to missing files: {broken}"
 
 
+_REPO_PATH = re.compile(
+    r"`((?:ledger|engine_hooks|dashboard|bench|tools|scripts|tests|deploy|migrations|docs)/[\w./-]+"
+    r"\.(?:py|md|sh|toml|yml|yaml|json|ini))`"
+)
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in _markdown_files() if p.name != "CHANGELOG.md"], ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_file_paths_named_in_the_docs_exist(path: Path):
+    """A path in backticks (`ledger/sql/cli.py`) names a file of this repository that exists (the
+    CHANGELOG is history: it may name files that are gone)."""
+    missing = sorted({m[1] for m in _REPO_PATH.finditer(path.read_text()) if not (ROOT / m[1]).exists()})
+    assert not missing, f"{path.relative_to(ROOT)} names files that do not exist: {missing}"
+
+
 def test_no_file_mentions_the_retired_architecture_page():
     name = "ARCHITECTURE" + ".md"  # split, so this file does not match itself
 

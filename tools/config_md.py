@@ -52,7 +52,7 @@ OTHER: tuple[tuple[str, str, str, str, str], ...] = (
         "str",
         "unset",
         "`chunkledger sql-reader --password`: the password of the read-only PostgreSQL role it creates",
-        "ledger/sql.py",
+        "ledger/sql/cli.py",
     ),
     (
         "CHUNKLEDGER_ENGINE_DEVICE",
@@ -297,7 +297,7 @@ def render() -> str:
         "From `dashboard.data.Settings.from_env`; `chunkledger dashboard` sets them from its flags.",
         dashboard_table(),
         "### Client commands and engine settings",
-        "Read where they are used: the client commands in `ledger/client.py` and `ledger/sql.py`, the "
+        "Read where they are used: the client commands in `ledger/client.py` and `ledger/sql/cli.py`, the "
         "engine settings in `engine_hooks/vllm/cpu.py` (`python -m engine_hooks.vllm.cpu` prints them).",
         other_table(),
     ]
