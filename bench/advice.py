@@ -10,18 +10,22 @@ robust fit and the advice) and its parts, side by side for each backend in one r
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import sqlalchemy as sa
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ (the synthetic step model)
 
 from engine_hooks import events as ev
 from ledger.advice.advisor import Advisor
 from ledger.advice.query import read_steps
 from ledger.advice.service import chunk_size_advice
-from ledger.advice.synthetic import MEASURED_CPU, synthetic_steps
 from ledger.store import open_store
+from tools.synthetic_steps import MEASURED_CPU, synthetic_steps
 
 SOURCE = ev.Source(id="bench-engine", kind="engine", model="bench-model")
 

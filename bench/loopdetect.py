@@ -1,6 +1,6 @@
 """Loop-detector benchmark: the live rule side by side with vLLM's repetition detection and a brute force.
 
-On the shipped corpus (``ledger.rules.corpus``: legitimate outputs with repetition of every kind, exact
+On the shipped corpus (``tools.loop_corpus``: legitimate outputs with repetition of every kind, exact
 loops with log-uniform periods 1..512 after up to ~3,000 tokens of normal text, drifting loops and
 near-loops) it prints, per detector: false positives on the legitimate outputs, recall, and the delay
 (tokens of the loop produced before the cut, ``at - onset + 1``) p50/p90, also by period octave, and the
@@ -37,9 +37,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ledger.rules.corpus import Sample, legit_corpus, loop_corpus, near_loop_corpus
 from ledger.rules.loop import LoopDetector, exact_detector, near_detector
 from ledger.rules.policy import LoopSettings, NearLoopSettings
+from tools.loop_corpus import Sample, legit_corpus, loop_corpus, near_loop_corpus
 
 
 def brute_force_first_hit(

@@ -5,8 +5,6 @@
 * ``query``     the steps of one model or source over a window (both backends);
 * ``report``    the table the CLI prints;
 * ``profile``   drives a real engine with controlled chunk sizes, depths and decode loads;
-* ``synthetic`` step events from a known cost model (tests, benchmarks, demos).
-
 * ``service``   ``chunk_size_advice``: the one call the API and the CLI (``--db``) share;
 * ``defaults``  the defaults the CLI's options and the API's parameters show (no heavy imports).
 

@@ -1,6 +1,6 @@
 """Chunk-size advice: the step-time fit, the advisor, and the advice over stored steps on both backends.
 
-Ground truths come from ``ledger.advice.synthetic``: the seed's worked example (a linear cost with
+Ground truths come from ``tools.synthetic_steps``: the seed's worked example (a linear cost with
 decode 10 ms at the p99 batch) and the figures measured on vLLM/CPU in issue 5. Steps are stored
 through the real write path (``Store.write``) and read back by the advice query.
 """
@@ -15,8 +15,8 @@ from engine_hooks import events as ev
 from ledger.advice.advisor import AdviceError, Advisor
 from ledger.advice.fit import FitError, StepData, fit_step_time
 from ledger.advice.service import chunk_size_advice
-from ledger.advice.synthetic import MEASURED_CPU, WORKED_EXAMPLE, LinearCost, MeasuredCost, synthetic_steps
 from ledger.store import Store, open_store
+from tools.synthetic_steps import MEASURED_CPU, WORKED_EXAMPLE, LinearCost, MeasuredCost, synthetic_steps
 
 MEASURED_SIZES = (256, 512, 1024, 2048)
 MEASURED_BATCHES = (1, 8, 32, 64, 128)

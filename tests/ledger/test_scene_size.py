@@ -11,7 +11,7 @@ import pytest
 from bench.head_of_line import summary
 from ledger.advice.fit import StepData, fit_step_time
 from ledger.advice.scene import overloaded, prefill_s, size_scene
-from ledger.advice.synthetic import LinearCost, synthetic_steps
+from tools.synthetic_steps import LinearCost, synthetic_steps
 
 # a CPU-like engine: 5 ms a step, 40 us a prefill token, 50 ns per token of depth, 0.1 ms a decode
 CPU = LinearCost(a_ms=5.0, b_ms_per_token=0.04, c_ms_per_token_depth=5e-5, d_ms_per_decode=0.1)

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.loopdetect import brute_force_first_hit, vllm_rule
-from ledger.rules.corpus import legit_corpus, loop_corpus, near_loop_corpus, tokenize
 from ledger.rules.loop import exact_detector, find_loop, near_detector
 from ledger.rules.policy import LoopSettings, NearLoopSettings
+from tools.loop_corpus import legit_corpus, loop_corpus, near_loop_corpus, tokenize
 
 D = LoopSettings()
 NEAR = NearLoopSettings(enabled=True)
