@@ -33,6 +33,7 @@ from engine_hooks.gateway import cli as gateway_cli  # noqa: E402
 from engine_hooks.gateway.config import GatewayConfig  # noqa: E402
 from engine_hooks.vllm import options as vllm_options  # noqa: E402
 from ledger.config import Settings  # noqa: E402
+from tools.markers import replace_between  # noqa: E402
 
 PAGE = ROOT / "docs" / "reference" / "configuration.md"
 BEGIN, END = "<!-- config:begin -->", "<!-- config:end -->"
@@ -306,15 +307,7 @@ def render() -> str:
 
 def write(page: Path = PAGE) -> bool:
     """Replace the block between the markers; True when the page changed."""
-    text = page.read_text()
-    head, sep, rest = text.partition(BEGIN + "\n")
-    _, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise SystemExit(f"{page} lacks the {BEGIN} ... {END} markers")
-    new = head + BEGIN + "\n" + render() + END + tail
-    if new != text:
-        page.write_text(new)
-    return new != text
+    return replace_between(page, BEGIN, END, render())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine_hooks import events as ev  # noqa: E402
+from tools.markers import replace_between  # noqa: E402
 
 PAGE = ROOT / "docs" / "reference" / "events.md"
 BEGIN, END = "<!-- contract:begin -->", "<!-- contract:end -->"
@@ -125,15 +126,7 @@ def render() -> str:
 
 def write(page: Path = PAGE) -> bool:
     """Replace the block between the markers; True when the page changed."""
-    text = page.read_text()
-    head, sep, rest = text.partition(BEGIN + "\n")
-    _, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise SystemExit(f"{page} lacks the {BEGIN} ... {END} markers")
-    new = head + BEGIN + "\n" + render() + END + tail
-    if new != text:
-        page.write_text(new)
-    return new != text
+    return replace_between(page, BEGIN, END, render())
 
 
 def main(argv: list[str] | None = None) -> None:
