@@ -16,6 +16,7 @@ import ast
 import importlib.metadata as md
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,9 +119,27 @@ def test_the_command_line_loads_no_heavy_library_so_help_is_quick():
 # -- fresh environments -------------------------------------------------------------------------------
 
 
+def _source_copy(dest: Path) -> Path:
+    """The checkout's files (tracked, and untracked but not ignored) copied to ``dest``: the wheel is
+    built from what a clone has, never from a stale ``build/`` folder or other ignored files."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, (n.decode() for n in listed)):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    source = _source_copy(tmp_path_factory.mktemp("source"))
     subprocess.run(
         [
             sys.executable,
@@ -132,7 +151,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--no-deps",
             "-w",
             str(out),
-            str(ROOT),
+            str(source),
         ],
         check=True,
         capture_output=True,
