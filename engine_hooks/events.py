@@ -51,6 +51,10 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Ratio = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
+# The key under which a gateway passes its request id to vLLM: ``vllm_xargs`` in the OpenAI request
+# body, which vLLM copies into ``SamplingParams.extra_args``; the engine plugin keys events by it.
+XARGS_KEY = "chunkledger_request_id"
+
 FinishReason = Literal["stop", "length", "abort", "cutoff", "error"]
 CommandAction = Literal["abort", "slow_pool", "non_preemptible", "promote"]
 

@@ -1,4 +1,6 @@
-"""What the gateway writes itself: OpenAI-style errors and the last chunk of a stream it ends.
+"""What the gateway writes itself: OpenAI-style errors, the last chunk of a stream it ends, and the
+ASGI messages of a whole response; plus what it reads in the upstream's bytes (finish reasons, choices,
+SSE event boundaries).
 
 Everything else the client receives is the upstream's bytes, unchanged.
 """
@@ -10,6 +12,9 @@ import time
 from typing import Any
 
 import msgspec
+
+from engine_hooks.events import Command
+from engine_hooks.gateway.exchange import Send
 
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
@@ -27,6 +32,39 @@ def error_object(
 def error_body(message: str, type_: str, code: int | str | None, param: str | None = None) -> bytes:
     """``{"error": {...}}`` as the OpenAI API answers errors."""
     return _encode({"error": error_object(message, type_, code, param)})
+
+
+def cut_error(command: Command) -> dict[str, Any]:
+    """The error object of an answer to a cutoff command."""
+    detail = f": {command.detail}" if command.detail else ""
+    return error_object(
+        f"the request was cut off by the chunkledger rule '{command.rule}'{detail}",
+        "chunkledger_cutoff",
+        command.rule,
+    )
+
+
+async def send_all(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    """A whole response: its head and its body, in two ASGI messages."""
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_json(
+    send: Send,
+    status: int,
+    body: bytes,
+    request_id: str | None = None,
+    id_header: bytes = b"x-request-id",
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """A whole JSON response, with the request id in ``id_header`` when there is one."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if request_id is not None:
+        headers.append((id_header, request_id.encode()))
+    if extra:
+        headers.extend(extra)
+    await send_all(send, status, headers, body)
 
 
 def last_finish_reason(data: bytes) -> str | None:

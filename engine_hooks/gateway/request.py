@@ -1,0 +1,123 @@
+"""The client's request as the gateway reads it: the body (at most 64 MiB), the request id and priority
+headers, the JSON fields the gateway acts on, and the headers that go upstream with it."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from engine_hooks.gateway.exchange import Receive
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding"}
+_REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,256}$")  # visible ASCII: fits a header and the contract
+_MAX_BODY = 64 << 20
+_decode = msgspec.json.decode
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class Disconnected(Exception):
+    """The client went away before its request body was read."""
+
+
+async def read_body(receive: Receive) -> bytes:
+    """The whole request body. Raises Disconnected (the client left) or BadRequest (over 64 MiB)."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise Disconnected
+        chunk = message.get("body", b"")
+        if chunk:
+            parts.append(chunk)
+            size += len(chunk)
+            if size > _MAX_BODY:
+                raise BadRequest(f"the request body is larger than {_MAX_BODY >> 20} MiB")
+        if not message.get("more_body", False):
+            return b"".join(parts) if len(parts) != 1 else parts[0]
+
+
+def parse_request_id(value: bytes, header: str) -> str:
+    text = value.decode("latin-1")
+    if not _REQUEST_ID_RE.match(text):
+        raise BadRequest(
+            f"header {header} must be 1-256 visible ASCII characters, got {text[:300]!r}", header
+        )
+    return text
+
+
+def parse_priority(value: bytes | None, header: str) -> int:
+    if value is None:
+        return 0
+    try:
+        number = int(value)
+    except ValueError:
+        raise BadRequest(
+            f"header {header} must be an integer (lower runs first), got {value[:100]!r}", header
+        ) from None
+    if not -(2**31) <= number < 2**31:
+        raise BadRequest(f"header {header} must be a 32-bit integer, got {number}", header)
+    return number
+
+
+def parse_body(body: bytes) -> tuple[dict[str, Any], bool, int]:
+    """The JSON request object, whether it streams, and how many choices it asks for."""
+    try:
+        payload = _decode(body)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(payload).__name__}")
+    stream = payload.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest(f"stream must be a boolean, got {stream!r}", "stream")
+    choices = payload.get("n", 1)
+    if choices is None:
+        choices = 1
+    if not isinstance(choices, int) or isinstance(choices, bool) or not 1 <= choices <= 128:
+        raise BadRequest(f"n must be an integer from 1 to 128, got {choices!r}", "n")
+    xargs = payload.get("vllm_xargs")
+    if xargs is not None and not isinstance(xargs, dict):
+        raise BadRequest(f"vllm_xargs must be an object, got {type(xargs).__name__}", "vllm_xargs")
+    return payload, stream, choices
+
+
+def upstream_headers(
+    headers: list[tuple[bytes, bytes]], id_header: bytes, request_id: str, stream: bool
+) -> list[tuple[bytes, bytes]]:
+    """Client headers minus hop-by-hop ones, plus the request id. A stream is asked for unencoded, so
+    that the gateway can append its own final event; other bodies keep the client's accept-encoding."""
+    out = []
+    encoding = b"identity"
+    for name, value in headers:
+        if name in DROP_REQUEST or name == id_header:
+            if name == b"accept-encoding" and not stream:
+                encoding = value
+            continue
+        out.append((name, value))
+    out.append((b"accept-encoding", encoding))
+    out.append((id_header, request_id.encode()))
+    return out
