@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from ledger.api import advice as advice_api
-from ledger.api import analytics, events, health, openapi, requests
+from ledger.api import analytics, errors, events, health, openapi, requests
 from ledger.api import commands as commands_api
 from ledger.api import metrics as metrics_api
 from ledger.api import policy as policy_api
@@ -107,6 +107,7 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = LedgerMetrics()
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)
+    errors.install(app)  # one error body on every route: {"reason", "detail", "errors"?}
     app.include_router(health.router)
     app.include_router(events.router)
     app.include_router(requests.router)

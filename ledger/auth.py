@@ -12,6 +12,16 @@ from ledger.config import Settings
 Role = Literal["ingest", "read", "admin"]
 
 
+class AuthError(HTTPException):
+    """A refused token: 401 (``missing_token``, ``unknown_token``) or 403 (``forbidden``). The API's
+    error handler sends ``reason`` with the detail (``ledger.api.errors``)."""
+
+    def __init__(self, status_code: int, detail: str, reason: str) -> None:
+        headers = {"WWW-Authenticate": "Bearer"} if status_code == status.HTTP_401_UNAUTHORIZED else None
+        super().__init__(status_code, detail=detail, headers=headers)
+        self.reason = reason
+
+
 def _tokens_for(settings: Settings, role: Role) -> list[str]:
     if role == "ingest":
         return [settings.ingest_token, settings.admin_token]
@@ -31,16 +41,14 @@ def check(settings: Settings, request: Request, role: Role) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
-        raise HTTPException(
+        raise AuthError(
             status.HTTP_401_UNAUTHORIZED,
-            detail=f"missing bearer token: this endpoint needs the {role} token",
-            headers={"WWW-Authenticate": "Bearer"},
+            f"missing bearer token: this endpoint needs the {role} token",
+            "missing_token",
         )
     if any(t and hmac.compare_digest(token.encode(), t.encode()) for t in _tokens_for(settings, role)):
         return
     all_tokens = [settings.ingest_token, settings.read_token, settings.admin_token]
     if any(t and hmac.compare_digest(token.encode(), t.encode()) for t in all_tokens):
-        raise HTTPException(status.HTTP_403_FORBIDDEN, detail=f"this token may not use {role} endpoints")
-    raise HTTPException(
-        status.HTTP_401_UNAUTHORIZED, detail="unknown bearer token", headers={"WWW-Authenticate": "Bearer"}
-    )
+        raise AuthError(status.HTTP_403_FORBIDDEN, f"this token may not use {role} endpoints", "forbidden")
+    raise AuthError(status.HTTP_401_UNAUTHORIZED, "unknown bearer token", "unknown_token")

@@ -2,8 +2,9 @@
 
 While the service runs it owns the DuckDB file, so tools read through the API rather than the file.
 Errors come back as :class:`LedgerError`: ``status_code`` None when the ledger could not be reached,
-else the HTTP status with the ledger's ``reason`` (a short machine word, when it gives one) and
-``detail`` (for people; FastAPI's list of validation errors is flattened to ``field: message; ...``).
+else the HTTP status with the ledger's ``reason`` (a short machine word, when it gives one), ``detail``
+(for people; a list of validation errors is flattened to ``field: message; ...``) and ``errors`` (the
+list, where the ledger sent one: FastAPI's validation errors, a refused batch's per-event errors).
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ class LedgerError(RuntimeError):
         reason: str | None = None,
         detail: str | None = None,
         body: Any = None,
+        errors: list[Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.reason = reason
         self.detail = message if detail is None else detail
         self.body = body  # the decoded error body, when it was JSON
+        self.errors = errors  # the body's list of errors, when it has one
 
     @property
     def unreachable(self) -> bool:
@@ -46,12 +49,18 @@ class LedgerError(RuntimeError):
         return f"{self.status_code} {self.reason}" if self.reason else str(self.status_code)
 
 
+def _flat(e: Any) -> str:
+    if not isinstance(e, dict):
+        return str(e)
+    if "loc" not in e and "field" in e:  # a refused batch's error: {index, field, reason}
+        return f"{e['field']}: {e.get('reason')}"
+    return f"{'.'.join(str(p) for p in e.get('loc', [])[1:])}: {e.get('msg')}"
+
+
 def flatten_errors(errors: list[Any]) -> str:
-    """FastAPI's validation errors as ``field: message; ...`` (the location less its ``query``/``body``)."""
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', [])[1:])}: {e.get('msg')}" if isinstance(e, dict) else str(e)
-        for e in errors
-    )
+    """Errors as ``field: message; ...``: FastAPI's (the location less its ``query``/``body``) or a
+    refused batch's."""
+    return "; ".join(_flat(e) for e in errors)
 
 
 def error_from(response: httpx.Response) -> LedgerError:
@@ -61,10 +70,14 @@ def error_from(response: httpx.Response) -> LedgerError:
     except ValueError:
         body = None
     reason = body.get("reason") if isinstance(body, dict) else None
-    detail: Any = body.get("detail", body) if isinstance(body, dict) else body
+    errors = body.get("errors") if isinstance(body, dict) else None
+    if not isinstance(errors, list):
+        errors = None
+    detail: Any = body.get("detail", errors or body) if isinstance(body, dict) else body
     if detail is None:
         detail = response.text.strip() or response.reason_phrase
     if isinstance(detail, list):
+        errors = errors if errors is not None else detail
         detail = flatten_errors(detail)
     detail = str(detail)
     return LedgerError(
@@ -73,6 +86,7 @@ def error_from(response: httpx.Response) -> LedgerError:
         reason=reason if isinstance(reason, str) else None,
         detail=detail,
         body=body,
+        errors=errors,
     )
 
 

@@ -24,8 +24,6 @@ def _via_http(url: str, token: str | None, params: dict[str, Any]) -> tuple[int,
         status = exc.status_code or 0
         if not isinstance(exc.body, dict):
             return status, {"detail": exc.detail[:500], "reason": f"http_{status}"}
-        if status == 422 and isinstance(exc.body.get("detail"), list):  # FastAPI's parameter validation
-            return status, {"reason": "bad_parameter", "detail": exc.detail}
         if status in (401, 403):
             hint = "pass --token or CHUNKLEDGER_READ_TOKEN"
             return status, {"reason": "auth", "detail": f"{exc.detail} ({hint})"}

@@ -11,9 +11,11 @@ from fastapi.responses import JSONResponse
 from ledger.advice.advisor import AdviceError
 from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN_USEFUL_CHUNK
 from ledger.advice.service import chunk_size_advice
+from ledger.api import errors
 from ledger.api.deps import StoreDep, require
+from ledger.api.models import ChunkSizeAdvice
 
-router = APIRouter(dependencies=[require("read")])
+router = APIRouter(prefix="/v1", tags=["advice"], dependencies=[require("read")])
 
 
 def _publish(model: str | None, tokens: int) -> None:
@@ -27,7 +29,11 @@ def _publish(model: str | None, tokens: int) -> None:
         setter(model or "", tokens)
 
 
-@router.get("/v1/advice/chunk-size", response_model=None)
+@router.get(
+    "/advice/chunk-size",
+    response_model=None,
+    responses={200: {"model": ChunkSizeAdvice}, **errors.responses(*errors.AUTH, 404, 409, 422)},
+)
 def chunk_size(
     store: StoreDep,
     itl_target_ms: float = Query(gt=0, le=600_000, description="the inter-token latency p99 to stay within"),
@@ -48,9 +54,8 @@ def chunk_size(
     ),
 ) -> dict[str, Any] | JSONResponse:
     if store.dialect == "null":
-        return JSONResponse(
-            {"detail": "this ledger stores nothing (null://): no steps to fit", "reason": "too_little_data"},
-            status_code=409,
+        return errors.error_response(
+            409, "this ledger stores nothing (null://): no steps to fit", reason="too_little_data"
         )
     try:
         advice = chunk_size_advice(
@@ -66,6 +71,6 @@ def chunk_size(
             min_chunk=min_chunk,
         )
     except AdviceError as exc:
-        return JSONResponse({"detail": str(exc), "reason": exc.reason, **exc.details}, status_code=exc.status)
+        return errors.error_response(exc.status, str(exc), reason=exc.reason, **exc.details)
     _publish(advice["window"]["model"], advice["prefill_tokens_per_step"])
     return advice

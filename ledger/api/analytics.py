@@ -1,7 +1,8 @@
 """Read-only analytics endpoints (read token): attribution, request lists, ITL, why, KV stalls.
 
 Every handler is a thin wrapper over a named query in ``ledger.analytics.queries``; parameter errors
-answer 422 naming the field, like the ingest endpoint.
+answer 422 naming the field, like the ingest endpoint. The answers can hold thousands of rows: their
+models are documented, and the rows are sent as the queries return them (no validation per request).
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, HTTPException, Path, Query, status
+from fastapi import APIRouter, Path, Query, Response, status
 
 from ledger.analytics import queries as q
 from ledger.analytics.window import BadTime, Window
+from ledger.api import errors
 from ledger.api.deps import StoreDep, require
+from ledger.api.models import Attribution, Itl, KvStalls, RequestItl, RequestList, Why, json_response
 
-router = APIRouter(dependencies=[require("read")])
+router = APIRouter(prefix="/v1", tags=["analytics"], dependencies=[require("read")])
 
 T = TypeVar("T")
 Since = Annotated[str | None, Query(description="unix seconds, ISO 8601, or an age like 15m / 2h / 1d")]
@@ -25,8 +28,16 @@ Until = Annotated[str | None, Query(description="same forms as since; default no
 RequestId = Annotated[str, Path(min_length=1, max_length=256)]
 
 
-def _bad(field: str, reason: str) -> HTTPException:
-    return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=f"{field}: {reason}")
+def _bad(field: str, reason: str) -> errors.ApiError:
+    return errors.ApiError(status.HTTP_422_UNPROCESSABLE_CONTENT, f"{field}: {reason}", reason="invalid")
+
+
+def _documents(model: type[Any], *statuses: int) -> dict[str, Any]:
+    """The route's 200 model and error bodies, for the document only (``response_model=None``)."""
+    return {
+        "response_model": None,
+        "responses": {200: {"model": model}, **errors.responses(*errors.AUTH, *statuses, 422)},
+    }
 
 
 @contextmanager
@@ -49,24 +60,24 @@ def _read(store: Any, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         return fn(conn, *args, **kw)
 
 
-@router.get("/v1/attribution")
+@router.get("/attribution", **_documents(Attribution))
 def attribution(
     store: StoreDep,
     since: Since = None,
     until: Until = None,
     group_by: Annotated[str, Query(description="comma-separated: " + ", ".join(q.GROUPS))] = "",
     bucket_s: Annotated[float | None, Query(gt=0, description="also bucket by end time")] = None,
-) -> dict[str, Any]:
+) -> Response:
     """Per-layer tails (count, p50, p90, p99, max, mean) of finished requests, by end time, with the
     decode inter-token latency of the same window."""
     w = _window(since, until)
     groups = [g.strip() for g in group_by.split(",") if g.strip()]
     rows = _read(store, q.attribution, w, group_by=groups, bucket_s=bucket_s)
     itl = _read(store, q.decode_itl, w, group_by_model="model" in groups)
-    return {"since": w.since, "until": w.until, "group_by": groups, "groups": rows, "itl": itl}
+    return json_response({"since": w.since, "until": w.until, "group_by": groups, "groups": rows, "itl": itl})
 
 
-@router.get("/v1/requests")
+@router.get("/requests", **_documents(RequestList))
 def list_requests(
     store: StoreDep,
     since: Since = None,
@@ -81,58 +92,61 @@ def list_requests(
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
     limit: Annotated[int, Query(ge=1, le=q.MAX_PAGE)] = 100,
     offset: Annotated[int, Query(ge=0)] = 0,
-) -> dict[str, Any]:
+) -> Response:
     """Requests whose start falls in the window, filtered and sorted by any column, a page at a time."""
-    return _read(
-        store,
-        q.list_requests,
-        _window(since, until),
-        model=model,
-        source_id=source_id,
-        finish_reason=finish_reason,
-        live=live,
-        min_e2e_s=min_e2e_s,
-        min_ttft_s=min_ttft_s,
-        sort=sort,
-        descending=order == "desc",
-        limit=limit,
-        offset=offset,
+    return json_response(
+        _read(
+            store,
+            q.list_requests,
+            _window(since, until),
+            model=model,
+            source_id=source_id,
+            finish_reason=finish_reason,
+            live=live,
+            min_e2e_s=min_e2e_s,
+            min_ttft_s=min_ttft_s,
+            sort=sort,
+            descending=order == "desc",
+            limit=limit,
+            offset=offset,
+        )
     )
 
 
-@router.get("/v1/itl")
-def itl(store: StoreDep, since: Since = None, until: Until = None, by_model: bool = False) -> dict[str, Any]:
+@router.get("/itl", **_documents(Itl))
+def itl(store: StoreDep, since: Since = None, until: Until = None, by_model: bool = False) -> Response:
     """Decode inter-token latency tails over the window, from the engines' steps."""
     w = _window(since, until)
-    return {"since": w.since, "until": w.until, "itl": _read(store, q.decode_itl, w, group_by_model=by_model)}
+    rows = _read(store, q.decode_itl, w, group_by_model=by_model)
+    return json_response({"since": w.since, "until": w.until, "itl": rows})
 
 
-@router.get("/v1/requests/{request_id}/itl")
-def request_itl(store: StoreDep, request_id: RequestId) -> dict[str, Any]:
+@router.get("/requests/{request_id}/itl", **_documents(RequestItl, 404))
+def request_itl(store: StoreDep, request_id: RequestId) -> Response:
     """One request's inter-token gaps and their tails."""
     out = _read(store, q.request_itl, request_id)
     if out is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no request {request_id!r} in the ledger")
-    return out
+        raise errors.ApiError(status.HTTP_404_NOT_FOUND, f"no request {request_id!r} in the ledger")
+    return json_response(out)
 
 
-@router.get("/v1/requests/{request_id}/why")
-def why(
-    store: StoreDep, request_id: RequestId, top: Annotated[int, Query(ge=1, le=50)] = 5
-) -> dict[str, Any]:
+@router.get("/requests/{request_id}/why", **_documents(Why, 404))
+def why(store: StoreDep, request_id: RequestId, top: Annotated[int, Query(ge=1, le=50)] = 5) -> Response:
     """What delayed the request, biggest first, with the requests behind each delay."""
     out = _read(store, q.why, request_id, top=top)
     if out is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no request {request_id!r} in the ledger")
-    return out
+        raise errors.ApiError(status.HTTP_404_NOT_FOUND, f"no request {request_id!r} in the ledger")
+    return json_response(out)
 
 
-@router.get("/v1/kv/stalls")
+@router.get("/kv/stalls", **_documents(KvStalls))
 def kv_stalls(
     store: StoreDep,
     limit: Annotated[int, Query(ge=1, le=q.MAX_PAGE)] = 50,
     horizon_s: Annotated[float, Query(gt=0)] = 3600.0,
-) -> dict[str, Any]:
+) -> Response:
     """Live requests ranked by seconds without progress (KV held idle, or waiting to start)."""
     now = time.time()
-    return {"now": now, "requests": _read(store, q.kv_stalls, now, limit=limit, horizon_s=horizon_s)}
+    return json_response(
+        {"now": now, "requests": _read(store, q.kv_stalls, now, limit=limit, horizon_s=horizon_s)}
+    )

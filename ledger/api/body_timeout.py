@@ -49,8 +49,9 @@ class BodyTimeoutMiddleware:
                 if not state["started"]:
                     body = json.dumps(
                         {
+                            "reason": "body_timeout",
                             "detail": f"request body not received within {timeout_s:g} s (is Content-Length "
-                            "larger than the body?)"
+                            "larger than the body?)",
                         }
                     ).encode()
                     await send(

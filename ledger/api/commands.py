@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
+from ledger.api import errors
 from ledger.api.deps import require
+from ledger.api.models import Cutoffs, json_response
 from ledger.api.policy import runaway
 
-router = APIRouter()
+router = APIRouter(prefix="/v1", tags=["rules"])
 _encode = msgspec.json.Encoder().encode
 
 
-@router.get("/v1/commands", dependencies=[require("ingest")])
+# The answer is the wire contract's CommandsResponse (msgspec): ``ledger.api.openapi`` names its schema.
+@router.get(
+    "/commands",
+    dependencies=[require("ingest")],
+    response_model=None,
+    responses=errors.responses(*errors.AUTH, 422),
+)
 async def get_commands(
     request: Request,
     source_id: Annotated[str, Query(min_length=1, max_length=128, description="the source asking")],
@@ -29,15 +37,20 @@ async def get_commands(
     return Response(_encode({"commands": commands}), media_type="application/json")
 
 
-@router.get("/v1/cutoffs", dependencies=[require("read")])
+@router.get(
+    "/cutoffs",
+    dependencies=[require("read")],
+    response_model=None,
+    responses={200: {"model": Cutoffs}, **errors.responses(*errors.AUTH, 422)},
+)
 async def get_cutoffs(
     request: Request,
     request_id: Annotated[str | None, Query(max_length=256)] = None,
     state: Annotated[Literal["pending", "applied", "moot", "expired"] | None, Query()] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
-) -> dict[str, Any]:
+) -> Response:
     """Stored decisions, newest first, with their delivery and confirmation times."""
     rows = await run_in_threadpool(
         runaway(request).book.rows, request_id=request_id, state=state, limit=limit
     )
-    return {"cutoffs": rows}
+    return json_response({"cutoffs": rows})

@@ -9,14 +9,15 @@ import time
 import msgspec
 from fastapi import APIRouter, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from engine_hooks import events as ev
+from ledger.api import errors
 from ledger.api.deps import SettingsDep, WriterDep, require
+from ledger.api.models import BatchRejected
 from ledger.ingest import BadBatch, WriterUnavailable, clamp_future, decode_batch
 
-router = APIRouter()
+router = APIRouter(prefix="/v1", tags=["ingest"])
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 
@@ -36,31 +37,46 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-@router.post("/v1/events", dependencies=[require("ingest")])
+# The body is decoded with msgspec (the wire contract), not by FastAPI: ``ledger.api.openapi`` names its
+# schema (Batch) and the 200 answer's (IngestResponse). Nothing here is validated by pydantic.
+@router.post(
+    "/events",
+    dependencies=[require("ingest")],
+    response_model=None,
+    responses=errors.responses(400, *errors.AUTH, 408, 413, 422, 503, models={422: BatchRejected}),
+)
 async def ingest_events(request: Request, settings: SettingsDep, writer: WriterDep) -> Response:
+    """Store a batch of events (ingest token); the answer carries the source's pending commands."""
     try:
         body = await _read_body(request, settings.max_body_bytes)
     except ClientDisconnect:
         # The source gave up mid-upload (its timeout); nothing was stored, and it will send the batch
         # again. Not a server error: no traceback, and nobody is left to read an answer.
         log.info("a source disconnected while sending a batch; nothing stored")
-        return Response(status_code=status.HTTP_400_BAD_REQUEST)
+        return errors.error_response(
+            status.HTTP_400_BAD_REQUEST,
+            "body: the client disconnected before sending all of it; nothing stored",
+            reason="disconnected",
+        )
     runaway = getattr(request.app.state, "runaway", None)
     if body is None:
         if runaway is not None:
             runaway.metrics.ingest_rejections.labels("too_large").inc()
-        return JSONResponse(
-            {"detail": f"body larger than {settings.max_body_bytes} bytes; send smaller batches"},
-            status_code=status.HTTP_413_CONTENT_TOO_LARGE,
+        return errors.error_response(
+            status.HTTP_413_CONTENT_TOO_LARGE,
+            f"body larger than {settings.max_body_bytes} bytes; send smaller batches",
+            reason="too_large",
         )
     try:
         batch = decode_batch(body, max_events=settings.max_events_per_batch)
     except BadBatch as exc:
         if runaway is not None:
             runaway.metrics.ingest_rejections.labels("invalid").inc()
-        return JSONResponse(
-            {"detail": "batch rejected, nothing stored", "errors": [e.as_dict() for e in exc.errors]},
-            status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
+        return errors.error_response(
+            status.HTTP_422_UNPROCESSABLE_CONTENT,
+            "batch rejected, nothing stored",
+            reason="invalid",
+            errors=[e.as_dict() for e in exc.errors],
         )
     ahead = clamp_future(batch, time.time(), settings.max_clock_ahead_s)
     if ahead:
@@ -79,9 +95,10 @@ async def ingest_events(request: Request, settings: SettingsDep, writer: WriterD
     except WriterUnavailable as exc:
         if runaway is not None:
             runaway.metrics.ingest_rejections.labels("unavailable").inc()
-        return JSONResponse(
-            {"detail": f"not stored, retry: {exc}"},
-            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        return errors.error_response(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            f"not stored, retry: {exc}",
+            reason="unavailable",
             headers={"Retry-After": "1"},
         )
     if observed is not None and runaway is not None:

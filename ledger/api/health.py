@@ -8,19 +8,27 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from ledger import migrate
+from ledger.api import errors
 from ledger.api.deps import StoreDep, WriterDep
+from ledger.api.models import Health, NotReady, Readiness
 
-router = APIRouter()
+router = APIRouter(tags=["health"])
 _HEAD = migrate.head_revision()
 
 
-@router.get("/healthz")
+@router.get("/healthz", response_model=Health)
 def healthz() -> dict[str, str]:
+    """The process answers (no token)."""
     return {"status": "ok"}
 
 
-@router.get("/readyz", response_model=None)
+@router.get(
+    "/readyz",
+    response_model=Readiness,
+    responses={503: {"model": NotReady, "description": "not ready: the problems say why"}},
+)
 def readyz(store: StoreDep, writer: WriterDep) -> dict[str, Any] | JSONResponse:
+    """The database answers at the expected schema and the writer runs (no token)."""
     problems = []
     try:
         store.ping()
@@ -32,5 +40,11 @@ def readyz(store: StoreDep, writer: WriterDep) -> dict[str, Any] | JSONResponse:
         revision = None
     if not writer.alive:
         problems.append("writer stopped")
-    body = {"status": "ready" if not problems else "not ready", "schema": revision, "problems": problems}
-    return body if not problems else JSONResponse(body, status_code=503)
+    body: dict[str, Any] = {
+        "status": "ready" if not problems else "not ready",
+        "schema": revision,
+        "problems": problems,
+    }
+    if not problems:
+        return body
+    return errors.error_response(503, "not ready: " + "; ".join(problems), reason="not_ready", **body)

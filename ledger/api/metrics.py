@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import hmac
 
-from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ledger import auth
+from ledger.api import errors
 from ledger.api.deps import SettingsDep
 
-router = APIRouter()
+router = APIRouter(tags=["health"])
 
 
 def _check(request: Request, settings: SettingsDep) -> None:
@@ -28,13 +29,28 @@ def _check(request: Request, settings: SettingsDep) -> None:
         for t in (settings.metrics_token, settings.admin_token)
     )
     if not ok:
-        raise HTTPException(
-            401, detail="this endpoint needs the metrics token", headers={"WWW-Authenticate": "Bearer"}
+        raise errors.ApiError(
+            401,
+            "this endpoint needs the metrics token",
+            reason="unknown_token" if scheme.lower() == "bearer" and token else "missing_token",
+            headers={"WWW-Authenticate": "Bearer"},
         )
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_model=None,
+    response_class=Response,
+    responses={
+        200: {
+            "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+            "description": "Prometheus text exposition (chunkledger_* families)",
+        },
+        **errors.responses(*errors.AUTH),
+    },
+)
 async def metrics(request: Request, settings: SettingsDep) -> Response:
+    """The ledger's Prometheus metrics (metrics token when set, else the read token)."""
     _check(request, settings)
     body = await run_in_threadpool(request.app.state.metrics.render)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any
+from fastapi import APIRouter, Path, Response, status
 
-from fastapi import APIRouter, HTTPException, Path, status
-
+from ledger.api import errors
 from ledger.api.deps import StoreDep, require
+from ledger.api.models import RequestDetail, Sources, json_response
 
-router = APIRouter(dependencies=[require("read")])
+router = APIRouter(prefix="/v1", tags=["requests"], dependencies=[require("read")])
 
 
-@router.get("/v1/requests/{request_id}")
-def get_request(store: StoreDep, request_id: str = Path(min_length=1, max_length=256)) -> dict[str, Any]:
+@router.get(
+    "/requests/{request_id}",
+    response_model=None,
+    responses={200: {"model": RequestDetail}, **errors.responses(*errors.AUTH, 404, 422)},
+)
+def get_request(store: StoreDep, request_id: str = Path(min_length=1, max_length=256)) -> Response:
+    """The request's row and every event of it, oldest first (read token)."""
     row = store.get_request(request_id)
     if row is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no request {request_id!r} in the ledger")
-    return {"request": row, "events": store.request_events(request_id)}
+        raise errors.ApiError(status.HTTP_404_NOT_FOUND, f"no request {request_id!r} in the ledger")
+    return json_response({"request": row, "events": store.request_events(request_id)})
 
 
-@router.get("/v1/sources")
-def list_sources(store: StoreDep) -> dict[str, Any]:
+@router.get("/sources", response_model=Sources, responses=errors.responses(*errors.AUTH))
+def list_sources(store: StoreDep) -> dict[str, object]:
+    """Every source that has sent events: its sequence high-water mark and counts (read token)."""
     return {"sources": store.source_rows()}

@@ -11,12 +11,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ledger import export
+from ledger.api import errors
 from ledger.api.deps import SettingsDep, StoreDep, require
+from ledger.api.models import PARQUET, SqlResult
 from ledger.sql.base import SqlError
 from ledger.sql.runners import SqlRunner
 from ledger.sql.values import dumps, to_csv
 
-router = APIRouter(dependencies=[require("read")])
+router = APIRouter(prefix="/v1", tags=["sql"], dependencies=[require("read")])
 
 
 class SqlRequest(BaseModel):
@@ -32,10 +34,21 @@ def _runner(request: Request) -> SqlRunner:
 
 
 def _error(exc: SqlError) -> JSONResponse:
-    return JSONResponse(exc.as_dict(), status_code=exc.status)
+    return errors.error_response(exc.status, exc.message, reason=exc.reason)
 
 
-@router.post("/v1/sql")
+@router.post(
+    "/sql",
+    response_model=None,
+    responses={
+        200: {
+            "model": SqlResult,
+            "content": {"text/csv": {"schema": {"type": "string"}}},
+            "description": "the result as JSON, or as CSV (format=csv or Accept: text/csv)",
+        },
+        **errors.responses(400, *errors.AUTH, 408, 422, 503),
+    },
+)
 def run_sql(
     body: SqlRequest,
     request: Request,
@@ -74,7 +87,18 @@ def run_sql(
     return Response(dumps(result.as_dict()), media_type="application/json")
 
 
-@router.get("/v1/export/{table}.parquet")
+@router.get(
+    "/export/{table}.parquet",
+    response_model=None,
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "content": {PARQUET: {"schema": {"type": "string", "format": "binary"}}},
+            "description": "a Parquet file (Content-Disposition: attachment), streamed a row group at a time",
+        },
+        **errors.responses(400, *errors.AUTH, 404, 422, 503),
+    },
+)
 def export_table(
     table: str,
     request: Request,
@@ -84,9 +108,8 @@ def export_table(
 ) -> Response:
     """One table's rows for a window as a Parquet file, streamed one row group per batch."""
     if table not in export.TABLES:
-        return JSONResponse(
-            {"detail": f"table: no export for {table!r}; one of {', '.join(export.TABLES)}"},
-            status_code=status.HTTP_404_NOT_FOUND,
+        return errors.error_response(
+            status.HTTP_404_NOT_FOUND, f"table: no export for {table!r}; one of {', '.join(export.TABLES)}"
         )
     try:
         window = export.Window(
@@ -94,7 +117,7 @@ def export_table(
             until=None if until is None else export.parse_time(until, field="until"),
         )
     except ValueError as exc:
-        return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_400_BAD_REQUEST)
+        return errors.error_response(status.HTTP_400_BAD_REQUEST, str(exc), reason="bad_time")
     dialect = getattr(store, "dialect", "")
     stack = contextlib.ExitStack()
     try:
@@ -103,16 +126,18 @@ def export_table(
         elif dialect == "postgresql":
             conn = stack.enter_context(export.pg_read_transaction(store.engine))
         else:
-            return JSONResponse(
-                {"detail": "this ledger's store keeps no tables to export"},
-                status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+            return errors.error_response(
+                status.HTTP_503_SERVICE_UNAVAILABLE,
+                "this ledger's store keeps no tables to export",
+                reason="no_database",
             )
         schema, batches = export.table_batches(conn, dialect, table, window)
     except Exception as exc:  # the database refused the fixed export query: say so, not a bare 500
         stack.close()
-        return JSONResponse(
-            {"detail": f"export of {table} failed: {str(exc).splitlines()[0] if str(exc) else exc!r}"},
-            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        return errors.error_response(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            f"export of {table} failed: {str(exc).splitlines()[0] if str(exc) else exc!r}",
+            reason="unavailable",
         )
 
     def body() -> Iterator[bytes]:

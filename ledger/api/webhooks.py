@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ledger.api import errors
 from ledger.api.deps import require
+from ledger.api.models import Deliveries, Webhook, WebhookDeleted, json_response
+from ledger.api.models import Webhooks as WebhookList
 from ledger.api.policy import runaway
 from ledger.webhooks.outbox import SubscriptionError, Webhooks
 
-router = APIRouter(dependencies=[require("admin")])
+router = APIRouter(prefix="/v1", tags=["webhooks"], dependencies=[require("admin")])
 
 
 class SubscriptionIn(BaseModel):
@@ -28,17 +30,26 @@ class SubscriptionIn(BaseModel):
 def _hooks(request: Request) -> Webhooks:
     hooks = runaway(request).webhooks
     if hooks is None:
-        raise HTTPException(409, detail="webhooks need a database (this ledger runs on null://)")
+        raise errors.ApiError(
+            409, "webhooks need a database (this ledger runs on null://)", reason="no_database"
+        )
     return hooks
 
 
-@router.get("/v1/webhooks")
+@router.get("/webhooks", response_model=WebhookList, responses=errors.responses(*errors.AUTH, 409))
 async def list_webhooks(request: Request) -> dict[str, Any]:
+    """The subscriptions (their secrets are never shown)."""
     return {"webhooks": await run_in_threadpool(_hooks(request).subscriptions)}
 
 
-@router.post("/v1/webhooks", status_code=201)
+@router.post(
+    "/webhooks",
+    status_code=201,
+    response_model=Webhook,
+    responses=errors.responses(*errors.AUTH, 408, 409, 422),
+)
 async def create_webhook(request: Request, body: SubscriptionIn) -> Any:
+    """Subscribe a URL to event types; answers the subscription (without its secret)."""
     try:
         return await run_in_threadpool(
             lambda: _hooks(request).create(
@@ -46,23 +57,31 @@ async def create_webhook(request: Request, body: SubscriptionIn) -> Any:
             )
         )
     except SubscriptionError as exc:
-        return JSONResponse({"detail": str(exc)}, status_code=422)
+        return errors.error_response(422, str(exc), reason="invalid")
 
 
-@router.delete("/v1/webhooks/{sub_id}")
+@router.delete(
+    "/webhooks/{sub_id}",
+    response_model=WebhookDeleted,
+    responses=errors.responses(*errors.AUTH, 404, 409, 422),
+)
 async def delete_webhook(request: Request, sub_id: str) -> dict[str, Any]:
+    """Unsubscribe; its pending deliveries are dropped (dead)."""
     if not await run_in_threadpool(_hooks(request).delete, sub_id):
-        raise HTTPException(404, detail=f"no webhook subscription {sub_id!r}")
+        raise errors.ApiError(404, f"no webhook subscription {sub_id!r}")
     return {"deleted": sub_id}
 
 
-@router.get("/v1/webhooks/deliveries")
+@router.get(
+    "/webhooks/deliveries",
+    response_model=None,
+    responses={200: {"model": Deliveries}, **errors.responses(*errors.AUTH, 409, 422)},
+)
 async def list_deliveries(
     request: Request,
     state: Annotated[Literal["pending", "delivered", "dead"] | None, Query()] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-) -> dict[str, Any]:
+) -> Response:
     """Newest deliveries first, each with its attempt log (time, status code, error, duration)."""
-    return {
-        "deliveries": await run_in_threadpool(lambda: _hooks(request).deliveries(state=state, limit=limit))
-    }
+    rows = await run_in_threadpool(lambda: _hooks(request).deliveries(state=state, limit=limit))
+    return json_response({"deliveries": rows})

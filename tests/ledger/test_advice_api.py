@@ -66,7 +66,7 @@ def test_advice_endpoint_needs_the_read_token(client):
 def test_bad_parameters_are_a_422_naming_the_field(client, params, field):
     r = client.get(URL, params=params, headers=RD)
     assert r.status_code == 422
-    assert [e["loc"][-1] for e in r.json()["detail"]] == [field]
+    assert [e["loc"][-1] for e in r.json()["errors"]] == [field]
 
 
 def test_refusals_are_409_or_422_with_a_reason_never_a_500(client):

@@ -20,7 +20,7 @@ def test_errors_carry_the_status_the_ledgers_reason_and_a_readable_detail(ledger
         assert refused.value.label == "400 not_read_only" and "DELETE" in refused.value.detail
         with pytest.raises(LedgerError) as invalid:  # FastAPI's validation list, flattened
             client.post("/v1/sql", {"sql": ""})
-        assert invalid.value.label == "422" and invalid.value.detail.startswith("sql: ")
+        assert invalid.value.label == "422 invalid" and invalid.value.detail.startswith("sql: ")
         with pytest.raises(LedgerError) as missing:
             client.get("/v1/requests/nope")
         assert missing.value.status_code == 404 and "nope" in missing.value.detail

@@ -582,7 +582,8 @@ def test_real_server_keeps_ingesting_during_and_after_bad_queries_and_loses_noth
         assert res.exit_code == 1 and "max_rows: 5000000 is above this ledger's limit" in res.output
         res = cli.invoke(cli_app, ["query", "", "--ledger", url])
         assert (
-            res.exit_code == 1 and "error (422): sql: String should have at least 1 character" in res.output
+            res.exit_code == 1
+            and "error (422 invalid): sql: String should have at least 1 character" in res.output
         )
     finally:
         server.stop()
