@@ -61,6 +61,16 @@ from engine_hooks.events import (
     StreamCut,
     Tokens,
 )
+from engine_hooks.fields import (
+    CHUNK_FIELDS,
+    CUTOFF_APPLIED_FIELDS,
+    FINISHED_FIELDS,
+    PREEMPTED_FIELDS,
+    QUEUED_FIELDS,
+    RESUMED_FIELDS,
+    STEP_FIELDS,
+    TOKENS_FIELDS,
+)
 
 if TYPE_CHECKING:  # the exporter (httpx) loads when a simulation starts, not with the command line
     from engine_hooks.exporter import Exporter
@@ -172,51 +182,14 @@ class SimEngine:
         self.busy = False
         self.emitted = 0
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self.e_queued = exporter.emitter(Queued, "ts", "request_id", "prompt_tokens", "max_tokens")
-        self.e_chunk = exporter.emitter(
-            Chunk,
-            "ts",
-            "request_id",
-            "step",
-            "tokens",
-            "computed_before",
-            "cached_tokens",
-            "kv_blocks",
-            "preemptions",
-            "wait_s",
-            "recomputed_tokens",
-        )
-        self.e_tokens = exporter.emitter(
-            Tokens, "ts", "request_id", "count", "total", "first_ts", "kv_blocks", "token_ids"
-        )
-        self.e_preempted = exporter.emitter(
-            Preempted, "ts", "request_id", "kv_blocks_freed", "computed_tokens"
-        )
-        self.e_resumed = exporter.emitter(
-            Resumed, "ts", "request_id", "wait_s", "cached_tokens", "output_tokens"
-        )
-        self.e_finished = exporter.emitter(
-            Finished, "ts", "request_id", "reason", "output_tokens", "stop_reason", "wait_s"
-        )
-        self.e_cutoff = exporter.emitter(CutoffApplied, "ts", "request_id", "command_id", "action", "rule")
-        self.e_step = exporter.emitter(
-            Step,
-            "ts",
-            "step",
-            "duration_s",
-            "prefill_tokens",
-            "decode_tokens",
-            "num_prefill_reqs",
-            "num_decode_reqs",
-            "running",
-            "waiting",
-            "kv_usage",
-            "request_ids",
-            "prefill_depth_tokens",
-            "max_prefill_depth",
-            "stalled_request_ids",
-            "stalled_kv_blocks",
-        )
+        self.e_queued = exporter.emitter(Queued, *QUEUED_FIELDS)
+        self.e_chunk = exporter.emitter(Chunk, *CHUNK_FIELDS)
+        self.e_tokens = exporter.emitter(Tokens, *TOKENS_FIELDS)
+        self.e_preempted = exporter.emitter(Preempted, *PREEMPTED_FIELDS)
+        self.e_resumed = exporter.emitter(Resumed, *RESUMED_FIELDS)
+        self.e_finished = exporter.emitter(Finished, *FINISHED_FIELDS)
+        self.e_cutoff = exporter.emitter(CutoffApplied, *CUTOFF_APPLIED_FIELDS)
+        self.e_step = exporter.emitter(Step, *STEP_FIELDS)
 
     @property
     def load(self) -> int:
@@ -225,7 +198,8 @@ class SimEngine:
     def add(self, req: SimRequest, t: float) -> None:
         req.queued_t = req.waiting_since = t
         self.waiting.append(req)
-        self.e_queued(self.fleet.ts(t), req.id, req.prompt_tokens, req.max_tokens)
+        # no front-end arrival time, default priority (the fields the plugin also sends)
+        self.e_queued(self.fleet.ts(t), req.id, req.prompt_tokens, req.max_tokens, None, 0)
         self.emitted += 1
 
     def _blocks_for(self, tokens: int) -> int:
@@ -356,11 +330,11 @@ class SimEngine:
                         self.step_no,
                         n,
                         req.computed,
+                        n - _new_prompt_tokens(req, n),
                         req.cached_tokens if req.chunks == 0 else 0,  # prefix hits: first chunk only
                         req.blocks,
                         req.preemptions,
                         wait_s,
-                        n - _new_prompt_tokens(req, n),
                     )
                 )
                 req.chunks += 1

@@ -1,33 +1,22 @@
 """``chunkledger profile``: measure step time on the real engine before production traffic does.
 
-Drives vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with chunkledger's scheduler plugin
-(``engine_hooks.vllm.LedgerScheduler``) through a controlled plan:
-
-* for every decode batch B and chunk size T: B short requests that keep decoding, plus one long
-  prompt of ``max_depth + T`` tokens whose prefill is chunked by T (the plugin's scheduler gets
-  ``long_prefill_token_threshold = T`` between runs), so the long prompt runs chunks of T tokens at
-  depths 0, T, 2T, ... max_depth next to B decodes; after it the B requests decode alone for
-  ``tail_steps`` steps (decode-only steps at batch B);
-* the plugin reports every step (the same ``step`` events production sends); they are recorded in
-  process and, with ``--ledger``, also sent to a ledger (the plugin's own exporter), so that
-  ``chunkledger advise --source <id>`` can use them later.
+The plan (:class:`ProfilePlan`), the in-process recorder of the plugin's ``step`` events
+(:class:`StepRecorder`) and what is made of them (:class:`ProfileResult`) are here; the driver that runs
+the plan on vLLM with chunkledger's scheduler plugin is :mod:`engine_hooks.vllm.profile` (its
+docstring says what runs).
 
 The result is the measured table (per chunk size and decode batch: the step time at depth 0 and its
 growth per 1k tokens of depth, as in issue 5; per decode batch: the decode-only step) and the same fit
 ``chunkledger advise`` makes (``ledger.advice.fit``), plus advice when a target is given.
 
-Prompts are random token ids (no tokenizer cost, exact lengths); prefix caching is off so depth is
-computed, not cached; the engine's budget is ``max(chunk) + max(batch) * decode_prompt_tokens`` so
-the first step (the decoders' prefills plus the first chunk) fits.
+The engine's budget is ``max(chunk) + max(batch) * decode_prompt_tokens`` so the first step (the
+decoders' prefills plus the first chunk) fits.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import os
-import random
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,11 +224,6 @@ def theil_sen(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return slope, float(np.median(y - slope * x))
 
 
-def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
-    # ids above the special tokens, below the vocabulary; random so no two prompts share a prefix
-    return [rng.randrange(8, vocab) for _ in range(n)]
-
-
 def run_profile(
     model: str,
     plan: ProfilePlan,
@@ -255,143 +239,36 @@ def run_profile(
     """Run ``plan`` on vLLM in this process and return the recorded steps (see the module docstring).
 
     ``model`` is a model directory or name vLLM can load offline. With ``ledger_url`` the plugin's
-    exporter also sends every event there as source ``source_id``.
+    exporter also sends every event there as source ``source_id``. ``progress(phase)`` is called after
+    each :class:`Phase`.
     """
     plan.check()
     name = served_model_name or os.path.basename(os.path.normpath(model)) or model
-    # in-process engine: the plugin's scheduler is reachable; no ledger unless asked for
-    env: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "CHUNKLEDGER_URL": None}
-    if ledger_url:
-        env.update(
-            CHUNKLEDGER_URL=ledger_url,
-            CHUNKLEDGER_SOURCE_ID=source_id or f"profile-{name}"[:128],
-            CHUNKLEDGER_MODEL=name,
-            CHUNKLEDGER_INGEST_TOKEN=ingest_token,
-            CHUNKLEDGER_SPOOL_MAX_BYTES="0",  # a profile that cannot reach its ledger fails loudly
+    # The vLLM side, loaded only to run: the command line and ledger.advice.scene profile in process.
+    from engine_hooks.vllm.profile import DriverError, drive
+
+    phases: list[Phase] = []
+
+    def on_phase(chunk: int, decodes: int, first: int, end: int, wall_s: float) -> None:
+        phases.append(Phase(chunk, decodes, first, end, wall_s))
+        if progress is not None:
+            progress(phases[-1])
+
+    try:
+        run = drive(
+            model,
+            plan,
+            name=name,
+            recorder=StepRecorder,
+            on_phase=on_phase,
+            ledger_url=ledger_url,
+            source_id=source_id,
+            ingest_token=ingest_token,
+            kv_cache_bytes=kv_cache_bytes,
+            engine_kwargs=engine_kwargs,
         )
-    # The plugin's optional policies (admission reserve, victim choice) would change what runs:
-    # the profile measures plain vLLM scheduling, so their variables are cleared while it runs.
-    env.update({k: None for k in os.environ if k.startswith("CHUNKLEDGER_VLLM_")})
-    saved = {k: os.environ.get(k) for k in env}
-    _set_env(env)
-    try:
-        return _run(model, name, plan, ledger_url, kv_cache_bytes, engine_kwargs, progress)
-    finally:
-        _set_env(saved)
-
-
-def _set_env(values: dict[str, Any]) -> None:
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-def _run(
-    model: str,
-    name: str,
-    plan: ProfilePlan,
-    ledger_url: str | None,
-    kv_cache_bytes: int,
-    engine_kwargs: dict[str, Any] | None,
-    progress: Any,
-) -> ProfileResult:
-    try:
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        from engine_hooks.vllm.cpu import engine_settings
-        from engine_hooks.vllm.scheduler import iter_schedulers
-    except ImportError as exc:
-        raise ProfileError(
-            f"vLLM with chunkledger's plugin is needed ({exc}); install chunkledger[vllm]"
-        ) from None
-    settings = engine_settings(dtype=(engine_kwargs or {}).get("dtype"))
-    settings.apply_threads()
-    kwargs: dict[str, Any] = {
-        **settings.llm_kwargs(),
-        "model": model,
-        "served_model_name": name,
-        "scheduler_cls": "engine_hooks.vllm.LedgerScheduler",
-        "max_model_len": plan.max_model_len,
-        "max_num_batched_tokens": plan.max_num_batched_tokens,
-        "max_num_seqs": max(max(plan.decode_batches) + 1, 8),
-        "enable_prefix_caching": False,
-        "enforce_eager": True,
-        "kv_cache_memory_bytes": kv_cache_bytes,
-        "seed": plan.seed,
-        **(engine_kwargs or {}),
-    }
-    try:
-        llm = LLM(**kwargs)
-    except Exception as exc:  # vLLM raises many types for an engine it cannot build
-        raise ProfileError(f"vLLM could not start {model!r}: {type(exc).__name__}: {exc}") from exc
-    try:
-        schedulers = list(iter_schedulers(llm))
-        if not schedulers:
-            raise ProfileError(
-                "the engine does not run chunkledger's LedgerScheduler in this process; "
-                "is VLLM_ENABLE_V1_MULTIPROCESSING=0 honoured by this vLLM?"
-            )
-        scheduler: Any = schedulers[0]
-        if scheduler.options.reorders:
-            raise ProfileError(
-                "the engine runs chunkledger scheduling policies (additional_config); "
-                "profile without them so plain chunking is measured"
-            )
-        # The threshold changes between runs: on a private copy of the config, not the engine's.
-        scheduler.scheduler_config = copy.copy(scheduler.scheduler_config)
-        scheduler.adaptive_long_prefill_threshold = False
-        forward = scheduler.exporter
-        recorder = StepRecorder(forward)
-        scheduler.use_exporter(recorder)
-        vocab = llm.llm_engine.model_config.get_vocab_size()
-        rng = random.Random(plan.seed)
-        # A warm-up run: first steps pay lazy initialisation; none of its events is kept or sent.
-        recorder.paused = True
-        llm.generate(
-            [TokensPrompt(prompt_token_ids=_prompt(rng, 64, vocab))],
-            SamplingParams(max_tokens=4, ignore_eos=True),
-            use_tqdm=False,
-        )
-        recorder.paused = False
-        phases: list[Phase] = []
-        for _ in range(plan.repeats):
-            for batch in plan.decode_batches:
-                for chunk in plan.chunk_sizes:
-                    scheduler.scheduler_config.long_prefill_token_threshold = chunk
-                    decode = SamplingParams(max_tokens=plan.decode_tokens_for(chunk), ignore_eos=True)
-                    prompts = [
-                        TokensPrompt(prompt_token_ids=_prompt(rng, plan.decode_prompt_tokens, vocab))
-                        for _ in range(batch)
-                    ]
-                    prompts.append(TokensPrompt(prompt_token_ids=_prompt(rng, plan.max_depth + chunk, vocab)))
-                    params = [decode] * batch + [SamplingParams(max_tokens=1, ignore_eos=True)]
-                    first = len(recorder.steps)
-                    t0 = time.monotonic()
-                    llm.generate(prompts, params, use_tqdm=False)
-                    phases.append(Phase(chunk, batch, first, len(recorder.steps), time.monotonic() - t0))
-                    if progress is not None:
-                        progress(phases[-1])
-        sent: dict[str, Any] = {}
-        if forward is not None:
-            forward.shutdown(30.0)
-            stats = forward.stats()
-            sent = {
-                "url": ledger_url,
-                "source_id": forward.source.id,
-                "sent": stats.sent,
-                "dropped": stats.dropped,
-            }
-        scheduler.use_exporter(None)
-        return ProfileResult(
-            plan=plan,
-            model=name,
-            steps=list(recorder.steps),
-            phases=phases,
-            source_id=forward.source.id if forward is not None else None,
-            sent=sent,
-        )
-    finally:
-        del llm
+    except DriverError as exc:
+        raise ProfileError(str(exc)) from exc.__cause__
+    return ProfileResult(
+        plan=plan, model=name, steps=run.steps, phases=phases, source_id=run.source_id, sent=run.sent
+    )

@@ -1,0 +1,248 @@
+"""Where the plugin reaches into vLLM's scheduler beyond the methods it overrides, in one place.
+
+Written against vllm 0.32.0 (``vllm/v1/core/sched/scheduler.py``); each function says what it assumes.
+When vLLM changes one of these structures, this module is the one to adapt. The two patches (the KV
+allocation wrapper and the running list's victim choice) and the per-step overrides are undone or
+harmless when the hooks are off; the readers fall back to something safe where they can.
+
+Read directly elsewhere, on the hot path and by design (vLLM's scheduler interface):
+``SchedulerOutput.num_scheduled_tokens`` / ``scheduled_spec_decode_tokens`` / ``preempted_req_ids``,
+``EngineCoreOutput.new_token_ids`` / ``finish_reason`` / ``stop_reason``, and the request counters
+(``num_computed_tokens``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_preemptions``, ...).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any, SupportsIndex
+
+from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.request import Request, RequestStatus
+
+# vLLM's finish reasons (EngineCoreOutput.finish_reason) and the statuses finish_requests() is given,
+# as the ledger's finish reasons. vLLM 0.32: FinishReason STOP/LENGTH/ABORT/ERROR (REPETITION maps to
+# "stop" with stop reason "repetition"); FINISHED_IGNORED is a prompt longer than the model allows.
+FINISH = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+}
+REPETITION = FinishReason.REPETITION
+STATUS_FINISH = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+ABORTED = RequestStatus.FINISHED_ABORTED
+QUEUED, SCHEDULED = EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED
+
+
+# -- reads --------------------------------------------------------------------------------------------
+
+
+def vllm_stamp(request: Request, kind: EngineCoreEventType, now: float) -> float:
+    """vLLM's own monotonic stamp of what just happened to ``request`` (the last of its ``events``,
+    recorded when vLLM logs stats: QUEUED in ``add_request``, SCHEDULED in ``schedule``), so that the
+    waits measured here are the spans vLLM's ``request_queue_time_seconds`` reports; else ``now``.
+
+    Assumes vLLM 0.32's ``Request.events``: ``record_event()`` appends an ``EngineCoreEvent(type,
+    timestamp)`` (monotonic) only while the scheduler logs stats; ``take_events()`` empties it."""
+    events = request.events
+    if events:
+        last = events[-1]
+        if last.type == kind and abs(now - last.timestamp) < 1.0:
+            return last.timestamp
+    return now
+
+
+def block_counter(scheduler: Any) -> Callable[[str, int], int]:
+    """req id -> KV blocks it holds: the first KV group's block list, else computed tokens / block.
+
+    Assumes vLLM 0.32's ``KVCacheManager.coordinator.single_type_managers[0].req_to_blocks`` (request
+    id -> its blocks in the first KV cache group), a dict that lives as long as the manager."""
+    try:
+        table = scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+    except (AttributeError, IndexError):
+        size = max(int(scheduler.block_size), 1)
+        return lambda rid, computed: -(-computed // size)
+
+    def count(rid: str, computed: int) -> int:
+        blocks = table.get(rid)
+        return len(blocks) if blocks else 0
+
+    return count
+
+
+def free_kv_tokens(scheduler: Any) -> int:
+    """Tokens the free KV blocks hold. Assumes ``KVCacheManager.block_pool.get_num_free_blocks()``
+    and the scheduler's ``block_size`` (vLLM 0.32); unbounded when the pool cannot be read."""
+    try:
+        return int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks()) * int(scheduler.block_size)
+    except AttributeError:
+        return 1 << 62
+
+
+def free_slots(scheduler: Any) -> int:
+    """Running slots a waiting request can take this step. Assumes vLLM 0.32's admission test in
+    ``schedule()``: ``len(running) + num_waiting_for_streaming_input < max_num_active_reqs`` (older
+    versions: ``len(running) < max_num_running_reqs``)."""
+    slots = getattr(scheduler, "max_num_active_reqs", scheduler.max_num_running_reqs) - len(scheduler.running)
+    return int(slots - getattr(scheduler, "num_waiting_for_streaming_input", 0))
+
+
+# -- patch 1: which request is being allocated -------------------------------------------------------
+
+
+def track_allocations(scheduler: Any) -> None:
+    """Wrap the scheduler's ``kv_cache_manager.allocate_slots`` so that ``scheduler._cl_current`` is
+    the request vLLM is allocating KV for (the victim choice needs it).
+
+    Assumes vLLM 0.32's ``Scheduler.schedule()``: it calls ``self.kv_cache_manager.allocate_slots(
+    request, ...)`` for each running request, looked up on the instance at every call, and preempts
+    (``self.running.pop()``, patch 2) inside that request's allocation loop."""
+    manager = scheduler.kv_cache_manager
+    allocate = manager.allocate_slots
+
+    def allocate_slots(request: Any, *a: Any, **kw: Any) -> Any:
+        scheduler._cl_current = request
+        return allocate(request, *a, **kw)
+
+    manager.allocate_slots = allocate_slots
+
+
+# -- patch 2: the FCFS victim --------------------------------------------------------------------------
+
+
+class RunningList(list):  # type: ignore[type-arg]
+    """vLLM's running list, whose argument-less ``pop()`` (FCFS victim choice) asks ``chooser``."""
+
+    chooser: Callable[[list[Any]], Any] | None = None
+
+    def pop(self, index: SupportsIndex = -1) -> Any:
+        if index == -1 and self.chooser is not None and len(self) > 1:
+            victim = self.chooser(self)
+            if victim is not None:
+                for i in range(len(self) - 1, -1, -1):
+                    if self[i] is victim:
+                        return super().pop(i)
+        return super().pop(index)
+
+
+def set_victim_chooser(scheduler: Any, chooser: Callable[[list[Any]], Any] | None) -> None:
+    """Let ``chooser(running)`` pick vLLM's preemption victim this step (None: vLLM's own, the last).
+
+    Assumes vLLM 0.32's FCFS policy: the victim is ``self.running.pop()`` with no argument (after
+    checking ``_request_blocks_can_be_freed(self.running[-1])``). vLLM rebinds ``self.running`` to a
+    new plain list when it removes several requests at once (``remove_all``), so this is called
+    before every ``schedule()``."""
+    running = scheduler.running
+    if chooser is not None:
+        if type(running) is not RunningList:
+            running = scheduler.running = RunningList(running)
+        running.chooser = chooser
+    elif type(running) is RunningList:
+        running.chooser = None
+
+
+# -- per-step overrides, undone after schedule() ---------------------------------------------------------
+
+
+def private_scheduler_config(scheduler: Any) -> None:
+    """Give the scheduler its own copy of ``scheduler_config``, since :func:`cap_chunks` changes it
+    per step and vLLM 0.32 shares the object with the rest of the engine (``vllm_config``)."""
+    scheduler.scheduler_config = copy.copy(scheduler.scheduler_config)
+
+
+def cap_chunks(scheduler: Any, cap: int) -> int:
+    """Cap every prefill chunk of the next ``schedule()`` at ``cap`` tokens; returns the threshold to
+    restore after it.
+
+    Assumes vLLM 0.32 reads ``scheduler_config.long_prefill_token_threshold`` once per ``schedule()``
+    (0: no cap) and applies it to every request, but ignores it when only one request is eligible
+    (then :func:`cap_budget` is the cap) and, with ``adaptive_long_prefill_threshold``, raises it to
+    ``budget // eligible requests``."""
+    config = scheduler.scheduler_config
+    old = config.long_prefill_token_threshold
+    config.long_prefill_token_threshold = min(cap, old) if old else cap
+    return int(old)
+
+
+def restore_chunks(scheduler: Any, old: int) -> None:
+    scheduler.scheduler_config.long_prefill_token_threshold = old
+
+
+def cap_budget(scheduler: Any, cap: int) -> int:
+    """Cap the next ``schedule()``'s token budget at ``cap``; returns the budget to restore after it.
+    Assumes vLLM 0.32 starts each ``schedule()`` from ``self.max_num_scheduled_tokens``."""
+    old = int(scheduler.max_num_scheduled_tokens)
+    scheduler.max_num_scheduled_tokens = min(cap, old)
+    return old
+
+
+def restore_budget(scheduler: Any, old: int) -> None:
+    scheduler.max_num_scheduled_tokens = old
+
+
+def hold_out(scheduler: Any, index: int) -> Any:
+    """Take the running request at ``index`` out of the next ``schedule()``, its KV kept; put it back
+    with :func:`put_back`. Assumes vLLM 0.32 schedules only what is in ``self.running`` (in order)
+    and frees KV only of requests it preempts or finishes."""
+    return scheduler.running.pop(index)
+
+
+def put_back(scheduler: Any, index: int, request: Any) -> None:
+    running = scheduler.running
+    running.insert(min(index, len(running)), request)
+
+
+# -- outputs the engine did not produce --------------------------------------------------------------
+
+
+def abort_output(rid: str, stop_reason: str) -> EngineCoreOutput:
+    """The output that tells the front end its request was aborted with ``stop_reason``. Assumes vLLM
+    0.32's front ends finish a request on an ``EngineCoreOutput`` with ``finish_reason=ABORT`` (the
+    client sees ``finish_reason="abort"`` and ``stop_reason``)."""
+    return EngineCoreOutput(
+        request_id=rid, new_token_ids=[], finish_reason=FinishReason.ABORT, stop_reason=stop_reason
+    )
+
+
+def add_outputs(outputs: dict[int, Any], extra: list[tuple[int, EngineCoreOutput]]) -> None:
+    """Append ``(client index, output)`` pairs to ``update_from_output()``'s result. Assumes vLLM
+    0.32's: a dict client index -> ``EngineCoreOutputs``, each sent to that front end."""
+    for client, out in extra:
+        eco = outputs.get(client)
+        if eco is None:
+            outputs[client] = EngineCoreOutputs(outputs=[out])
+        else:
+            eco.outputs.append(out)
+
+
+__all__ = [
+    "ABORTED",
+    "FINISH",
+    "QUEUED",
+    "REPETITION",
+    "SCHEDULED",
+    "STATUS_FINISH",
+    "RunningList",
+    "abort_output",
+    "add_outputs",
+    "block_counter",
+    "cap_budget",
+    "cap_chunks",
+    "free_kv_tokens",
+    "free_slots",
+    "hold_out",
+    "private_scheduler_config",
+    "put_back",
+    "restore_budget",
+    "restore_chunks",
+    "set_victim_chooser",
+    "track_allocations",
+    "vllm_stamp",
+]

@@ -1,0 +1,238 @@
+"""The vLLM driver of ``chunkledger profile``: runs a profile plan on vLLM in this process.
+
+Drives vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with chunkledger's scheduler plugin
+(``engine_hooks.vllm.LedgerScheduler``) through a controlled plan:
+
+* for every decode batch B and chunk size T: B short requests that keep decoding, plus one long
+  prompt of ``max_depth + T`` tokens whose prefill is chunked by T (the plugin's scheduler gets
+  ``long_prefill_token_threshold = T`` between runs), so the long prompt runs chunks of T tokens at
+  depths 0, T, 2T, ... max_depth next to B decodes; after it the B requests decode alone for
+  ``tail_steps`` steps (decode-only steps at batch B);
+* the plugin reports every step (the same ``step`` events production sends) to a recorder made by the
+  caller, which keeps them and, with a ledger URL, also hands them to the plugin's own exporter, so
+  that ``chunkledger advise --source <id>`` can use them later.
+
+Prompts are random token ids (no tokenizer cost, exact lengths); prefix caching is off so depth is
+computed, not cached. The plan, the recorder and what is made of the steps are the ledger's
+(:mod:`ledger.advice.profile`); this module imports no part of the ledger, and vLLM only when it runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class DriverError(RuntimeError):
+    """vLLM cannot run the plan (not installed, the engine did not start, the plugin is not in this
+    process or runs scheduling policies); the message says what to do."""
+
+
+class Plan(Protocol):
+    """What the driver reads of a profile plan (:class:`ledger.advice.profile.ProfilePlan`)."""
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]: ...
+    @property
+    def decode_batches(self) -> tuple[int, ...]: ...
+    @property
+    def decode_prompt_tokens(self) -> int: ...
+    @property
+    def max_depth(self) -> int: ...
+    @property
+    def repeats(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    def decode_tokens_for(self, chunk: int) -> int: ...
+
+
+class Recorder(Protocol):
+    """The sink the plugin reports to during the profile (:class:`ledger.advice.profile.StepRecorder`):
+    an exporter's ``emitter`` interface, the ``step`` events it kept, silent while ``paused``."""
+
+    paused: bool
+
+    @property
+    def steps(self) -> Sequence[Any]: ...
+    def emitter(self, kind: type[Any], *fields: str) -> Any: ...
+    def shutdown(self, timeout: float | None = None) -> bool: ...
+
+
+@dataclass
+class Driven:
+    """What a run of the plan left: the recorded steps and where they were sent."""
+
+    steps: list[Any]
+    source_id: str | None = None  # the plugin exporter's source id, with a ledger URL
+    sent: dict[str, Any] = field(default_factory=dict)  # {"url", "source_id", "sent", "dropped"}
+
+
+def drive(
+    model: str,
+    plan: Plan,
+    *,
+    name: str,
+    recorder: Callable[[Any], Recorder],
+    on_phase: Callable[[int, int, int, int, float], None] | None = None,
+    ledger_url: str | None = None,
+    source_id: str | None = None,
+    ingest_token: str | None = None,
+    kv_cache_bytes: int = 512 << 20,
+    engine_kwargs: dict[str, Any] | None = None,
+) -> Driven:
+    """Run ``plan`` on vLLM in this process (see the module docstring).
+
+    ``model`` is a model directory or name vLLM can load offline, served as ``name``. ``recorder(
+    exporter)`` makes the sink the plugin reports to, given the plugin's own exporter (None without
+    ``ledger_url``), which it should forward to. ``on_phase(chunk, decodes, first_step, end_step,
+    wall_s)`` is called after each run of the plan (steps ``first_step:end_step`` of the recorder's).
+    """
+    # in-process engine: the plugin's scheduler is reachable; no ledger unless asked for
+    env: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "CHUNKLEDGER_URL": None}
+    if ledger_url:
+        env.update(
+            CHUNKLEDGER_URL=ledger_url,
+            CHUNKLEDGER_SOURCE_ID=source_id or f"profile-{name}"[:128],
+            CHUNKLEDGER_MODEL=name,
+            CHUNKLEDGER_INGEST_TOKEN=ingest_token,
+            CHUNKLEDGER_SPOOL_MAX_BYTES="0",  # a profile that cannot reach its ledger fails loudly
+        )
+    # The plugin's optional policies (admission reserve, victim choice) would change what runs:
+    # the profile measures plain vLLM scheduling, so their variables are cleared while it runs.
+    env.update({k: None for k in os.environ if k.startswith("CHUNKLEDGER_VLLM_")})
+    saved = {k: os.environ.get(k) for k in env}
+    _set_env(env)
+    try:
+        return _run(model, name, plan, recorder, on_phase, ledger_url, kv_cache_bytes, engine_kwargs)
+    finally:
+        _set_env(saved)
+
+
+def _set_env(values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    # ids above the special tokens, below the vocabulary; random so no two prompts share a prefix
+    return [rng.randrange(8, vocab) for _ in range(n)]
+
+
+def _run(
+    model: str,
+    name: str,
+    plan: Plan,
+    make_recorder: Callable[[Any], Recorder],
+    on_phase: Callable[[int, int, int, int, float], None] | None,
+    ledger_url: str | None,
+    kv_cache_bytes: int,
+    engine_kwargs: dict[str, Any] | None,
+) -> Driven:
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from engine_hooks.vllm.cpu import engine_settings
+        from engine_hooks.vllm.scheduler import iter_schedulers
+    except ImportError as exc:
+        raise DriverError(
+            f"vLLM with chunkledger's plugin is needed ({exc}); install chunkledger[vllm]"
+        ) from None
+    settings = engine_settings(dtype=(engine_kwargs or {}).get("dtype"))
+    settings.apply_threads()
+    kwargs: dict[str, Any] = {
+        **settings.llm_kwargs(),
+        "model": model,
+        "served_model_name": name,
+        "scheduler_cls": "engine_hooks.vllm.LedgerScheduler",
+        "max_model_len": plan.max_model_len,
+        "max_num_batched_tokens": plan.max_num_batched_tokens,
+        "max_num_seqs": max(max(plan.decode_batches) + 1, 8),
+        "enable_prefix_caching": False,
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": kv_cache_bytes,
+        "seed": plan.seed,
+        **(engine_kwargs or {}),
+    }
+    try:
+        llm = LLM(**kwargs)
+    except Exception as exc:  # vLLM raises many types for an engine it cannot build
+        raise DriverError(f"vLLM could not start {model!r}: {type(exc).__name__}: {exc}") from exc
+    try:
+        schedulers = list(iter_schedulers(llm))
+        if not schedulers:
+            raise DriverError(
+                "the engine does not run chunkledger's LedgerScheduler in this process; "
+                "is VLLM_ENABLE_V1_MULTIPROCESSING=0 honoured by this vLLM?"
+            )
+        scheduler: Any = schedulers[0]
+        if scheduler.options.reorders:
+            raise DriverError(
+                "the engine runs chunkledger scheduling policies (additional_config); "
+                "profile without them so plain chunking is measured"
+            )
+        # The threshold changes between runs: on a private copy of the config, not the engine's.
+        scheduler.scheduler_config = copy.copy(scheduler.scheduler_config)
+        scheduler.adaptive_long_prefill_threshold = False
+        forward = scheduler.exporter
+        recorder = make_recorder(forward)
+        scheduler.use_exporter(recorder)
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+        rng = random.Random(plan.seed)
+        # A warm-up run: first steps pay lazy initialisation; none of its events is kept or sent.
+        recorder.paused = True
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=_prompt(rng, 64, vocab))],
+            SamplingParams(max_tokens=4, ignore_eos=True),
+            use_tqdm=False,
+        )
+        recorder.paused = False
+        for _ in range(plan.repeats):
+            for batch in plan.decode_batches:
+                for chunk in plan.chunk_sizes:
+                    scheduler.scheduler_config.long_prefill_token_threshold = chunk
+                    decode = SamplingParams(max_tokens=plan.decode_tokens_for(chunk), ignore_eos=True)
+                    prompts = [
+                        TokensPrompt(prompt_token_ids=_prompt(rng, plan.decode_prompt_tokens, vocab))
+                        for _ in range(batch)
+                    ]
+                    prompts.append(TokensPrompt(prompt_token_ids=_prompt(rng, plan.max_depth + chunk, vocab)))
+                    params = [decode] * batch + [SamplingParams(max_tokens=1, ignore_eos=True)]
+                    first = len(recorder.steps)
+                    t0 = time.monotonic()
+                    llm.generate(prompts, params, use_tqdm=False)
+                    if on_phase is not None:
+                        on_phase(chunk, batch, first, len(recorder.steps), time.monotonic() - t0)
+        sent: dict[str, Any] = {}
+        if forward is not None:
+            forward.shutdown(30.0)
+            stats = forward.stats()
+            sent = {
+                "url": ledger_url,
+                "source_id": forward.source.id,
+                "sent": stats.sent,
+                "dropped": stats.dropped,
+            }
+        scheduler.use_exporter(None)
+        return Driven(
+            steps=list(recorder.steps),
+            source_id=forward.source.id if forward is not None else None,
+            sent=sent,
+        )
+    finally:
+        del llm
+
+
+__all__ = ["Driven", "DriverError", "Plan", "Recorder", "drive"]

@@ -1,0 +1,359 @@
+"""What the vLLM plugin reports, per engine step and per request (all through one
+:class:`engine_hooks.exporter.Exporter`, in the field orders of :mod:`engine_hooks.fields`):
+
+* ``queued`` when the scheduler receives a request (``arrival_ts`` is the front end's arrival time);
+* ``chunk`` for every prefill slice scheduled (first pass, and recompute passes after a preemption,
+  whose ``recomputed_tokens`` are the positions the request had computed before), with its depth
+  (``computed_before``), prefix-cache hits on the first chunk and the request's KV blocks;
+* ``preempted`` / ``resumed`` (with the output tokens it had, so the ledger can tell a prefill wait
+  from a decode wait);
+* ``tokens``: output tokens coalesced per request (every ``tokens_flush`` tokens or ``tokens_flush_s``
+  seconds, and at finish or preemption), with their ids unless ``token_ids`` is off;
+* ``finished`` with vLLM's finish reason (``cutoff`` for the ledger's aborts);
+* ``step``: monotonic duration from ``schedule()`` to the end of ``update_from_output()``, prefill and
+  decode counts, queue sizes, KV usage, the requests that ran, prefill depth work, and the requests
+  that held KV blocks but sat the step out (``stalled_*``).
+
+Between ``schedule()`` and ``update_from_output()`` a step is kept as a :class:`StepRecord`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
+
+from vllm.v1.request import Request
+
+from engine_hooks import fields
+from engine_hooks.events import Chunk, CutoffApplied, Finished, Preempted, Queued, Resumed, Step, Tokens
+from engine_hooks.exporter import Emitter, Exporter
+from engine_hooks.vllm import compat
+from engine_hooks.vllm.compat import QUEUED, SCHEDULED, vllm_stamp
+from engine_hooks.vllm.state import PREEMPTED, RUNNING, HookState, ReqState
+
+
+class StepRecord(NamedTuple):
+    """One step as ``schedule()`` left it, until its ``update_from_output()`` sends the ``step`` event.
+
+    The fields from ``prefill_tokens`` to ``stalled_kv_blocks`` are the event's, in its order."""
+
+    ts: float  # wall clock at schedule()
+    step: int
+    started: float  # monotonic, when schedule() was called: the step's duration runs from here
+    prefill_tokens: int
+    decode_tokens: int
+    num_prefill_reqs: int
+    num_decode_reqs: int
+    running: int
+    waiting: int
+    kv_usage: float
+    request_ids: list[str]
+    prefill_depth_tokens: int
+    max_prefill_depth: int
+    stalled_request_ids: list[str]
+    stalled_kv_blocks: list[int]
+    work: float  # attention work of the step's tokens (predict.attention_work), for the step-time fit
+
+
+class _NullEmitter:
+    """Stands in for an exporter emitter when no ledger is configured."""
+
+    def __call__(self, *values: Any) -> None:
+        pass
+
+    def many(self, rows: Any) -> None:
+        pass
+
+
+class Reporter(HookState):
+    """The reporting, a mixin of the scheduler classes (its state lives on the scheduler)."""
+
+    _cl_active: bool  # reporting on (an exporter or a stand-in is set)
+    _cl_exporter: Exporter | None
+    _cl_pending: dict[str, ReqState]  # requests with output tokens not yet sent
+    _cl_steps: dict[int, StepRecord | None]  # id(SchedulerOutput) -> its step, None: nothing ran
+    _cl_blocks: Callable[[str, int], int]
+    _e_queued: Emitter
+    _e_chunk: Emitter
+    _e_tokens: Emitter
+    _e_preempted: Emitter
+    _e_resumed: Emitter
+    _e_finished: Emitter
+    _e_step: Emitter
+
+    def _cl_init_reporter(self) -> None:
+        self._cl_active = False
+        self._cl_exporter = None
+        self._cl_states = {}
+        self._cl_by_ext = {}
+        self._cl_pending = {}
+        self._cl_steps = {}
+        self._cl_step = 0
+        self._cl_blocks = compat.block_counter(self)
+
+    # -- the exporter -------------------------------------------------------------------------------
+
+    def use_exporter(self, exporter: Exporter | None) -> None:
+        """Send events through ``exporter`` from now on (None: stop reporting; commands still apply).
+
+        The exporter's ``on_command`` should be :meth:`submit_command`. The previous exporter is not
+        shut down here.
+        """
+        self._cl_exporter = exporter
+        if exporter is None:
+            null = cast(Emitter, _NullEmitter())
+            self._e_queued = self._e_chunk = self._e_tokens = self._e_preempted = null
+            self._e_resumed = self._e_finished = self._e_cutoff = self._e_step = null
+        else:
+            e = exporter.emitter
+            self._e_queued = e(Queued, *fields.QUEUED_FIELDS)
+            self._e_chunk = e(Chunk, *fields.CHUNK_FIELDS)
+            self._e_tokens = e(Tokens, *fields.TOKENS_FIELDS)
+            self._e_preempted = e(Preempted, *fields.PREEMPTED_FIELDS)
+            self._e_resumed = e(Resumed, *fields.RESUMED_FIELDS)
+            self._e_finished = e(Finished, *fields.FINISHED_FIELDS)
+            self._e_cutoff = e(CutoffApplied, *fields.CUTOFF_APPLIED_FIELDS)
+            self._e_step = e(Step, *fields.STEP_FIELDS)
+        self._cl_active = True
+
+    @property
+    def exporter(self) -> Exporter | None:
+        return self._cl_exporter
+
+    # -- per request ----------------------------------------------------------------------------------
+
+    def _cl_report_queued(self, request: Request, ext: str, now: float, ts: float) -> None:
+        """``add_request``: keep the request (keyed ``ext``) and send ``queued``."""
+        queued_t = vllm_stamp(request, QUEUED, now)
+        self._cl_track(request.request_id, ReqState(ext, request.client_index, queued_t))
+        arrival = request.arrival_time
+        self._e_queued(
+            ts,
+            ext,
+            request.num_prompt_tokens,
+            request.max_tokens,
+            arrival if arrival and arrival > 0 else None,
+            request.priority,
+        )
+
+    def _cl_report_finished(self, finished: list[Request], status: Any) -> None:
+        """``finish_requests``: requests finished outside the model's outputs (aborts)."""
+        ts, now = time.time(), time.monotonic()
+        for request in finished:
+            st = self._cl_states.get(request.request_id)
+            if st is None:
+                continue
+            if st.cutoff is not None:
+                self._cl_finish(request.request_id, st, "cutoff", st.cutoff, ts, now)
+            else:
+                reason = compat.STATUS_FINISH.get(status, "abort")
+                self._cl_finish(request.request_id, st, reason, None, ts, now)
+
+    def _cl_flush(self, rid: str, st: ReqState, ts: float) -> None:
+        ids = st.pending
+        st.pending = []
+        self._cl_pending.pop(rid, None)
+        self._e_tokens(
+            ts,
+            st.ext,
+            len(ids),
+            st.output,
+            st.pending_first_ts,
+            st.blocks,
+            ids if self.options.token_ids else None,
+        )
+
+    def _cl_finish(
+        self, rid: str, st: ReqState, reason: str, stop: str | None, ts: float, now: float
+    ) -> None:
+        if st.pending:
+            self._cl_flush(rid, st, ts)
+        self._cl_forget(rid, st, reason)
+        wait_s = now - st.waiting_since if st.state != RUNNING else None
+        self._e_finished(ts, st.ext, reason, st.output, stop, wait_s)
+
+    # -- after schedule(): what the step runs ---------------------------------------------------------
+
+    def _cl_report_schedule(self, output: Any, now: float, ts: float, started: float) -> None:
+        """``now``: when vLLM began scheduling (waits end there); ``started``: when ``schedule()`` was
+        called (the step's start). Sends the preemptions and the chunks; keeps the step's record."""
+        states = self._cl_states
+        step = self._cl_step
+        self._cl_step = step + 1
+        for rid in output.preempted_req_ids:
+            st = states.get(rid)
+            if st is None or st.state == PREEMPTED:
+                continue
+            if st.pending:
+                self._cl_flush(rid, st, ts)
+            req = self.requests.get(rid)
+            self._e_preempted(ts, st.ext, st.blocks, st.computed)
+            st.state = PREEMPTED
+            st.waiting_since = now
+            st.out_at_preempt = req.num_output_tokens if req is not None else st.output
+            st.blocks = 0
+        scheduled = output.num_scheduled_tokens
+        if not scheduled:
+            self._cl_steps[id(output)] = None
+            return
+        spec = output.scheduled_spec_decode_tokens
+        requests = self.requests
+        blocks_of = self._cl_blocks
+        chunk_rows = []
+        ids = []
+        prefill_tokens = decode_tokens = n_prefill = n_decode = depth = max_depth = 0
+        work = 0.0  # attention work, for the step-time fit
+        for rid, n in scheduled.items():
+            st = states.get(rid)
+            req = requests.get(rid)
+            if st is None or req is None:
+                continue
+            ext = st.ext
+            ids.append(ext)
+            computed = req.num_computed_tokens
+            before = computed - n
+            st.last_active = now  # for the policies: the KV-idle victim, slow_pool's starvation
+            st.sat_out = 0
+            if st.state != RUNNING:
+                if st.state == PREEMPTED:
+                    self._e_resumed(ts, ext, now - st.waiting_since, before, st.out_at_preempt)
+                st.state = RUNNING
+            blocks = st.blocks = blocks_of(rid, computed)
+            st.computed = computed
+            if before < req.num_prompt_tokens or (n > 1 and rid not in spec):
+                hw = st.hw
+                first = st.chunks == 0
+                chunk_rows.append(
+                    (
+                        ts,
+                        ext,
+                        step,
+                        n,
+                        before,
+                        (min(computed, hw) - before) if hw > before else 0,
+                        before if first else 0,
+                        blocks,
+                        req.num_preemptions,
+                        vllm_stamp(req, SCHEDULED, now) - st.queued_t if first else None,
+                    )
+                )
+                st.chunks += 1
+                prefill_tokens += n
+                n_prefill += 1
+                depth += n * before
+                work += n * (before + n / 2.0)
+                if before > max_depth:
+                    max_depth = before
+            else:
+                decode_tokens += n
+                n_decode += 1
+                work += n * before
+            if computed > st.hw:
+                st.hw = computed
+        if chunk_rows:
+            self._e_chunk.many(chunk_rows)
+        stalled_ids = []
+        stalled_blocks = []
+        for req in self.running:
+            rid = req.request_id
+            if rid in scheduled:
+                continue
+            st = states.get(rid)
+            if st is not None and st.blocks:
+                st.sat_out += 1
+                stalled_ids.append(st.ext)
+                stalled_blocks.append(st.blocks)
+        n_running, n_waiting = self.get_request_counts()
+        usage = self.kv_cache_manager.usage
+        self._cl_steps[id(output)] = StepRecord(
+            ts,
+            step,
+            started,
+            prefill_tokens,
+            decode_tokens,
+            n_prefill,
+            n_decode,
+            n_running,
+            n_waiting,
+            0.0 if usage < 0 else 1.0 if usage > 1 else float(usage),
+            ids,
+            depth,
+            max_depth,
+            stalled_ids,
+            stalled_blocks,
+            work,
+        )
+        if len(self._cl_steps) > 64:  # outputs never passed back (should not happen): forget them
+            del self._cl_steps[next(iter(self._cl_steps))]
+
+    # -- after update_from_output(): tokens, finishes, the step ---------------------------------------
+
+    def _cl_report_outputs(self, outputs: dict[int, Any], ts: float, now: float) -> None:
+        """The step's new tokens (coalesced, :meth:`_cl_flush`) and finished requests."""
+        states = self._cl_states
+        pending = self._cl_pending
+        keep_ids = self.options.token_ids
+        flush_n = self.options.tokens_flush
+        for eco in outputs.values():
+            for out in eco.outputs:
+                rid = out.request_id
+                st = states.get(rid)
+                if st is None:
+                    continue
+                new = out.new_token_ids
+                if new:
+                    if not st.pending:
+                        st.pending_first_ts = ts
+                        pending[rid] = st
+                    if keep_ids:
+                        st.pending.extend(new)
+                    else:
+                        st.pending.extend([0] * len(new))
+                    st.output += len(new)
+                if out.finish_reason is not None:
+                    stop = out.stop_reason
+                    reason = compat.FINISH.get(out.finish_reason, "stop")
+                    if stop is None and out.finish_reason == compat.REPETITION:
+                        stop = "repetition"
+                    self._cl_finish(rid, st, reason, None if stop is None else str(stop), ts, now)
+                elif len(st.pending) >= flush_n:
+                    self._cl_flush(rid, st, ts)
+        if pending:
+            oldest = ts - self.options.tokens_flush_s
+            for rid, st in list(pending.items()):
+                if st.pending_first_ts <= oldest:
+                    self._cl_flush(rid, st, ts)
+
+    def _cl_report_step(self, scheduler_output: Any, now: float) -> None:
+        """Send the ``step`` event of ``scheduler_output`` (and feed its duration to the step-time
+        fit when admission_step_target_s uses it)."""
+        rec = self._cl_steps.pop(id(scheduler_output), None)
+        if rec is None:
+            return
+        duration = max(now - rec.started, 0.0)
+        self._e_step(
+            rec.ts,
+            rec.step,
+            duration,
+            rec.prefill_tokens,
+            rec.decode_tokens,
+            rec.num_prefill_reqs,
+            rec.num_decode_reqs,
+            rec.running,
+            rec.waiting,
+            rec.kv_usage,
+            rec.request_ids,
+            rec.prefill_depth_tokens,
+            rec.max_prefill_depth,
+            rec.stalled_request_ids,
+            rec.stalled_kv_blocks,
+        )
+        if self.options.admission_step_target_s:
+            prefill = rec.prefill_tokens
+            self.step_times.add(
+                prefill + rec.decode_tokens, rec.work, duration, rec.max_prefill_depth if prefill else 0
+            )
+
+
+__all__ = ["Reporter", "StepRecord"]
