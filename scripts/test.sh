@@ -40,5 +40,6 @@ sync
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
+.venv/bin/lint-imports --no-cache
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
