@@ -14,7 +14,6 @@ tests/test_docs.py keeps the page equal to this output.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import re
 import sys
@@ -33,6 +32,7 @@ from engine_hooks.gateway import cli as gateway_cli  # noqa: E402
 from engine_hooks.gateway.config import GatewayConfig  # noqa: E402
 from engine_hooks.vllm import options as vllm_options  # noqa: E402
 from ledger.config import Settings  # noqa: E402
+from tools import markers  # noqa: E402
 from tools.markers import replace_between  # noqa: E402
 
 PAGE = ROOT / "docs" / "reference" / "configuration.md"
@@ -311,16 +311,9 @@ def write(page: Path = PAGE) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        description="Generate the configuration reference from the settings classes."
+    markers.main(
+        "Generate the configuration reference from the settings classes.", PAGE, BEGIN, END, render, argv
     )
-    ap.add_argument("--write", action="store_true", help=f"update {PAGE.relative_to(ROOT)} in place")
-    args = ap.parse_args(argv)
-    if args.write:
-        changed = write()
-        print(f"{PAGE.relative_to(ROOT)}: {'updated' if changed else 'unchanged'}")
-    else:
-        sys.stdout.write(render())
 
 
 if __name__ == "__main__":

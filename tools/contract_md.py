@@ -9,7 +9,6 @@ tests/test_docs.py keeps the page equal to this output.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import inspect
 import io
@@ -23,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine_hooks import events as ev  # noqa: E402
+from tools import markers  # noqa: E402
 from tools.markers import replace_between  # noqa: E402
 
 PAGE = ROOT / "docs" / "reference" / "events.md"
@@ -130,14 +130,7 @@ def write(page: Path = PAGE) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Generate the event contract's Markdown tables.")
-    ap.add_argument("--write", action="store_true", help=f"update {PAGE.relative_to(ROOT)} in place")
-    args = ap.parse_args(argv)
-    if args.write:
-        changed = write()
-        print(f"{PAGE.relative_to(ROOT)}: {'updated' if changed else 'unchanged'}")
-    else:
-        sys.stdout.write(render())
+    markers.main("Generate the event contract's Markdown tables.", PAGE, BEGIN, END, render, argv)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -16,3 +19,17 @@ def replace_between(page: Path, begin: str, end: str, body: str) -> bool:
     if new != text:
         page.write_text(new)
     return new != text
+
+
+def main(
+    description: str, page: Path, begin: str, end: str, render: Callable[[], str], argv: list[str] | None
+) -> None:
+    """The generators' command line: print the block, or ``--write`` it into ``page``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--write", action="store_true", help=f"update {page.name} in place")
+    args = ap.parse_args(argv)
+    if args.write:
+        changed = replace_between(page, begin, end, render())
+        print(f"{page}: {'updated' if changed else 'unchanged'}")
+    else:
+        sys.stdout.write(render())
