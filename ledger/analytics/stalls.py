@@ -27,7 +27,9 @@ def kv_stalls(
     since_progress = sa.func.coalesce(
         sa.func.greatest(R.c.last_step_ts, R.c.last_token_ts), R.c.first_scheduled_ts, R.c.queued_ts
     )
-    stall = (sa.literal(now) - since_progress).label("stall_s")
+    # a source whose clock runs ahead of the ledger's stamps progress "in the future": no stall yet, not
+    # a negative one
+    stall = sa.func.greatest(sa.literal(0.0), sa.literal(now) - since_progress).label("stall_s")
     state = sa.case((R.c.first_scheduled_ts.is_(None), "waiting"), else_="running").label("state")
     stmt = (
         sa.select(

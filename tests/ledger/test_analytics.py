@@ -199,6 +199,13 @@ def test_kv_stalls_rank_live_requests_by_time_without_progress(loaded):
         assert q.kv_stalls(conn, now + 7200, horizon_s=3600) == []  # its engine went quiet
 
 
+def test_kv_stalls_are_never_negative_when_a_sources_clock_runs_ahead(loaded):
+    now = T0 + sum(STEP_S) - 5  # the ledger's clock 5 s behind the engine's last stamp
+    with _conn(loaded) as conn:
+        rows = q.kv_stalls(conn, now)
+    assert [r["request_id"] for r in rows] == ["dec"] and rows[0]["stall_s"] == 0
+
+
 def _finished(rid: str, e2e: float, model_source: ev.Source = ENGINE) -> list:
     return [
         ev.Queued(ts=T0, seq=0, request_id=rid, prompt_tokens=10),
