@@ -1,0 +1,2 @@
+"""The fleet simulator's parts (``engine_hooks.simulator`` runs them): ``scenario``, ``engine``,
+``gateway``, ``fleet``."""

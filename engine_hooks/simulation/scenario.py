@@ -1,0 +1,103 @@
+"""The simulated fleet's knobs (``Scenario``, the named ``SCENARIOS``) and one simulated request."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine_hooks.events import (
+    Command,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Knobs of one simulated fleet; ``SCENARIOS`` holds the named presets."""
+
+    prompt_median: int = 600
+    prompt_sigma: float = 0.9
+    long_prompt_p: float = 0.01  # share of prompts of 4k-12k tokens
+    very_long_prompt_p: float = 0.002  # share of 20k-token prompts
+    very_long_prompt_tokens: int = 20_000
+    output_median: int = 180
+    output_sigma: float = 0.8
+    max_tokens: int = 2048  # client cap on ordinary requests
+    runaway_p: float = 0.003  # share of requests with no cap and no stop that loop
+    runaway_cap: int = 6000  # the simulator's own hard stop for runaways
+    prefix_hit_p: float = 0.3  # share of requests with a prefix-cache hit
+    disconnect_p: float = 0.005  # share of clients that go away mid-stream
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap per step
+    kv_blocks: int = 16_384  # KV cache size per engine, in 16-token blocks
+    step_a_s: float = 0.004  # fixed cost of a step
+    step_b_s: float = 12e-6  # per prefill token
+    step_c_s: float = 8e-10  # per prefill token per token of depth (attention over the prefix)
+    step_d_s: float = 40e-6  # per decode request
+    tokens_flush: int = 16  # output tokens coalesced per tokens event
+    gateway_entry_s: float = 0.002  # parsing, auth, tokenising at the gateway
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "steady": Scenario(),
+    "long-prompts": Scenario(long_prompt_p=0.05, very_long_prompt_p=0.02),
+    "kv-pressure": Scenario(kv_blocks=2048, output_median=400),
+    "runaway": Scenario(runaway_p=0.05),
+    "chunk-threshold": Scenario(very_long_prompt_p=0.02, long_prefill_token_threshold=256),
+}
+
+
+@dataclass(eq=False)
+class SimRequest:
+    id: str
+    prompt_tokens: int
+    max_tokens: int | None
+    target_output: int
+    cached_tokens: int
+    runaway: bool
+    disconnect_at: int | None  # output token count at which the client goes away
+    arrived_t: float
+    queued_t: float = 0.0
+    computed: int = 0  # tokens whose KV is computed (prefill progress, then prompt + output)
+    output: int = 0
+    blocks: int = 0
+    preemptions: int = 0
+    chunks: int = 0
+    waiting_since: float = 0.0
+    lost_tokens: int = 0  # computed tokens thrown away by preemptions (recomputed on resume)
+    first_token_t: float | None = None
+    pending_ids: list[int] = field(default_factory=list)
+    pending_first_t: float | None = None
+    finished: bool = False
+    state: str = "waiting"  # waiting | running | done
+    cutoff: Command | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether the next pass is a prefill (first pass, or recompute after a preemption).
+
+        In decode, every token but the last sampled one is computed (vLLM's num_computed_tokens is
+        num_tokens - 1), so a prefill is any pass that starts further behind than that."""
+        return self.computed < self.prompt_tokens + max(self.output - 1, 0)
+
+    def next_token(self, rng: random.Random) -> int:
+        if self.runaway:
+            return (101, 2023, 318)[self.output % 3]
+        return rng.randrange(100, 50_000)
+
+
+def _new_prompt_tokens(req: SimRequest, n: int) -> int:
+    """Of a chunk of ``n`` tokens at ``req.computed``, the prompt positions never computed before.
+
+    Everything else in the chunk is recomputation: positions a preemption threw away, and output
+    positions (past the prompt) that decode had already computed.
+    """
+    high = max(min(req.lost_tokens, req.prompt_tokens), req.computed)
+    return max(0, min(req.computed + n, req.prompt_tokens) - high)
