@@ -31,74 +31,12 @@ from typing import Any
 import sqlalchemy as sa
 
 from engine_hooks import events as ev
+from ledger.rules.cutoff_rows import INSERT_ONE, insert_many, values_update
 from ledger.rules.engine import Decision
 
 log = logging.getLogger(__name__)
 
 MAX_PER_RESPONSE = 256  # commands in one ingest response or poll answer (the rest follow in later ones)
-
-_INSERT = sa.text(
-    "INSERT INTO cutoffs (command_id, request_id, rule, action, detail, model, source_id, gateway_source_id, "
-    "decided_ts, deliveries, state) VALUES (:command_id, :request_id, :rule, :action, :detail, :model, "
-    ":source_id, :gateway_source_id, :decided_ts, 0, 'pending') ON CONFLICT DO NOTHING"
-)
-
-
-_INSERT_COLUMNS = (
-    "command_id",
-    "request_id",
-    "rule",
-    "action",
-    "detail",
-    "model",
-    "source_id",
-    "gateway_source_id",
-    "decided_ts",
-)
-
-
-def _insert_many(conn: Any, rows: list[dict[str, Any]]) -> None:
-    """Multi-row ``INSERT ... ON CONFLICT DO NOTHING``, 500 rows per statement."""
-    for start in range(0, len(rows), 500):
-        chunk = rows[start : start + 500]
-        params: dict[str, Any] = {}
-        tuples = []
-        for i, row in enumerate(chunk):
-            for c in _INSERT_COLUMNS:
-                params[f"{c}{i}"] = row[c]
-            tuples.append("(" + ", ".join(f":{c}{i}" for c in _INSERT_COLUMNS) + ", 0, 'pending')")
-        conn.execute(
-            sa.text(
-                f"INSERT INTO cutoffs ({', '.join(_INSERT_COLUMNS)}, deliveries, state) VALUES "
-                f"{', '.join(tuples)} ON CONFLICT DO NOTHING"
-            ),
-            params,
-        )
-
-
-def _values_update(conn: Any, sets: str, rows: list[dict[str, Any]], columns: dict[str, str]) -> None:
-    """One ``UPDATE cutoffs ... FROM (VALUES ...)`` per 500 rows: DuckDB runs an executemany as one
-    statement per row (about a millisecond each); this is one statement on both backends.
-
-    ``columns`` maps each value column to its SQL type; ``id`` (the command id) joins the rows."""
-    names = list(columns)
-    for start in range(0, len(rows), 500):
-        chunk = rows[start : start + 500]
-        params: dict[str, Any] = {}
-        tuples = []
-        for i, row in enumerate(chunk):
-            cells = []
-            for name in names:
-                params[f"{name}{i}"] = row[name]
-                cells.append(f"CAST(:{name}{i} AS {columns[name]})")
-            tuples.append(f"({', '.join(cells)})")
-        conn.execute(
-            sa.text(
-                f"UPDATE cutoffs SET {sets} FROM (VALUES {', '.join(tuples)}) AS v({', '.join(names)}) "
-                "WHERE cutoffs.command_id = v.id"
-            ),
-            params,
-        )
 
 
 @dataclass(eq=False)
@@ -259,9 +197,9 @@ class CommandBook:
             ]
             with self._db_lock, self.engine.begin() as conn:
                 if len(rows) == 1:
-                    conn.execute(_INSERT, rows[0])
+                    conn.execute(INSERT_ONE, rows[0])
                 else:
-                    _insert_many(conn, rows)
+                    insert_many(conn, rows)
                 stored = {
                     (r.request_id, r.rule): r.command_id
                     for r in conn.execute(
@@ -364,7 +302,7 @@ class CommandBook:
                     rows = [r for r in first if r["gw"] is gw]
                     if rows:
                         col = "gateway_delivered_ts" if gw else "delivered_ts"
-                        _values_update(
+                        values_update(
                             conn,
                             f"{col} = COALESCE(cutoffs.{col}, v.now), deliveries = v.n",
                             rows,
@@ -383,7 +321,7 @@ class CommandBook:
                 p.stored_sends = p.sends
         if rows and self.engine is not None:
             with self._db_lock, self.engine.begin() as conn:
-                _values_update(conn, "deliveries = v.n", rows, {"id": "TEXT", "n": "BIGINT"})
+                values_update(conn, "deliveries = v.n", rows, {"id": "TEXT", "n": "BIGINT"})
 
     async def wait(self, source_id: str, timeout_s: float) -> list[ev.Command]:
         """The source's pending commands; when there are none, wait up to ``timeout_s`` for one."""
