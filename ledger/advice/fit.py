@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ledger.store.base import MAX_STEP_GAP_S
+from ledger.store.step_memory import MAX_STEP_GAP_S
 
 MIN_STEPS = 100  # fewer steps than this: refuse
 MIN_PREFILL_STEPS = 30  # steps that ran a prefill chunk

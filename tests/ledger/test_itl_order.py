@@ -22,7 +22,7 @@ from ledger.analytics import queries as q
 from ledger.app import create_app
 from ledger.config import Settings
 from ledger.store import open_store
-from ledger.store.base import _STEPS_MAX
+from ledger.store.step_memory import _STEPS_MAX
 from tests.ledger.factories import batch, numbered
 
 T0 = 1_700_000_000.0
