@@ -32,6 +32,17 @@ from typing import Any
 
 import numpy as np
 
+from ledger.advice.regression import (
+    CV_CLIP,
+    CV_FOLDS,
+    column_scale,
+    cv_error,
+    huber_weights,
+    in_sample,
+    robust_scale,
+    robust_solve,
+    weighted_solve,
+)
 from ledger.store.step_memory import MAX_STEP_GAP_S
 
 MIN_STEPS = 100  # fewer steps than this: refuse
@@ -41,11 +52,7 @@ MIN_DEPTHS = 3  # distinct chunk depths among prefill steps
 STEPS_PER_TERM = 10  # at least this many steps per fitted coefficient (candidates stop short of it)
 MIN_CV_GAIN = 0.02  # a candidate term must cut the cross-validated error by 2% (relative) to be kept
 MIN_CV_GAIN_ABS = 1e-4  # ... and by 0.01 percentage points (noise-free data: no rounding-error terms)
-CV_FOLDS = 5
 SELECTION_MAX_STEPS = 20_000  # term selection runs on a sample of at most this many steps
-HUBER_K = 2.0  # robust fit: steps beyond this many robust deviations are down-weighted
-ROBUST_ITERATIONS = 3
-CV_CLIP = 4.0  # cross-validation caps a held-out step's error at this many robust deviations
 
 COLUMNS = (
     "duration_s",
@@ -364,88 +371,12 @@ def _design(data: StepData, terms: list[Term]) -> np.ndarray:
     return np.column_stack([t.column(data) for t in terms])
 
 
-def _solve(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, int]:
-    """Weighted least squares on column-scaled x; (coefficients in x's units, rank).
-
-    Normal equations on the scaled columns (p <= 8, so X'WX is tiny and fast to build even for 10^5
-    steps); SVD least squares when they are singular or ill-conditioned."""
-    scale = _scale(x)
-    xs = x / scale
-    xw = xs * w[:, None]
-    gram = xs.T @ xw
-    p = gram.shape[0]
-    if np.linalg.cond(gram) < 1e12:
-        return np.linalg.solve(gram, xw.T @ y) / scale, p
-    sw = np.sqrt(w)
-    beta, _, rank, _ = np.linalg.lstsq(xs * sw[:, None], y * sw, rcond=None)
-    return beta / scale, int(rank)
-
-
-def _scale(x: np.ndarray) -> np.ndarray:
-    scale = np.max(np.abs(x), axis=0)
-    scale[scale == 0] = 1.0
-    return scale
-
-
-def _robust_solve(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Weighted least squares made robust with Huber weights (iteratively re-weighted): steps whose
-    weighted residual lies beyond ``HUBER_K`` robust standard deviations (1.4826·MAD) count less,
-    so a few stalls (a preempted CPU, a GC pause) do not bend the coefficients. Returns the
-    coefficients and the Huber weights (1 for ordinary steps)."""
-    beta, _ = _solve(x, y, w)
-    h = np.ones_like(y)
-    sw = np.sqrt(w)
-    for _ in range(ROBUST_ITERATIONS):
-        e = (y - x @ beta) * sw
-        s = _robust_scale(e)
-        if s <= 0:
-            break
-        h = np.minimum(1.0, HUBER_K * s / np.maximum(np.abs(e), 1e-300))
-        beta, _ = _solve(x, y, w * h)
-    return beta, h
-
-
-def _robust_scale(e: np.ndarray) -> float:
-    return float(1.4826 * np.median(np.abs(e - np.median(e))))
-
-
-def _weights(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Weights 1/ŷ² from an unweighted first pass: step-time noise is multiplicative (a 3% jitter on
-    an 800 ms step outweighs a whole 10 ms step), and the advice lives among the short steps."""
-    beta, _ = _robust_solve(x, y, np.ones_like(y))
-    floor = max(float(np.quantile(y, 0.01)), 1e-6)
-    return 1.0 / np.maximum(x @ beta, floor) ** 2
-
-
 def _first_collinear(x: np.ndarray, terms: list[Term]) -> str:
-    xs = x / _scale(x)
+    xs = x / column_scale(x)
     for k in range(1, xs.shape[1] + 1):
         if np.linalg.matrix_rank(xs[:, :k]) < k:
             return terms[k - 1].name
     return terms[-1].name
-
-
-def _in_sample(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> dict[str, float]:
-    """R² and signed residual p99 (ms) of the full-data fit: the figures that justify a term."""
-    beta, _ = _robust_solve(x, y, w)
-    resid = y - x @ beta
-    ss_tot = float(np.sum((y - y.mean()) ** 2))
-    r2 = 1.0 - float(resid @ resid) / ss_tot if ss_tot > 0 else 0.0
-    return {"r2": r2, "residual_p99_ms": float(np.quantile(resid, 0.99)) * 1e3}
-
-
-def _cv_error(x: np.ndarray, y: np.ndarray, w: np.ndarray, folds: np.ndarray, clip: float) -> float:
-    """Cross-validated RMS of the weighted residual (with w = 1/ŷ², the relative error of a step),
-    each squared error capped at ``clip``² so that the held-out stalls, which no term can predict,
-    do not decide which terms are kept."""
-    sq = 0.0
-    sw = np.sqrt(w)
-    for k in range(CV_FOLDS):
-        test = folds == k
-        beta, _ = _robust_solve(x[~test], y[~test], w[~test])
-        e = (y[test] - x[test] @ beta) * sw[test]
-        sq += float(np.sum(np.minimum(e * e, clip * clip)))
-    return float(np.sqrt(sq / len(y)))
 
 
 def fit_step_time(
@@ -457,7 +388,7 @@ def fit_step_time(
 ) -> StepTimeFit:
     """Fit the base model plus the candidate terms that measurably help; FitError when it cannot.
 
-    Least squares weighted by 1/ŷ² (relative error; see ``_weights``). A candidate is kept when it
+    Least squares weighted by 1/ŷ² (relative error; see ``huber_weights``). A candidate is kept when it
     cuts the 5-fold cross-validated relative error by ``MIN_CV_GAIN``; the best one first, repeatedly.
     """
     data = check_data(data, min_steps=min_steps)
@@ -465,53 +396,53 @@ def fit_step_time(
     n = len(y)
     terms = list(BASE_TERMS)
     x = _design(data, terms)
-    _, rank = _solve(x, y, np.ones_like(y))
+    _, rank = weighted_solve(x, y, np.ones_like(y))
     if rank < len(terms):
         name = _first_collinear(x, terms)
         raise FitError(
             "degenerate", f"the steps cannot separate the cost of {name!r} from the other terms (collinear)"
         )
-    w = _weights(x, y)
+    w = huber_weights(x, y)
     # Term selection runs on at most SELECTION_MAX_STEPS steps (a seeded sample): the choice does not
     # need 10^5 steps and cross-validation refits many times. The final fit uses every step.
     rng = np.random.default_rng(seed)
     sel = rng.permutation(n)[:SELECTION_MAX_STEPS] if n > SELECTION_MAX_STEPS else np.arange(n)
     ys, ws = y[sel], w[sel]
     xsel = x[sel]
-    base_beta, _ = _robust_solve(xsel, ys, ws)
-    clip = CV_CLIP * max(_robust_scale((ys - xsel @ base_beta) * np.sqrt(ws)), 1e-9)
+    base_beta, _ = robust_solve(xsel, ys, ws)
+    clip = CV_CLIP * max(robust_scale((ys - xsel @ base_beta) * np.sqrt(ws)), 1e-9)
     folds = rng.permutation(len(sel)) % CV_FOLDS
-    best = _cv_error(xsel, ys, ws, folds, clip)
+    best = cv_error(xsel, ys, ws, folds, clip)
     selection: list[dict[str, Any]] = [
-        {"term": "base", "cv_rel_error": best, "kept": True, **_in_sample(xsel, ys, ws)}
+        {"term": "base", "cv_rel_error": best, "kept": True, **in_sample(xsel, ys, ws)}
     ]
     remaining = list(candidates)
     while remaining and n >= STEPS_PER_TERM * (len(terms) + 1):
         tried = []
         for cand in remaining:
             xc = np.column_stack([xsel, cand.column(data)[sel]])
-            _, r = _solve(xc, ys, ws)
-            score = _cv_error(xc, ys, ws, folds, clip) if r == xc.shape[1] else float("inf")
+            _, r = weighted_solve(xc, ys, ws)
+            score = cv_error(xc, ys, ws, folds, clip) if r == xc.shape[1] else float("inf")
             tried.append((score, cand, xc))
         score, cand, xc = min(tried, key=lambda s: s[0])
         if not (score <= best * (1 - MIN_CV_GAIN) and best - score >= MIN_CV_GAIN_ABS):
             for s, c, xt in sorted(tried, key=lambda s: s[0]):
                 if np.isfinite(s):
                     selection.append(
-                        {"term": c.name, "cv_rel_error": s, "kept": False, **_in_sample(xt, ys, ws)}
+                        {"term": c.name, "cv_rel_error": s, "kept": False, **in_sample(xt, ys, ws)}
                     )
                 else:
                     selection.append(
                         {"term": c.name, "kept": False, "why": "no variation apart from the terms kept"}
                     )
             break
-        selection.append({"term": cand.name, "cv_rel_error": score, "kept": True, **_in_sample(xc, ys, ws)})
+        selection.append({"term": cand.name, "cv_rel_error": score, "kept": True, **in_sample(xc, ys, ws)})
         best, xsel = score, xc
         terms.append(cand)
         remaining.remove(cand)
     x = _design(data, terms)
-    w = _weights(x, y)  # re-weighted with the chosen model
-    beta, huber = _robust_solve(x, y, w)
+    w = huber_weights(x, y)  # re-weighted with the chosen model
+    beta, huber = robust_solve(x, y, w)
     w = w * huber
     pred = x @ beta
     resid = y - pred
@@ -519,7 +450,7 @@ def fit_step_time(
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     wres = w * resid**2
     sigma2 = float(wres.sum()) / max(n - len(terms), 1)
-    scale = _scale(x)
+    scale = column_scale(x)
     xs = (x / scale) * np.sqrt(w)[:, None]
     cov = np.linalg.pinv(xs.T @ xs) * sigma2
     stderr = np.sqrt(np.clip(np.diag(cov), 0, None)) / scale
