@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from ledger.defaults import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
+from ledger.cli_options import LedgerUrlOpt, ReadTokenOpt
+from ledger.defaults import DEFAULT_LEDGER_URL
 
 if TYPE_CHECKING:
     from ledger.export import Window as ExportWindow
@@ -28,17 +29,8 @@ def export_command(
         str | None,
         typer.Option("--db", help="read the database directly (the service must not hold a DuckDB file)"),
     ] = None,
-    ledger: Annotated[
-        str,
-        typer.Option(
-            "--ledger",
-            envvar=list(LEDGER_URL_ENV),
-            help="running ledger to export through",
-        ),
-    ] = DEFAULT_LEDGER_URL,
-    token: Annotated[
-        str | None, typer.Option("--token", envvar="CHUNKLEDGER_READ_TOKEN", help="read token")
-    ] = None,
+    ledger: LedgerUrlOpt = DEFAULT_LEDGER_URL,
+    token: ReadTokenOpt = None,
     tables: Annotated[
         str | None, typer.Option("--tables", help="comma-separated subset (default: every table)")
     ] = None,

@@ -13,13 +13,9 @@ from typing import Annotated, Any
 
 import typer
 
+from ledger.cli_options import LedgerUrlOpt, ReadTokenOpt
 from ledger.defaults import DEFAULT_LEDGER_URL
 
-LedgerOpt = Annotated[
-    str | None,
-    typer.Option("--ledger", help=f"ledger URL (env CHUNKLEDGER_LEDGER_URL; {DEFAULT_LEDGER_URL})"),
-]
-TokenOpt = Annotated[str | None, typer.Option("--token", help="read token (env CHUNKLEDGER_READ_TOKEN)")]
 FormatOpt = Annotated[str, typer.Option("--format", help="table or json")]
 SinceOpt = Annotated[str | None, typer.Option(help="unix seconds, ISO 8601, or an age: 15m, 2h, 1d")]
 
@@ -71,8 +67,8 @@ def attribution(
     by: Annotated[
         str, typer.Option(help="group by: model, engine_source_id, gateway_source_id, finish_reason")
     ] = "",
-    ledger: LedgerOpt = None,
-    token: TokenOpt = None,
+    ledger: LedgerUrlOpt = DEFAULT_LEDGER_URL,
+    token: ReadTokenOpt = None,
     fmt: FormatOpt = "table",
 ) -> None:
     """Per-layer latency tails (ms) of the requests that finished in the window, and decode ITL."""
@@ -109,8 +105,8 @@ def requests(
     live: Annotated[bool | None, typer.Option("--live/--finished", help="only live / only finished")] = None,
     model: str | None = None,
     since: SinceOpt = None,
-    ledger: LedgerOpt = None,
-    token: TokenOpt = None,
+    ledger: LedgerUrlOpt = DEFAULT_LEDGER_URL,
+    token: ReadTokenOpt = None,
     fmt: FormatOpt = "table",
 ) -> None:
     """Requests sorted by any column (default: slowest end to end first)."""
@@ -160,8 +156,8 @@ def requests(
 
 def why(
     request_id: str,
-    ledger: LedgerOpt = None,
-    token: TokenOpt = None,
+    ledger: LedgerUrlOpt = DEFAULT_LEDGER_URL,
+    token: ReadTokenOpt = None,
     fmt: FormatOpt = "table",
 ) -> None:
     """What delayed one request, biggest first, and the requests behind each delay."""
@@ -191,8 +187,8 @@ def why(
 
 def stalls(
     limit: int = 20,
-    ledger: LedgerOpt = None,
-    token: TokenOpt = None,
+    ledger: LedgerUrlOpt = DEFAULT_LEDGER_URL,
+    token: ReadTokenOpt = None,
     fmt: FormatOpt = "table",
 ) -> None:
     """Live requests ranked by time without progress (KV held idle, or still waiting)."""

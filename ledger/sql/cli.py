@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from ledger.defaults import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
+from ledger.cli_options import LedgerUrlOpt, ReadTokenOpt
+from ledger.defaults import DEFAULT_LEDGER_URL
 
 
 def query_command(
@@ -19,17 +20,8 @@ def query_command(
     format: Annotated[
         Literal["table", "csv", "json"], typer.Option("--format", "-f", help="table, csv or json")
     ] = "table",
-    ledger: Annotated[
-        str,
-        typer.Option(
-            "--ledger",
-            envvar=list(LEDGER_URL_ENV),
-            help="ledger base URL (env CHUNKLEDGER_LEDGER_URL)",
-        ),
-    ] = DEFAULT_LEDGER_URL,
-    token: Annotated[
-        str | None, typer.Option("--token", envvar="CHUNKLEDGER_READ_TOKEN", help="read token (env ...)")
-    ] = None,
+    ledger: LedgerUrlOpt = DEFAULT_LEDGER_URL,
+    token: ReadTokenOpt = None,
     max_rows: Annotated[
         int | None, typer.Option("--max-rows", min=1, help="row cap (default: ledger's)")
     ] = None,
