@@ -138,3 +138,32 @@ def ledger_server(tmp_path: Path) -> Iterator[LedgerServer]:
     server.start()
     yield server
     server.stop()
+
+
+def wait_serving(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float = 60.0) -> None:
+    """Until ``url`` answers 200; RuntimeError when ``proc`` exits first, TimeoutError (after stopping
+    it) when the time runs out. ``proc`` runs in a session of its own (``start_new_session``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop_group(proc)
+    raise TimeoutError(f"{url} did not answer 200 in {timeout} s: {log.read_text()[-3000:]}")
+
+
+def stop_group(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    """SIGTERM to the process group of ``proc`` (started with ``start_new_session``), SIGKILL after
+    ``timeout``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)

@@ -17,10 +17,8 @@ import importlib.metadata as md
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import tomllib
 import venv
 from collections.abc import Iterator
@@ -29,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, stop_group, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ledger", "engine_hooks", "dashboard", "migrations")
@@ -199,30 +197,8 @@ class Install:
             env=self.env,
             start_new_session=True,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(
-                    f"chunkledger {args[0]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-                )
-            try:
-                if httpx.get(ready_url, timeout=1).status_code == 200:
-                    return proc
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        _stop(proc)
-        pytest.fail(f"{ready_url} did not answer 200 in {timeout} s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+        wait_serving(proc, ready_url, log, timeout)
+        return proc
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +254,7 @@ def test_the_base_install_runs_the_ledger_on_duckdb_and_names_the_extra_other_co
         advice = httpx.get(f"{url}/v1/advice/chunk-size", params={"itl_target_ms": 50})
         assert advice.status_code < 500, advice.text  # numpy is there: no steps yet is a 4xx, not a crash
     finally:
-        _stop(proc)
+        stop_group(proc)
     r = base.run("serve", "--db", "postgresql+psycopg://root@127.0.0.1:5432/test")
     assert r.returncode == 2 and "chunkledger[postgres]" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
@@ -300,7 +276,7 @@ def test_the_postgres_install_runs_the_ledger_on_postgresql(
     try:
         assert httpx.get(f"{url}/readyz").json()["status"] == "ready"
     finally:
-        _stop(proc)
+        stop_group(proc)
 
 
 @pytest.mark.slow
@@ -322,9 +298,9 @@ def test_the_dashboard_install_serves_the_dashboard_over_a_ledger(
             page = httpx.get(f"http://127.0.0.1:{port}/")
             assert page.status_code == 200 and "<html" in page.text.lower()
         finally:
-            _stop(board)
+            stop_group(board)
     finally:
-        _stop(ledger)
+        stop_group(ledger)
 
 
 @pytest.mark.vllm

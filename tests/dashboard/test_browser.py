@@ -13,7 +13,6 @@ Screenshots go to CHUNKLEDGER_SCREENSHOTS (default: the test's temporary folder)
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,11 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
-import httpx
 import pytest
 from dash_browser import Browser, PageState, find_chromium
 
-from tests.conftest import LedgerServer, free_port
+from tests.conftest import LedgerServer, free_port, stop_group, wait_serving
 
 pytestmark = pytest.mark.slow
 
@@ -74,33 +72,8 @@ def chromium() -> str:
 
 def _serve(args: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    _wait_health(proc, url, log)
+    wait_serving(proc, url, log)
     return proc
-
-
-def _wait_health(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    _stop(proc)
-    raise TimeoutError(f"not serving at {url}: {log.read_text()[-2000:]}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
 
 
 def _dashboard(ledger_url: str, log: Path) -> tuple[str, subprocess.Popen[bytes]]:
@@ -114,14 +87,14 @@ def _dashboard(ledger_url: str, log: Path) -> tuple[str, subprocess.Popen[bytes]
 def dashboard_url(recorded_ledger: LedgerServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     url, proc = _dashboard(recorded_ledger.url, tmp_path_factory.mktemp("dashboard") / "dashboard.log")
     yield url
-    _stop(proc)
+    stop_group(proc)
 
 
 @pytest.fixture(scope="module")
 def vllm_dashboard_url(vllm_ledger: LedgerServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     url, proc = _dashboard(vllm_ledger.url, tmp_path_factory.mktemp("dashboard") / "dashboard.log")
     yield url
-    _stop(proc)
+    stop_group(proc)
 
 
 @pytest.fixture(scope="module")
@@ -243,11 +216,11 @@ def test_the_page_check_catches_exceptions_empty_charts_cut_titles_and_the_devel
         env=env,
     )
     try:
-        _wait_health(proc, f"http://127.0.0.1:{port}/_stcore/health", tmp_path / "st.log")
+        wait_serving(proc, f"http://127.0.0.1:{port}/_stcore/health", tmp_path / "st.log")
         state = browser.load(f"http://127.0.0.1:{port}/", min_charts=4)
         menu = browser.main_menu()
     finally:
-        _stop(proc)
+        stop_group(proc)
     assert any("boom" in e for e in state.exceptions)
     assert len(state.charts) == 4
     assert state.empty_charts == [1, 3]  # no data; a plot squeezed to nothing
