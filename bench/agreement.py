@@ -181,6 +181,20 @@ class Proc:
         self._log.close()
 
 
+def stop_all(procs: list[Proc], work: Path, *, keep: bool) -> None:
+    """Stop the children, newest first (one failing does not keep the others running), then remove
+    the work folder unless asked to keep it."""
+    for p in reversed(procs):
+        try:
+            p.stop()
+        except Exception as exc:  # keep stopping the others
+            log(f"stopping {p.name}: {exc}")
+    if keep:
+        log(f"kept {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 # -- pieces that need no server (unit-testable) ----------------------------------------------------
 
 
@@ -851,15 +865,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         )
         return summary
     finally:
-        for p in reversed(procs):
-            try:
-                p.stop()
-            except Exception as exc:  # keep stopping the others
-                log(f"stopping {p.name}: {exc}")
-        if args.keep:
-            log(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        stop_all(procs, work, keep=args.keep)
 
 
 def _clean(v: Any) -> Any:

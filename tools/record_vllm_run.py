@@ -43,7 +43,6 @@ import gzip
 import json
 import os
 import random
-import shutil
 import sys
 import tempfile
 import threading
@@ -59,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from agreement import Proc, free_port  # noqa: E402  (bench/agreement.py: process groups, ports)
+from agreement import Proc, free_port, stop_all  # noqa: E402  (bench/agreement.py: process groups, ports)
 
 DEFAULT_OUT = ROOT / "tests" / "dashboard" / "data" / "vllm_run.jsonl.gz"
 MODEL_NAME = "tiny"
@@ -293,15 +292,7 @@ def record(args: argparse.Namespace) -> dict[str, Any]:
         if proxy is not None:
             with contextlib.suppress(Exception):
                 proxy.close()
-        for p in reversed(procs):
-            try:
-                p.stop()
-            except Exception as exc:  # keep stopping the others
-                log(f"stopping {p.name}: {exc}")
-        if args.keep:
-            log(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        stop_all(procs, work, keep=args.keep)
 
 
 def main(argv: list[str] | None = None) -> int:
