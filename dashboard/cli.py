@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from ledger.defaults import DEFAULT_LEDGER_URL
+
 APP = Path(__file__).with_name("app.py")
 
 
@@ -38,7 +40,7 @@ def dashboard(
     ledger: Annotated[
         str,
         typer.Option(help="ledger base URL (env CHUNKLEDGER_LEDGER_URL)", envvar="CHUNKLEDGER_LEDGER_URL"),
-    ] = "http://127.0.0.1:8321",
+    ] = DEFAULT_LEDGER_URL,
     port: Annotated[int, typer.Option(min=1, max=65535, help="port to serve the dashboard on")] = 8501,
     host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     read_token: Annotated[
