@@ -4,21 +4,17 @@ Stores N synthetic steps (the issue's measured CPU model plus noise) through the
 then times ``chunk_size_advice`` (the read of the newest ``max_steps`` steps, the term selection, the
 robust fit and the advice) and its parts, side by side for each backend in one run.
 
-    python bench/advice.py --steps 200000 --max-steps 100000 [--pg postgresql+psycopg://...]
+    python -m bench.advice --steps 200000 --max-steps 100000 [--pg postgresql+psycopg://...]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import sqlalchemy as sa
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ (the synthetic step model)
 
 from engine_hooks import events as ev
 from ledger.advice.advisor import Advisor

@@ -59,10 +59,10 @@ sums within 1 %, no ITL sample missing (the ledger's ``/v1/itl`` n >= vLLM's cou
 no output-token mismatch, no failed client request. A figure the ledger cannot give yet (a column
 missing) prints ``n/a (column missing)`` and fails its goal.
 
-    .venv/bin/python bench/agreement.py                                  # 120 prompts at 4/s, 128 in / 64 out
-    .venv/bin/python bench/agreement.py --num-prompts 40 --long-prompts 2 --check
-    .venv/bin/python bench/agreement.py --num-prompts 40 --request-rate 8 --kv-cache-gib 0.001  # preempts
-    .venv/bin/python bench/agreement.py --json > /tmp/agreement.json     # the report goes to stderr
+    .venv/bin/python -m bench.agreement                                  # 120 prompts at 4/s, 128 in / 64 out
+    .venv/bin/python -m bench.agreement --num-prompts 40 --long-prompts 2 --check
+    .venv/bin/python -m bench.agreement --num-prompts 40 --request-rate 8 --kv-cache-gib 0.001  # preempts
+    .venv/bin/python -m bench.agreement --json > /tmp/agreement.json     # the report goes to stderr
 """
 
 from __future__ import annotations
@@ -88,7 +88,6 @@ from typing import IO, Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 MODEL_NAME = "tiny"
 MODEL_LAYERS, MODEL_KV_HIDDEN = 2, 128  # build_tiny_model's defaults (KV bytes per token)

@@ -7,9 +7,9 @@ holding KV), every decoding request gets a token, tokens are coalesced a few at 
 then a request is preempted and resumed. Events go through ``Store.write`` in group commits, exactly
 as the ingest writer stores them (the HTTP decode is left out: bench/ingest.py measures that).
 
-    python bench/analytics.py                      # DuckDB file, 200k requests
-    python bench/analytics.py --requests 20000     # quicker
-    python bench/analytics.py --db postgresql+psycopg://postgres@127.0.0.1:5432/bench
+    python -m bench.analytics                      # DuckDB file, 200k requests
+    python -m bench.analytics --requests 20000     # quicker
+    python -m bench.analytics --db postgresql+psycopg://postgres@127.0.0.1:5432/bench
 
 Goal (issue 5): every dashboard query < 1 s at 10M events on DuckDB.
 """
@@ -26,10 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine_hooks import events as ev
 from ledger.analytics import queries as q

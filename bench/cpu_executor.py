@@ -8,8 +8,8 @@ tokens out) for ``--seconds``, while a probe process sleeps 10 ms at a time and 
 wakes: the longest time the host left a sleeping process unscheduled. Rows alternate (mp, uni, mp, uni
 ...) so that both see the same machine.
 
-    .venv/bin/python bench/cpu_executor.py                  # 2 rounds, 12 s of load each
-    .venv/bin/python bench/cpu_executor.py --rounds 3 --json out.json
+    .venv/bin/python -m bench.cpu_executor                  # 2 rounds, 12 s of load each
+    .venv/bin/python -m bench.cpu_executor --rounds 3 --json out.json
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from bench.head_of_line import _free_port, _pct
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import httpx  # noqa: E402
-
-from bench.head_of_line import _free_port, _pct  # noqa: E402
 
 EXECUTORS = {
     "mp": ({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, []),

@@ -5,8 +5,8 @@ process with ``OMP_NUM_THREADS`` set, while one CPU-burning process runs for the
 ledger, gateway or a client are to the engine on a small host). Printed per row: a one-decode step,
 a 32-decode step (p50 of the decode steps) and a 4096-token prefill.
 
-    .venv/bin/python bench/cpu_settings.py                 # float32/1, float32/2, auto/1 threads
-    .venv/bin/python bench/cpu_settings.py --no-burner      # the same on an otherwise idle machine
+    .venv/bin/python -m bench.cpu_settings                 # float32/1, float32/2, auto/1 threads
+    .venv/bin/python -m bench.cpu_settings --no-burner      # the same on an otherwise idle machine
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 ROWS = (("float32", 1), ("float32", 2), ("auto", 1))
 

@@ -11,7 +11,7 @@ A simulated decode step with 256 running requests records one ``tokens`` event p
               encoding, validating) -- off the engine thread, but it shares the GIL.
 
 The worker is kept out of the engine-thread figures (the queue is emptied between steps, as the raw
-deque is), so they measure only what the engine thread pays. Run: ``python bench/exporter.py``.
+deque is), so they measure only what the engine thread pays. Run: ``python -m bench.exporter``.
 """
 
 from __future__ import annotations

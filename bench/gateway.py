@@ -1,6 +1,6 @@
 """What the gateway costs: added latency per request and streamed tokens/s, proxy vs direct, one run.
 
-Three processes: a fast fake OpenAI upstream (tests/gateway/fake_upstream.py under uvicorn), the
+Three processes: a fast fake OpenAI upstream (tests/support/fake_upstream.py under uvicorn), the
 gateway (``chunkledger gateway``, sending its events to an in-process fake ledger, as in production),
 and this client. The client talks raw HTTP/1.1 over keep-alive connections (asyncio streams, no HTTP
 library), so that its own cost is small and identical on both paths.
@@ -15,7 +15,7 @@ library), so that its own cost is small and identical on both paths.
   tokens (``--itl-ms`` per stream on a fixed timeline, like an engine decoding) and unpaced (the
   upstream writes as fast as it can, so the three processes compete for the CPU).
 
-Run: ``python bench/gateway.py`` (about a minute). Prints a table and one JSON line.
+Run: ``python -m bench.gateway`` (about a minute). Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from typing import Any
 
 import httpx
 
+from tests.support.fake_ledger import FakeLedger
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "engine_hooks"))
-from fake_ledger import FakeLedger  # noqa: E402
 
 
 def free_port() -> int:
@@ -159,7 +159,7 @@ def main() -> None:
             up = subprocess.Popen(
                 [
                     sys.executable,
-                    str(ROOT / "tests" / "gateway" / "fake_upstream.py"),
+                    str(ROOT / "tests" / "support" / "fake_upstream.py"),
                     "--port",
                     str(up_port),
                 ],

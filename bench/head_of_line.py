@@ -38,8 +38,8 @@ PATH`` reads again.
 Run it on an idle machine (the 1-minute load average at the end of each configuration is printed):
 with other CPU-bound processes on the two cores the steps slow down and the figures mean little.
 
-    .venv/bin/python bench/head_of_line.py --json /tmp/hol.json          # the seed's table, sized
-    .venv/bin/python bench/head_of_line.py --long-tokens 16000 --gap-ms 20,50 --only no-long,chunk-256,reserve
+    .venv/bin/python -m bench.head_of_line --json /tmp/hol.json          # the seed's table, sized
+    .venv/bin/python -m bench.head_of_line --long-tokens 16000 --gap-ms 20,50 --only no-long,chunk-256,reserve
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "no-long": {"budget": 2048, "long": False},

@@ -44,8 +44,8 @@ The derivation:
 Roughly, the bound is ``1 + a / (S_max - a)`` (times W / U): the goals can meet only where the step's
 fixed cost is at most about a sixth of the longest step the shorts tolerate.
 
-    .venv/bin/python bench/hol_bound.py /tmp/hol.json      # a file written by head_of_line.py --json
-    .venv/bin/python bench/hol_bound.py --constants 7.7,10,25.6,15,4320 --sweep-a   # figures given
+    .venv/bin/python -m bench.hol_bound /tmp/hol.json      # a file written by head_of_line.py --json
+    .venv/bin/python -m bench.hol_bound --constants 7.7,10,25.6,15,4320 --sweep-a   # figures given
 """
 
 from __future__ import annotations
@@ -53,14 +53,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from engine_hooks.vllm.predict import StepTimes, attention_work  # does not import vLLM
 
-from engine_hooks.vllm.predict import StepTimes, attention_work  # noqa: E402  (does not import vLLM)
+ROOT = Path(__file__).resolve().parent.parent
 
 SHORT_FACTOR = 3.0  # issue 4: short TTFT p99 <= 3x baseline
 LONG_FACTOR = 1.2  # ... with the long TTFT <= 1.2x unchunked

@@ -5,7 +5,7 @@ disabled, i.e. the ceiling; a DuckDB file; a throwaway PostgreSQL database), dri
 process with batches of 500 events for a fixed time, then stops the server and counts what the store
 holds. Prints one table; ``--json`` adds a JSON line per backend.
 
-    python bench/ingest.py --duration 10 --clients 16
+    python -m bench.ingest --duration 10 --clients 16
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ import uuid
 from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine_hooks import events as ev
 

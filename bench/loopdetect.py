@@ -19,7 +19,7 @@ Detectors:
   called per token as its scheduler does;
 - ``brute force``: every period at every token (numpy), the reference the live detector must equal.
 
-    python bench/loopdetect.py [--json]
+    python -m bench.loopdetect [--json]
 """
 
 from __future__ import annotations
@@ -28,14 +28,10 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ledger.rules.loop import LoopDetector, exact_detector, near_detector
 from ledger.rules.policy import LoopSettings, NearLoopSettings

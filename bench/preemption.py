@@ -17,8 +17,8 @@ Printed per configuration: preemptions (total, most of one request, by short and
 prefill tokens recomputed after preemptions, escape-valve grants and lapses, latency p50/p99 of the
 short requests (TTFT, end to end), the long requests' end-to-end p50/max, wall time and output tokens/s.
 
-    .venv/bin/python bench/preemption.py
-    .venv/bin/python bench/preemption.py --requests 48 --kv-tokens 6144 --escape-after 1
+    .venv/bin/python -m bench.preemption
+    .venv/bin/python -m bench.preemption --requests 48 --kv-tokens 6144 --escape-after 1
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 CONFIGS = ("fcfs", "escape-finish", "escape-predicted")
 

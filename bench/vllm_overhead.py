@@ -7,8 +7,8 @@ asks them in turn (A B A B ...) to run one round of the same seeded workload, so
 hits both alike, and prints the output tokens/s ratio (plugin / vanilla, median of rounds) and the p99
 step time ratio (all steps pooled). Goal: ratios >= 0.99 and <= 1.01.
 
-    .venv/bin/python bench/vllm_overhead.py                    # about a minute or two
-    .venv/bin/python bench/vllm_overhead.py --rounds 6 --requests 48
+    .venv/bin/python -m bench.vllm_overhead                    # about a minute or two
+    .venv/bin/python -m bench.vllm_overhead --rounds 6 --requests 48
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def _free_port() -> int:

@@ -13,8 +13,8 @@ import yaml
 
 from ledger.fold import AGGREGATES
 from ledger.schema import ATTRIBUTION, SPAN
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 CONFIG_PAGE = DOCS / "reference" / "configuration.md"
@@ -32,7 +32,7 @@ def test_event_contract_page_is_the_generated_one():
     import tools.contract_md as gen
 
     assert section(EVENTS_PAGE.read_text(), "contract") == gen.render(), (
-        "run: python tools/contract_md.py --write"
+        "run: python -m tools.contract_md --write"
     )
 
 
@@ -40,7 +40,7 @@ def test_configuration_page_is_the_generated_one():
     import tools.config_md as gen
 
     assert section(CONFIG_PAGE.read_text(), "config") == gen.render(), (
-        "run: python tools/config_md.py --write"
+        "run: python -m tools.config_md --write"
     )
 
 
@@ -70,7 +70,7 @@ def documented_variables() -> set[str]:
 def test_every_variable_the_code_reads_is_documented():
     missing = {v: files for v, files in code_variables().items() if v not in documented_variables()}
     assert not missing, (
-        f"not on {CONFIG_PAGE.relative_to(ROOT)} (run: python tools/config_md.py --write): {missing}"
+        f"not on {CONFIG_PAGE.relative_to(ROOT)} (run: python -m tools.config_md --write): {missing}"
     )
 
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port, stop_group, wait_serving
+from tests.support import ROOT
+from tests.support.servers import free_port, stop_group, wait_serving
 
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ledger", "engine_hooks", "dashboard", "migrations")
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 

@@ -1,7 +1,7 @@
 """Generate the configuration reference from the settings classes (docs/reference/configuration.md).
 
-    python tools/config_md.py            # print the generated block
-    python tools/config_md.py --write    # replace the block between the config markers of the page
+    python -m tools.config_md            # print the generated block
+    python -m tools.config_md --write    # replace the block between the config markers of the page
 
 Sources: ``ledger.config.Settings`` (pydantic-settings: each field's description),
 ``engine_hooks.config.ExporterConfig``, ``engine_hooks.vllm.options.LedgerOptions`` and
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import sys
 import typing
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,16 +23,15 @@ from typing import Any
 
 import msgspec
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from engine_hooks import config as exporter_config
+from engine_hooks.gateway import cli as gateway_cli
+from engine_hooks.gateway.config import GatewayConfig
+from engine_hooks.vllm import options as vllm_options
+from ledger.config import Settings
+from tools import markers
+from tools.markers import replace_between
 
-from engine_hooks import config as exporter_config  # noqa: E402
-from engine_hooks.gateway import cli as gateway_cli  # noqa: E402
-from engine_hooks.gateway.config import GatewayConfig  # noqa: E402
-from engine_hooks.vllm import options as vllm_options  # noqa: E402
-from ledger.config import Settings  # noqa: E402
-from tools import markers  # noqa: E402
-from tools.markers import replace_between  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PAGE = ROOT / "docs" / "reference" / "configuration.md"
 BEGIN, END = "<!-- config:begin -->", "<!-- config:end -->"

@@ -1,7 +1,7 @@
 """Generate the event contract's Markdown tables (docs/reference/events.md) from engine_hooks/events.py.
 
-    python tools/contract_md.py            # print the generated block
-    python tools/contract_md.py --write    # replace the block between the contract markers of the page
+    python -m tools.contract_md            # print the generated block
+    python -m tools.contract_md --write    # replace the block between the contract markers of the page
 
 Types, defaults and meanings come from the Structs' source (each field's trailing comment);
 tests/test_docs.py keeps the page equal to this output.
@@ -13,17 +13,15 @@ import contextlib
 import inspect
 import io
 import re
-import sys
 from pathlib import Path
 
 import msgspec
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from engine_hooks import events as ev
+from tools import markers
+from tools.markers import replace_between
 
-from engine_hooks import events as ev  # noqa: E402
-from tools import markers  # noqa: E402
-from tools.markers import replace_between  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PAGE = ROOT / "docs" / "reference" / "events.md"
 BEGIN, END = "<!-- contract:begin -->", "<!-- contract:end -->"

@@ -1,8 +1,8 @@
 """Record a real-vLLM run for the dashboard tests: every event batch the plugin and the gateway POSTed
 to the ledger, as they sent it.
 
-    .venv/bin/python tools/record_vllm_run.py          # writes tests/dashboard/data/vllm_run.jsonl.gz
-    .venv/bin/python tools/record_vllm_run.py --out /tmp/run.jsonl.gz --short 60 --waves 4
+    .venv/bin/python -m tools.record_vllm_run          # writes tests/dashboard/data/vllm_run.jsonl.gz
+    .venv/bin/python -m tools.record_vllm_run --out /tmp/run.jsonl.gz --short 60 --waves 4
 
 The stack, all on free ports and stopped on exit (as ``bench/agreement.py`` runs it): a ledger
 (``chunkledger serve``, DuckDB in a temp dir) with its default policy; a capturing proxy in front of it
@@ -54,11 +54,10 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.agreement import Proc, free_port, stop_all  # process groups, ports
 
-from agreement import Proc, free_port, stop_all  # noqa: E402  (bench/agreement.py: process groups, ports)
+ROOT = Path(__file__).resolve().parent.parent
+
 
 DEFAULT_OUT = ROOT / "tests" / "dashboard" / "data" / "vllm_run.jsonl.gz"
 MODEL_NAME = "tiny"

@@ -28,7 +28,7 @@ A policy is a validated document (TOML or YAML file, or JSON through ``PUT /v1/p
 
 Every limit accepts ``0`` / ``false`` to switch that rule off (``null`` in JSON). Unknown keys are
 errors, so a typo never silently disables a rule. Loop defaults were chosen by measurement on
-``tools.loop_corpus`` (``python bench/loopdetect.py``): the longest legitimate tail there that repeats
+``tools.loop_corpus`` (``python -m bench.loopdetect``): the longest legitimate tail there that repeats
 a block at least twice spans 68 tokens (a JSON array of flags), so a loop must repeat its block twice
 and span 72 tokens.
 """

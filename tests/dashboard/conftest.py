@@ -5,10 +5,8 @@ replaying a run recorded from real vLLM (``tests/dashboard/data/vllm_run.jsonl.g
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
@@ -19,13 +17,11 @@ from streamlit.testing.v1 import AppTest
 from dashboard import data
 from engine_hooks.simulator import run_simulation
 from ledger.client import LedgerClient
-from tests.conftest import LedgerServer
+from tests.dashboard import replay
+from tests.support import ROOT
+from tests.support.servers import LedgerServer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import replay
-
-APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
+APP = str(ROOT / "dashboard" / "app.py")
 PAGES = {
     "overview": "views/overview.py",
     "requests": "views/requests.py",

@@ -21,9 +21,10 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-from dash_browser import Browser, PageState, find_chromium
 
-from tests.conftest import LedgerServer, free_port, stop_group, wait_serving
+from tests.dashboard.dash_browser import Browser, PageState, find_chromium
+from tests.support import ROOT
+from tests.support.servers import LedgerServer, free_port, stop_group, wait_serving
 
 pytestmark = pytest.mark.slow
 
@@ -207,7 +208,7 @@ def test_the_page_check_catches_exceptions_empty_charts_cut_titles_and_the_devel
     port = free_port()
     cmd = [sys.executable, "-m", "streamlit", "run", str(script), "--server.port", str(port)]
     cmd += ["--server.headless", "true", "--browser.gatherUsageStats", "false"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         cmd,
         stdout=(tmp_path / "st.log").open("ab"),

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
+from tests.support.servers import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

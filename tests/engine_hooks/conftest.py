@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_ledger import FakeLedger
 
 from engine_hooks.config import ExporterConfig
 from engine_hooks.exporter import Exporter
+from tests.support.fake_ledger import FakeLedger
 
 FAST = {
     "spool_fsync": False,

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from fake_ledger import wait_until
 
 from engine_hooks.config import ExporterConfig
 from engine_hooks.events import Command, Queued, Step, Tokens
 from engine_hooks.exporter import Exporter
+from tests.support.fake_ledger import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -7,10 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_ledger import FakeLedger, wait_until
 from prometheus_client import CollectorRegistry
 
 from engine_hooks.events import Command, Dropped, Finished, Queued, Step, Tokens
+from tests.support.fake_ledger import FakeLedger, wait_until
 
 TOKENS = ("ts", "request_id", "count", "total")
 

@@ -7,10 +7,10 @@ import itertools
 import time
 
 import pytest
-from fake_ledger import FakeLedger, wait_until
 
 from engine_hooks.config import ConfigError, ExporterConfig
 from engine_hooks.events import Command, Tokens
+from tests.support.fake_ledger import FakeLedger, wait_until
 
 TOKENS = ("ts", "request_id", "count", "total")
 SEQ0 = 1000

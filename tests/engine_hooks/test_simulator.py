@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import msgspec
 import typer
-from fake_ledger import FakeLedger, wait_until
 from typer.testing import CliRunner
 
 from engine_hooks.events import Chunk, Command, Finished, Preempted, Queued, Step, Tokens
 from engine_hooks.simulator import SCENARIOS, Fleet, run_simulation, simulate
+from tests.support.fake_ledger import FakeLedger, wait_until
 
 FAST = {"spool_fsync": False, "flush_interval_s": 0.01}
 

@@ -13,7 +13,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from tests.conftest import LedgerServer
+from tests.support.servers import LedgerServer
 
 pytestmark = pytest.mark.slow
 

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
 from ledger.client import LedgerClient, LedgerError
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
 
 
 def test_errors_carry_the_status_the_ledgers_reason_and_a_readable_detail(ledger_server):

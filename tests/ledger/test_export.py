@@ -19,8 +19,8 @@ from ledger.app import create_app
 from ledger.cli import app as cli_app
 from ledger.config import Settings
 from ledger.store import open_store
-from tests.conftest import LedgerServer
-from tests.ledger.factories import ENGINE, GATEWAY, body, lifecycle, numbered
+from tests.support.factories import ENGINE, GATEWAY, body, lifecycle, numbered
+from tests.support.servers import LedgerServer
 
 T0 = 1_700_000_000.0
 RD = {"Authorization": "Bearer rd"}

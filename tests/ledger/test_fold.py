@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from engine_hooks import events as ev
 from ledger.fold import AGGREGATES, fold, fold_into, fold_step, fold_steps, merge
-from tests.ledger.factories import ENGINE, GATEWAY, lifecycle
+from tests.support.factories import ENGINE, GATEWAY, lifecycle
 
 T0 = 1_700_000_000.0
 

@@ -18,7 +18,7 @@ from ledger import migrate
 from ledger.fold import AGGREGATES, fold
 from ledger.ingest import IngestWriter
 from ledger.store import make_engine, open_store
-from tests.ledger.factories import ENGINE, GATEWAY, batch, lifecycle, numbered
+from tests.support.factories import ENGINE, GATEWAY, batch, lifecycle, numbered
 
 _v6 = importlib.import_module("migrations.versions.0006_client_side")
 

@@ -12,9 +12,9 @@ import sqlalchemy as sa
 
 from engine_hooks import events as ev
 from ledger.migrate import head_revision
-from tests.conftest import LedgerServer
-from tests.ledger.factories import ENGINE, body, numbered
-from tests.ledger.factories import lifecycle as factories_lifecycle
+from tests.support.factories import ENGINE, body, numbered
+from tests.support.factories import lifecycle as factories_lifecycle
+from tests.support.servers import LedgerServer
 
 
 def test_kill_9_right_after_a_200_loses_none_of_that_batch(db_url, tmp_path):
