@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 
 from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, MIN_USEFUL_CHUNK
-from ledger.advice.fit import StepData, StepTimeFit, check_data, fit_step_time
+from ledger.advice.fit import StepTimeFit, check_data, fit_step_time
+from ledger.advice.terms import StepData
 
 NOISY_FIT = 0.25  # cross-validated relative error above which the advice says the fit is poor
 MARGIN_MIN_STEPS = 50  # steps near the target needed to use their residual p99 as the margin

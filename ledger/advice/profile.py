@@ -24,7 +24,8 @@ import numpy as np
 
 from engine_hooks import events as ev
 from ledger.advice.advisor import Advisor
-from ledger.advice.fit import FitError, StepData, fit_step_time
+from ledger.advice.fit import FitError, fit_step_time
+from ledger.advice.terms import StepData
 
 
 class ProfileError(RuntimeError):

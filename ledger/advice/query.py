@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from ledger import schema
 from ledger.advice.advisor import AdviceError
 from ledger.advice.defaults import DEFAULT_MAX_STEPS
-from ledger.advice.fit import COLUMNS, StepData
+from ledger.advice.terms import COLUMNS, StepData
 from ledger.analytics.window import BadTime, Window
 
 

@@ -13,8 +13,9 @@ import pytest
 
 from engine_hooks import events as ev
 from ledger.advice.advisor import AdviceError, Advisor
-from ledger.advice.fit import FitError, StepData, fit_step_time
+from ledger.advice.fit import FitError, fit_step_time
 from ledger.advice.service import chunk_size_advice
+from ledger.advice.terms import StepData
 from ledger.store import Store, open_store
 from tools.synthetic_steps import MEASURED_CPU, WORKED_EXAMPLE, LinearCost, MeasuredCost, synthetic_steps
 

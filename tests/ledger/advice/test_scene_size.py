@@ -9,8 +9,9 @@ import re
 import pytest
 
 from bench.head_of_line import summary
-from ledger.advice.fit import StepData, fit_step_time
+from ledger.advice.fit import fit_step_time
 from ledger.advice.scene import overloaded, prefill_s, size_scene
+from ledger.advice.terms import StepData
 from tools.synthetic_steps import LinearCost, synthetic_steps
 
 # a CPU-like engine: 5 ms a step, 40 us a prefill token, 50 ns per token of depth, 0.1 ms a decode
