@@ -9,7 +9,8 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, ui
-from dashboard.data import Unavailable, bucket_domain, bucket_for, data_span, throughput
+from dashboard.data import Unavailable
+from dashboard.frames import bucket_domain, bucket_for, data_span, throughput
 from ledger.client import LedgerError
 
 PREEMPTED_ROWS = 50  # the preempted requests listed under the chart, most preempted first

@@ -13,10 +13,10 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, ui
-from dashboard.data import (
+from dashboard.data import LedgerData
+from dashboard.frames import (
     LATENCIES,
     TAILS,
-    LedgerData,
     bucket_domain,
     bucket_for,
     data_span,

@@ -9,7 +9,8 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, ui
-from dashboard.data import LAYER_NAMES, LAYERS, LedgerData, NotFound, Unavailable, timeline
+from dashboard.data import LedgerData, NotFound, Unavailable
+from dashboard.frames import LAYER_NAMES, LAYERS, timeline
 from ledger.client import LedgerError
 
 

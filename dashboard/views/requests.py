@@ -12,7 +12,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import ui
-from dashboard.data import LATENCIES
+from dashboard.frames import LATENCIES
 
 LAYER_COLUMNS = [
     "client_ttft_s",

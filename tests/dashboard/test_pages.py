@@ -19,7 +19,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard import ui
-from dashboard.data import LedgerData, NotFound, Unavailable, bucket_for, layers_long, tails_long, timeline
+from dashboard.data import LedgerData, NotFound, Unavailable
+from dashboard.frames import bucket_for, layers_long, tails_long, timeline
 from ledger.client import LedgerClient
 
 
