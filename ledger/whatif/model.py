@@ -1,0 +1,227 @@
+"""The what-if replay: recorded requests through a model of vLLM v1's scheduler, step by step.
+
+:func:`replay` feeds each request in at its recorded arrival with its recorded prompt length,
+prefix-cache hit and output length, schedules steps as vLLM 0.32's ``Scheduler.schedule()`` does
+(:mod:`ledger.whatif.schedule`) under the :class:`~ledger.whatif.types.EngineSettings` to try, and
+times each step with the caller's step-cost model. A step starts when the previous one ends, or at
+the next arrival when nothing can run; requests that arrive during a step are seen at the next.
+
+Per step, with the step's chunk threshold (vLLM's ``long_prefill_token_threshold``, ignored when a
+single request is running or waiting; with the plugin's admission reserve, capped further by
+:func:`ledger.whatif.reserve.admission_cap`): the running pass, then, if it preempted nobody, the
+waiting pass. A request whose prompt (or, after a preemption, its recomputation) completes in the
+step emits a token at the end of the step: its first token (TTFT = that time - arrival), or the next
+one of a resumed request. Every decode emits one token per step it runs in. A request finishes with
+its ``output_tokens``-th token and frees its KV. A preempted request frees its KV, keeps the tokens
+it produced, and on resume recomputes prompt and output beyond its recorded prefix-cache hit.
+
+What the model assumes, and where it differs from vLLM:
+
+* synchronous scheduling (one step at a time, as vLLM without async scheduling), no pipeline
+  parallelism, no speculative decoding (a decode is one token), no KV connector, no multimodal
+  inputs, no LoRA limits, no ``max_model_len`` checks beyond refusing impossible requests;
+* the prefix cache only as the recorded hit, at the first schedule and at every resume (vLLM looks
+  the cache up again on resume and often finds the request's own freed blocks there: the model is
+  pessimistic about recomputation); a hit's blocks count as the request's own (never shared);
+* vLLM 0.32's defaults: ``scheduler_reserve_full_isl`` on (a setting), no watermark, the adaptive
+  long-prefill threshold off, ``max_num_scheduled_tokens`` = ``max_num_batched_tokens``;
+* a step that schedules nothing (it only preempted) takes no time; the next one starts at once, and
+  a step's duration is all ``step_cost`` says (host overheads included only if the fit has them);
+* the plugin's admission reserve without its depth cap, step target or arrivals-first options, and
+  its queue order with ties between equal arrival times broken by trace order; ``"kv-idle"``
+  preempts as FCFS does in this model (:mod:`ledger.whatif.schedule` says why);
+* outputs never stop early (the recorded output length is produced whatever the schedule), and
+  nothing is aborted.
+
+The replay is exact step by step; decode-only stretches are fast-forwarded
+(:mod:`ledger.whatif.fastforward`) with the same result. ``step_cost`` must be a pure function of the
+shape (the fast-forward calls it once per distinct shape in a row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ledger.whatif.fastforward import fast_forward as _fast_forward
+from ledger.whatif.fastforward import step_seconds
+from ledger.whatif.reserve import admission_cap
+from ledger.whatif.results import Replay
+from ledger.whatif.schedule import admit_waiting, running_exact, running_vector
+from ledger.whatif.state import State
+from ledger.whatif.types import EngineSettings, StepCost, StepShape, TraceRequest
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def replay(
+    requests: Sequence[TraceRequest],
+    settings: EngineSettings,
+    step_cost: StepCost,
+    *,
+    fast_forward: bool = True,
+    vectorized: bool = True,
+) -> Replay:
+    """Replay ``requests`` under ``settings``, each step lasting ``step_cost(shape)`` seconds.
+
+    Raises ValueError naming the first request the engine could never run: one whose KV for prompt +
+    output - 1 tokens exceeds the KV cache, or, with chunked prefill off, whose prompt (less its
+    cached prefix), or recomputation after a preemption, exceeds ``max_num_batched_tokens``: vLLM
+    refuses such configurations (``max_model_len`` must fit), and the request would wait for ever.
+
+    ``fast_forward`` (decode-only stretches in one go) and ``vectorized`` (numpy for the running pass
+    when no allocation fails) change the speed only, never the result: off, every step is the plain
+    loop; the tests compare them.
+    """
+    st = State(requests, settings)
+    st.validate()
+    budget = settings.max_num_batched_tokens
+    share = settings.admission_reserve
+    queue = st.queue
+    while True:
+        st.queue_arrivals()
+        n = len(st.run)
+        if not n and not len(queue):
+            if st.next_arrival >= st.n:
+                break
+            st.now = st.arrival_list[st.next_arrival]  # idle until the next arrival
+            continue
+        queue.prepare(st.now)
+        if fast_forward and n and _fast_forward(st, step_cost):
+            continue
+        eligible = n + len(queue)
+        thr = settings.long_prefill_token_threshold if eligible > 1 else 0
+        if share > 0 and eligible > 1:
+            cap = _reserve_cap(st)
+            if cap is not None:
+                thr = min(cap, thr) if thr else cap
+        preempted = False
+        if n:
+            sched = running_vector(st, thr, budget) if vectorized else None
+            if sched is None:
+                sched, preempted = running_exact(st, thr, budget)
+            idx, new, before, left = sched
+        else:
+            idx, new, before, left = _EMPTY, _EMPTY, _EMPTY, budget
+        if not preempted and left > 0 and len(queue):
+            admitted, adm_new, adm_before = admit_waiting(st, thr, left)
+            if admitted:
+                adm = np.asarray(admitted, dtype=np.int64)
+                st.run = np.concatenate((st.run, adm))
+                idx = np.concatenate((idx, adm))
+                new = np.concatenate((new, np.asarray(adm_new, dtype=np.int64)))
+                before = np.concatenate((before, np.asarray(adm_before, dtype=np.int64)))
+        if not len(idx):
+            if preempted:
+                continue  # nothing ran: the next schedule() comes at once
+            raise RuntimeError(f"the replay is stuck at t={st.now}: nothing can run (a bug in the model)")
+        _run_step(st, idx, new, before, step_cost)
+    return _results(st)
+
+
+def _reserve_cap(st: State) -> int | None:
+    """The plugin's admission-reserve cap for this step (:func:`ledger.whatif.reserve.admission_cap`)."""
+    s = st.settings
+    run = st.run
+    ntok = st.ntok
+    return admission_cap(
+        s.max_num_batched_tokens,
+        float(s.admission_reserve),
+        (st.total_blocks - st.used) * st.bs,
+        s.max_num_seqs - len(run),
+        ntok[run] - st.comp[run],
+        st.chunking[run],
+        (int(ntok[i]) for i in st.queue),
+    )
+
+
+def _run_step(st: State, idx: np.ndarray, new: np.ndarray, before: np.ndarray, cost: StepCost) -> None:
+    """Time the scheduled step and apply its outcome: tokens, first tokens, gaps, finishes."""
+    t = st.now
+    prefill = (before < st.prompt[idx]) | (new > 1)
+    n_prefill = int(np.count_nonzero(prefill))
+    usage = st.used / st.total_blocks
+    if n_prefill:
+        chunk, depth = new[prefill], before[prefill]
+        shape = StepShape(
+            int(chunk.sum()),
+            int((chunk * depth).sum()),
+            int(depth.max()),
+            n_prefill,
+            len(idx) - n_prefill,
+            usage,
+        )
+    else:
+        shape = StepShape(0, 0, 0, 0, len(idx), usage)
+    end = t + step_seconds(cost, shape)
+    after = before + new
+    st.comp[idx] = after
+    ntok = st.ntok[idx]
+    emits = after >= ntok
+    st.chunking[idx] = ~emits
+    if st.settings.policy == "kv-idle":
+        st.last_active[idx] = t
+    st.now = end
+    st.steps += 1
+    if not np.count_nonzero(emits):
+        return
+    e = idx[emits]
+    gen = st.gen[e]
+    first = gen == 0
+    n_first = int(np.count_nonzero(first))
+    if n_first:
+        st.first_tok[e[first]] = end
+    if n_first < len(e):
+        last = st.last_tok[e[~first]]
+        cont = last == t  # decoded in the previous step too: the gap is this step
+        n_cont = int(np.count_nonzero(cont))
+        if n_cont:
+            st.gaps.append(end - t)
+            st.gap_weights.append(n_cont)
+        if n_cont < len(last):
+            other = (end - last[~cont]).tolist()
+            st.gaps.extend(other)
+            st.gap_weights.extend([1] * len(other))
+    st.last_tok[e] = end
+    gen += 1
+    st.gen[e] = gen
+    st.ntok[e] = ntok[emits] + 1
+    done = gen >= st.out[e]
+    if np.count_nonzero(done):
+        fin = e[done]
+        st.finish[fin] = end
+        bs = st.bs
+        st.used -= int(((after[emits][done] + bs - 1) // bs).sum())
+        st.alive[fin] = False
+        st.run = st.run[st.alive[st.run]]
+
+
+def _results(st: State) -> Replay:
+    """The outcome, back in the caller's request order."""
+    n = st.n
+    where = st.order
+
+    def back(values: np.ndarray) -> np.ndarray:
+        out = np.empty_like(values)
+        out[where] = values
+        return out
+
+    ids = [""] * n
+    for k, rid in zip(where.tolist(), st.request_id, strict=True):
+        ids[k] = rid
+    first_arrival = st.arrival_list[0] if n else 0.0
+    return Replay(
+        request_id=ids,
+        prompt_tokens=back(st.prompt),
+        ttft_s=back(st.first_tok - st.arrival),
+        e2e_s=back(st.finish - st.arrival),
+        preemptions=back(st.preempts),
+        itl_gap_s=np.asarray(st.gaps, dtype=np.float64),
+        itl_count=np.asarray(st.gap_weights, dtype=np.int64),
+        steps=st.steps,
+        simulated_s=(st.now - first_arrival) if n else 0.0,
+    )
+
+
+__all__ = ["EngineSettings", "Replay", "StepShape", "TraceRequest", "replay"]

@@ -1,0 +1,93 @@
+"""What a replay gives back (:class:`Replay`) and the weighted quantile its summary uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+def weighted_quantile(values: Any, weights: Any, q: float) -> float | None:
+    """The lower nearest-rank ``q``-quantile of weighted samples, None when there are none.
+
+    The smallest value whose cumulative weight (values in increasing order) reaches ``q`` x the
+    total weight: numpy's ``"inverted_cdf"`` method, generalised to weights. With unit weights the
+    p99 of 100 samples is the 99th smallest; a sample of weight w counts as w equal samples. A
+    relative 1e-12 is taken off ``q`` x total so that a product like 0.99 x 100 that rounds up past
+    an integer does not move the answer one rank up.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    if v.shape != w.shape:
+        raise ValueError(f"values and weights differ in shape: {v.shape} vs {w.shape}")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must be in [0, 1] (got {q})")
+    keep = w > 0
+    if not keep.all():
+        v, w = v[keep], w[keep]
+    if not v.size:
+        return None
+    order = np.argsort(v, kind="stable")
+    cum = np.cumsum(w[order])
+    target = q * cum[-1] * (1.0 - 1e-12)
+    at = min(int(np.searchsorted(cum, target, side="left")), v.size - 1)
+    return float(v[order[at]])
+
+
+def quantile(values: Any, q: float) -> float | None:
+    """:func:`weighted_quantile` with unit weights."""
+    v = np.asarray(values, dtype=np.float64)
+    return weighted_quantile(v, np.ones_like(v), q)
+
+
+@dataclass(frozen=True, eq=False)
+class Replay:
+    """Per-request outcomes (in the order of the requests given to the replay) and the step totals.
+
+    ``itl_gap_s`` / ``itl_count``: the decode inter-token gaps of all requests as weighted samples, a
+    gap of ``itl_gap_s[k]`` seconds that ``itl_count[k]`` tokens had (one sample per step for the
+    requests that decoded in consecutive steps, one per token for any other gap: after a skipped
+    step, or the token that ends a resumed request's recomputation). The gap before the first token
+    (the TTFT) is not among them. ``simulated_s`` runs from the first arrival to the end of the
+    last step.
+    """
+
+    request_id: list[str]
+    prompt_tokens: np.ndarray
+    ttft_s: np.ndarray
+    e2e_s: np.ndarray
+    preemptions: np.ndarray
+    itl_gap_s: np.ndarray
+    itl_count: np.ndarray
+    steps: int
+    simulated_s: float
+
+    def summary(self, long_prompt_tokens: int | None = None) -> dict[str, Any]:
+        """Tail latencies: TTFT p50/p99, decode ITL p99 (weighted), end-to-end p99, preemptions.
+
+        With ``long_prompt_tokens``, also the TTFT of each request whose prompt has at least that
+        many tokens (``long_ttft_s``, in request order, and their max) and the TTFT p99 of the others
+        (``short_ttft_p99_s``). Quantiles are lower nearest-rank (:func:`weighted_quantile`); None
+        where there is nothing to take one of.
+        """
+        out: dict[str, Any] = {
+            "requests": len(self.request_id),
+            "steps": self.steps,
+            "simulated_s": self.simulated_s,
+            "ttft_p50_s": quantile(self.ttft_s, 0.5),
+            "ttft_p99_s": quantile(self.ttft_s, 0.99),
+            "itl_p99_s": weighted_quantile(self.itl_gap_s, self.itl_count, 0.99),
+            "e2e_p99_s": quantile(self.e2e_s, 0.99),
+            "preemptions": int(self.preemptions.sum()),
+        }
+        if long_prompt_tokens is not None:
+            is_long = self.prompt_tokens >= long_prompt_tokens
+            long_ttft = self.ttft_s[is_long]
+            out["long_ttft_s"] = [float(x) for x in long_ttft]
+            out["long_ttft_max_s"] = float(long_ttft.max()) if long_ttft.size else None
+            out["short_ttft_p99_s"] = quantile(self.ttft_s[~is_long], 0.99)
+        return out
+
+
+__all__ = ["Replay", "quantile", "weighted_quantile"]

@@ -1,0 +1,138 @@
+"""The replay's mutable state: per-request arrays, the running list, the KV pool and the samples.
+
+Requests are indexed in arrival order (ties in the trace's order). A running request's KV is
+``ceil(computed / block_size)`` blocks, its prefix-cache hit included: a hit is counted as blocks the
+request holds, as if nobody else held them (vLLM shares a cached block between the requests that hit
+it, and counts a hit on a free cached block as taken from the free pool; the replay cannot tell
+which, so it takes the latter, which over-counts KV in use when running requests share a prefix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ledger.whatif.queues import make_queue
+from ledger.whatif.types import EngineSettings, TraceRequest
+
+
+class State:
+    """Everything the replay changes as it steps (see the module docstring)."""
+
+    def __init__(self, requests: Sequence[TraceRequest], settings: EngineSettings):
+        order = sorted(range(len(requests)), key=lambda k: (requests[k].arrival_s, k))
+        reqs = [requests[k] for k in order]
+        self.order = np.asarray(order, dtype=np.int64)  # replay index -> position in the caller's list
+        self.request_id = [r.request_id for r in reqs]
+        n = len(reqs)
+        self.n = n
+        self.arrival = np.fromiter((r.arrival_s for r in reqs), dtype=np.float64, count=n)
+        self.prompt = np.fromiter((r.prompt_tokens for r in reqs), dtype=np.int64, count=n)
+        self.cached = np.fromiter((r.cached_tokens for r in reqs), dtype=np.int64, count=n)
+        self.out = np.fromiter((r.output_tokens for r in reqs), dtype=np.int64, count=n)
+        self.priority = np.fromiter((r.priority for r in reqs), dtype=np.int64, count=n)
+        self.arrival_list: list[float] = self.arrival.tolist()
+        self.comp = np.zeros(n, dtype=np.int64)  # computed tokens (while running)
+        self.ntok = self.prompt.copy()  # prompt + generated tokens (vLLM's num_tokens)
+        self.gen = np.zeros(n, dtype=np.int64)  # generated tokens
+        self.chunking = np.zeros(n, dtype=bool)  # vLLM's is_prefill_chunk (last chunk non-final)
+        self.last_tok = np.full(n, np.nan)  # when its last token came
+        self.last_active = self.arrival.copy()  # start of the last step it ran in (kv-idle)
+        self.first_tok = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.preempts = np.zeros(n, dtype=np.int64)
+        self.alive = np.ones(n, dtype=bool)  # not finished
+        self.run = np.zeros(0, dtype=np.int64)  # the running list, in vLLM's order
+        self.settings = settings
+        self.bs = settings.block_size
+        self.total_blocks = settings.num_kv_blocks
+        self.used = 0  # KV blocks in use
+        self.queue = make_queue(
+            settings.policy,
+            settings.admission_reserve > 0,
+            float(settings.admission_aging_s),
+            self.prompt.tolist(),
+            self.arrival_list,
+            self.priority.tolist(),
+            self.request_id,
+        )
+        self.next_arrival = 0  # the next request not yet queued
+        self.now = self.arrival_list[0] if n else 0.0
+        self.steps = 0
+        self.gaps: list[float] = []  # decode inter-token gaps (seconds) ...
+        self.gap_weights: list[int] = []  # ... and how many tokens had each
+
+    @property
+    def free(self) -> int:
+        return self.total_blocks - self.used
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.bs)
+
+    def next_arrival_s(self) -> float:
+        k = self.next_arrival
+        return self.arrival_list[k] if k < self.n else float("inf")
+
+    def queue_arrivals(self) -> None:
+        """Queue the requests that arrived by ``now`` (vLLM sees them at its next schedule())."""
+        k, arrivals, now, queue = self.next_arrival, self.arrival_list, self.now, self.queue
+        while k < self.n and arrivals[k] <= now:
+            queue.add(k)
+            k += 1
+        self.next_arrival = k
+
+    def preempt(self, i: int, held_tokens: int) -> None:
+        """Preempt running request ``i`` (already out of the running list) holding KV for
+        ``held_tokens``: its blocks are freed, its computed tokens lost, it waits at the front."""
+        self.used -= self.blocks(held_tokens)
+        self.comp[i] = 0
+        self.chunking[i] = False
+        self.preempts[i] += 1
+        self.queue.add_preempted(i)
+
+    def validate(self) -> None:
+        """Refuse requests the engine could never run (vLLM would stall on them for ever)."""
+        s = self.settings
+        odd = np.flatnonzero(self.cached % self.bs)
+        if odd.size:
+            i = int(odd[0])
+            raise ValueError(
+                f"request {self.request_id[i]!r}: cached_tokens {int(self.cached[i])} is not a multiple of "
+                f"block_size {self.bs} (vLLM's prefix cache hits whole blocks)"
+            )
+        worst = self.prompt + self.out - 1  # tokens with KV when its last token is computed
+        too_big = np.flatnonzero(-(-worst // self.bs) > self.total_blocks)
+        if too_big.size:
+            i = int(too_big[0])
+            raise ValueError(
+                f"request {self.request_id[i]!r}: {int(worst[i])} tokens (prompt + output - 1) need "
+                f"{self.blocks(int(worst[i]))} KV blocks of {self.bs}, more than num_kv_blocks "
+                f"{self.total_blocks}: it could never run (vLLM refuses such a max_model_len)"
+            )
+        if s.enable_chunked_prefill:
+            return
+        budget = s.max_num_batched_tokens
+        first = self.prompt - self.cached
+        bad = np.flatnonzero(first > budget)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"request {self.request_id[i]!r}: its prompt needs {int(first[i])} tokens computed in one "
+                f"step, more than max_num_batched_tokens {budget} with chunked prefill off: vLLM could "
+                "never schedule it (it requires max_num_batched_tokens >= max_model_len without "
+                "chunked prefill)"
+            )
+        resume = worst - self.cached
+        bad = np.flatnonzero(resume > budget)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"request {self.request_id[i]!r}: after a preemption it may have to recompute "
+                f"{int(resume[i])} tokens in one step, more than max_num_batched_tokens {budget} with "
+                "chunked prefill off: vLLM could not resume it (it requires max_num_batched_tokens >= "
+                "max_model_len without chunked prefill)"
+            )
+
+
+__all__ = ["State"]
