@@ -15,6 +15,7 @@ from ledger.api import metrics as metrics_api
 from ledger.api import policy as policy_api
 from ledger.api import sql as sql_api
 from ledger.api import webhooks as webhooks_api
+from ledger.api import whatif as whatif_api
 from ledger.api.body_timeout import BodyTimeoutMiddleware
 from ledger.config import Settings, get_settings
 from ledger.ingest import IngestWriter
@@ -117,6 +118,7 @@ def create_app(
     app.include_router(metrics_api.router)
     app.include_router(analytics.router)
     app.include_router(advice_api.router)
+    app.include_router(whatif_api.router)
     app.include_router(sql_api.router)
     openapi.install(app)
     return app

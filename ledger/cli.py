@@ -141,6 +141,15 @@ def _register_advice() -> None:
 _register_advice()
 
 
+def _register_whatif() -> None:
+    from ledger.whatif.commands import whatif
+
+    app.command(name="whatif")(whatif)
+
+
+_register_whatif()
+
+
 def _register_analytics() -> None:
     from ledger.analytics.cli import register
 

@@ -154,7 +154,10 @@ class SimEngine:
         sc = self.sc
         self.apply_commands(t)
         budget = sc.max_num_batched_tokens
-        cap = sc.long_prefill_token_threshold or budget
+        # vLLM (0.32) caps a prefill chunk at long_prefill_token_threshold only when another request is
+        # running or waiting: a request alone has nobody to leave the budget to
+        eligible = len(self.running) + len(self.waiting)
+        cap = sc.long_prefill_token_threshold if sc.long_prefill_token_threshold and eligible > 1 else budget
         plan: list[tuple[SimRequest, int]] = []
         chunk_rows = []
         ts = self.fleet.ts(t)

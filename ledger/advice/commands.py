@@ -8,55 +8,8 @@ from typing import Annotated, Any
 import typer
 
 from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN_USEFUL_CHUNK
+from ledger.cli_reads import via_db, via_http
 from ledger.defaults import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
-
-
-def _via_http(url: str, token: str | None, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    from ledger.client import LedgerClient, LedgerError
-
-    try:
-        with LedgerClient(url, token, timeout_s=120.0) as client:
-            return 200, client.get("/v1/advice/chunk-size", **params)
-    except LedgerError as exc:
-        if exc.unreachable:
-            typer.echo(f"error: {exc} (start it, or pass --db)", err=True)
-            raise typer.Exit(2) from None
-        status = exc.status_code or 0
-        if not isinstance(exc.body, dict):
-            return status, {"detail": exc.detail[:500], "reason": f"http_{status}"}
-        if status in (401, 403):
-            hint = "pass --token or CHUNKLEDGER_READ_TOKEN"
-            return status, {"reason": "auth", "detail": f"{exc.detail} ({hint})"}
-        return status, exc.body
-
-
-def _via_db(url: str, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    import sqlalchemy as sa
-
-    from ledger.advice.advisor import AdviceError
-    from ledger.advice.service import chunk_size_advice
-
-    # Read-only: never migrate or write someone's ledger from a reporting tool.
-    connect_args = {"read_only": True} if url.startswith("duckdb") else {}
-    engine = sa.create_engine(url, connect_args=connect_args)
-    try:
-        return 200, chunk_size_advice(engine, **params)
-    except AdviceError as exc:
-        return exc.status, {"detail": str(exc), "reason": exc.reason, **exc.details}
-    except sa.exc.SQLAlchemyError as exc:
-        orig = getattr(exc, "orig", None)
-        msg = str(orig if orig is not None else exc).splitlines()[0]
-        hint = (
-            " (a running ledger holds the DuckDB file: use --ledger URL)"
-            if "lock" in msg.lower()
-            else " (is it a ledger database? chunkledger migrate creates one)"
-        )
-        typer.echo(
-            f"error: cannot read {engine.url.render_as_string(hide_password=True)}: {msg}{hint}", err=True
-        )
-        raise typer.Exit(2) from None
-    finally:
-        engine.dispose()
 
 
 def advise(
@@ -126,7 +79,13 @@ def advise(
         "max_steps": max_steps,
         "min_chunk": min_chunk,
     }
-    status, body = _via_db(db, params) if db else _via_http(ledger or DEFAULT_LEDGER_URL, token, params)
+    if db:
+        from ledger.advice.advisor import AdviceError
+        from ledger.advice.service import chunk_size_advice
+
+        status, body = via_db(db, lambda engine: chunk_size_advice(engine, **params), AdviceError)
+    else:
+        status, body = via_http(ledger or DEFAULT_LEDGER_URL, token, "/v1/advice/chunk-size", params)
     if format == "json":
         typer.echo(json.dumps(body, indent=2))
     else:

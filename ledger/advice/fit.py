@@ -128,6 +128,13 @@ class StepTimeFit:
                 return c.value_s
         return 0.0
 
+    def predict(self, data: StepData) -> np.ndarray:
+        """Predicted duration (s) of each step of ``data`` (any shape: several chunks, decodes, KV)."""
+        out = np.zeros(len(data))
+        for c in self.coefficients:
+            out = out + c.value_s * TERMS[c.term].column(data)
+        return out
+
     def predict_single(
         self,
         tokens: np.ndarray | float,

@@ -369,3 +369,21 @@ class ChunkSizeAdvice(BaseModel):
 
 
 PARQUET = "application/vnd.apache.parquet"  # GET /v1/export/{table}.parquet
+
+
+class WhatIf(BaseModel):
+    """Predicted tails of the window's traffic under each asked setting, beside the recorded one."""
+
+    model_config = ConfigDict(extra="allow")
+
+    window: dict[str, Any] = Field(description="model, source_ids, since, until, requests, skipped, observed")
+    fit: dict[str, Any] = Field(description="the step-time fit the replay uses: r2, cv_rel_error, terms")
+    long_prompt_tokens: int | None
+    targets: dict[str, Any]
+    calibration: dict[str, Any] = Field(
+        description="the recorded setting: settings, inferred, measured and predicted tails, error, max_error"
+    )
+    candidates: list[dict[str, Any]] = Field(
+        description="per asked setting: name, set, settings, predicted, relative, meets, frontier, best"
+    )
+    elapsed_s: float

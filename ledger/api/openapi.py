@@ -36,6 +36,7 @@ TAGS = [
     {"name": "webhooks", "description": "subscriptions and the delivery log (admin token)"},
     {"name": "sql", "description": "read-only SQL and Parquet export (read token)"},
     {"name": "advice", "description": "chunked-prefill settings for an ITL target (read token)"},
+    {"name": "whatif", "description": "the recorded traffic replayed under other settings (read token)"},
     {"name": "health", "description": "liveness, readiness, Prometheus metrics"},
 ]
 

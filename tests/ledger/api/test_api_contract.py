@@ -25,7 +25,7 @@ TOKENS = {"ingest_token": "ing", "read_token": "rd", "admin_token": "adm"}
 ING = {"Authorization": "Bearer ing"}
 RD = {"Authorization": "Bearer rd"}
 ADM = {"Authorization": "Bearer adm"}
-TAGS = {"ingest", "requests", "analytics", "rules", "webhooks", "sql", "advice", "health"}
+TAGS = {"ingest", "requests", "analytics", "rules", "webhooks", "sql", "advice", "whatif", "health"}
 REASON = re.compile(r"^[a-z][a-z0-9_]*$")
 
 

@@ -1,0 +1,111 @@
+"""``chunkledger whatif`` (registered by ``ledger.cli``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from ledger.cli_reads import via_db, via_http
+from ledger.defaults import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
+
+
+def whatif(
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="a setting to replay, key=value[,key=value] (repeat for several): max_num_batched_tokens, "
+            "long_prefill_token_threshold, max_num_seqs, num_kv_blocks, block_size, enable_chunked_prefill, "
+            "admission_reserve, admission_aging_s, policy, reserve_full_isl",
+        ),
+    ] = None,
+    sweep: Annotated[
+        str | None,
+        typer.Option(help="one setting per value: key=v1,v2,... (max_num_batched_tokens=256,512)"),
+    ] = None,
+    policy: Annotated[
+        str | None, typer.Option(help="fcfs, priority or kv-idle: applied to every asked setting")
+    ] = None,
+    recorded: Annotated[
+        str | None,
+        typer.Option(help="the engine's settings in the window, key=value[,...] (the rest are inferred)"),
+    ] = None,
+    ledger: Annotated[
+        str | None,
+        typer.Option(
+            help=f"ledger base URL (env CHUNKLEDGER_LEDGER_URL; default {DEFAULT_LEDGER_URL})",
+            envvar=list(LEDGER_URL_ENV),
+        ),
+    ] = None,
+    db: Annotated[
+        str | None,
+        typer.Option("--db", help="read a database directly (PostgreSQL, or a DuckDB file no ledger serves)"),
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="served model (engines of several models)")] = None,
+    source: Annotated[str | None, typer.Option(help="one engine source id")] = None,
+    since: Annotated[str | None, typer.Option(help="window start: unix s, ISO 8601, or an age (2h)")] = None,
+    until: Annotated[str | None, typer.Option(help="window end (same forms)")] = None,
+    long_prompt_tokens: Annotated[
+        int | None, typer.Option(min=1, help="prompts this long are the long ones (default: 8x the median)")
+    ] = None,
+    itl_target_ms: Annotated[
+        float | None, typer.Option("--itl-target-ms", min=0.001, help="mark settings meeting this ITL p99")
+    ] = None,
+    ttft_target_ms: Annotated[
+        float | None,
+        typer.Option("--ttft-target-ms", min=0.001, help="mark settings meeting this TTFT p99"),
+    ] = None,
+    max_error: Annotated[
+        float, typer.Option(min=0.0, help="refuse when the recorded setting replayed misses a tail by more")
+    ] = 0.25,
+    force: Annotated[bool, typer.Option(help="answer even over --max-error")] = False,
+    token: Annotated[
+        str | None,
+        typer.Option(help="read token (env CHUNKLEDGER_READ_TOKEN)", envvar="CHUNKLEDGER_READ_TOKEN"),
+    ] = None,
+    format: Annotated[str, typer.Option("--format", help="table or json")] = "table",
+) -> None:
+    """Replay the window's recorded requests under other settings and predict the tails.
+
+    The recorded requests (arrival, prompt, prefix hit, output length) go through a model of vLLM v1's
+    scheduler, with step durations from the step-time fit of the same window. The recorded setting is
+    replayed first: its error against the measured tails is printed beside every prediction, and the
+    answer is refused when it is over --max-error. Exit status 1 when there is no answer.
+    """
+    if format not in ("table", "json"):
+        typer.echo("error: --format must be table or json", err=True)
+        raise typer.Exit(2)
+    if db and ledger:
+        typer.echo("error: pass either --ledger or --db, not both", err=True)
+        raise typer.Exit(2)
+    params: dict[str, Any] = {
+        "set": set_ or [],
+        "sweep": sweep,
+        "policy": policy,
+        "recorded": recorded,
+        "model": model,
+        "source_id": source,
+        "since": since,
+        "until": until,
+        "long_prompt_tokens": long_prompt_tokens,
+        "itl_target_ms": itl_target_ms,
+        "ttft_target_ms": ttft_target_ms,
+        "max_error": max_error,
+        "force": force,
+    }
+    if db:
+        from ledger.whatif.service import WhatIfError, what_if_request
+
+        status, body = via_db(db, lambda engine: what_if_request(engine, **params), WhatIfError)
+    else:
+        status, body = via_http(ledger or DEFAULT_LEDGER_URL, token, "/v1/whatif", params)
+    if format == "json":
+        typer.echo(json.dumps(body, indent=2))
+    else:
+        from ledger.whatif.report import render_refusal, render_whatif
+
+        typer.echo(render_whatif(body) if status == 200 else render_refusal(body))
+    if status != 200:
+        raise typer.Exit(1)

@@ -1,0 +1,318 @@
+"""What-if over a real ledger: the simulator's runs stored by ``chunkledger serve``, replayed from the
+database (``ledger.whatif.service``), through ``GET /v1/whatif`` and through ``chunkledger whatif``.
+
+The simulator (``engine_hooks.simulation``) schedules like vLLM v1 with a step time linear in the fit's
+terms, so the replay of its recorded setting must give back its measured tails, and a prediction for
+another setting must match a second run of the same requests under that setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from engine_hooks.simulation.scenario import SCENARIOS
+from engine_hooks.simulator import run_simulation
+from ledger.advice.fit import fit_step_time
+from ledger.advice.query import read_steps
+from ledger.app import create_app
+from ledger.cli import app as cli_app
+from ledger.config import Settings
+from ledger.store import open_store
+from ledger.whatif.cost import fitted_cost
+from ledger.whatif.service import WhatIfError, candidates_from, parse_setting, pooled_replay, what_if
+from ledger.whatif.trace import Recorded, read_recorded
+from ledger.whatif.types import EngineSettings, StepShape
+from tests.support.servers import LedgerServer
+
+# the simulator's long-prompts engine: budget 2048, 256 seqs, 16,384 blocks of 16 tokens; it admits a
+# request when its prompt fits the free KV (not its whole sequence: vLLM's reserve_full_isl off)
+SIM_SETTINGS = "num_kv_blocks=16384,max_num_seqs=256,reserve_full_isl=false"
+TOKENS = {"ingest_token": "ing", "read_token": "rd", "admin_token": "adm"}
+RD = {"Authorization": "Bearer rd"}
+runner = CliRunner()
+
+
+def simulate(db_url: str, tmp: Path, name: str, scenario: str = "long-prompts", **changes: Any) -> None:
+    """One simulated engine, 40 s of traffic at 8 requests/s (seed 3), stored by a real ledger."""
+    if changes:
+        SCENARIOS[f"test-{name}"] = dataclasses.replace(SCENARIOS[scenario], **changes)
+        scenario = f"test-{name}"
+    server = LedgerServer(db_url, tmp / f"{name}.log")
+    server.start()
+    try:
+        summary = run_simulation(
+            engines=1,
+            rps=8,
+            duration_s=40,
+            ledger_url=server.url,
+            scenario=scenario,
+            seed=3,
+            pace=False,
+            source_prefix="sim",
+            spool_dir=str(tmp / f"spool-{name}"),
+        )
+        assert summary["requests"] > 250 and not summary["exporter"]["dropped"]
+    finally:
+        server.stop()
+        SCENARIOS.pop(f"test-{name}", None)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """DuckDB files: the long-prompts scene as simulated (budget 2048, no threshold), the same requests
+    with long_prefill_token_threshold=256, and an engine short of KV cache (preemptions)."""
+    tmp = tmp_path_factory.mktemp("whatif")
+    urls = {name: f"duckdb:///{tmp / name}.duckdb" for name in ("recorded", "threshold", "kv")}
+    # no runaways: their cutoffs reach the simulator at a moment that depends on the machine, so two
+    # runs of the same requests would not do the same work
+    simulate(urls["recorded"], tmp, "recorded", runaway_p=0.0)
+    simulate(urls["threshold"], tmp, "threshold", runaway_p=0.0, long_prefill_token_threshold=256)
+    simulate(urls["kv"], tmp, "kv", scenario="kv-pressure")
+    return urls
+
+
+def answer(db_url: str, **params: Any) -> dict[str, Any]:
+    engine = sa.create_engine(db_url, connect_args={"read_only": True} if db_url.startswith("duckdb") else {})
+    try:
+        return what_if(engine, **params)
+    finally:
+        engine.dispose()
+
+
+RECORDED = parse_setting(SIM_SETTINGS)
+
+
+def test_replaying_the_recorded_setting_gives_back_the_measured_tails(runs):
+    out = answer(runs["recorded"], candidates=[{"max_num_batched_tokens": 512}], recorded=RECORDED)
+    cal = out["calibration"]
+    assert out["window"]["requests"] > 250 and out["fit"]["r2"] > 0.999
+    assert cal["inferred"] == ["max_num_batched_tokens", "enable_chunked_prefill"]
+    assert cal["settings"]["max_num_batched_tokens"] == 2048 and cal["settings"]["enable_chunked_prefill"]
+    for tail in ("ttft_p99_s", "e2e_p99_s", "short_ttft_p99_s", "long_ttft_max_s"):
+        assert abs(cal["error"][tail]) < 0.01, (tail, cal)
+    # the ledger's ITL is read off step intervals in 0.5 % bins, the replay's off its own steps
+    assert abs(cal["error"]["itl_p99_s"]) < 0.15, cal
+    assert cal["max_error"] < 0.15
+
+
+def recorded_window(db_url: str) -> tuple[Recorded, Any]:
+    engine = sa.create_engine(db_url, connect_args={"read_only": True})
+    try:
+        steps = read_steps(engine)
+        with engine.connect() as conn:
+            rec = read_recorded(conn, model=steps.model, source_ids=steps.source_ids, since=None, until=None)
+        return rec, fit_step_time(steps.data)
+    finally:
+        engine.dispose()
+
+
+def test_a_predicted_setting_matches_a_run_under_that_setting(runs):
+    """Predicted from the first run, for long_prefill_token_threshold=256; measured in a second run of
+    the same requests (same seed: same ids and arrivals) under that setting. Compared request by
+    request over the requests both runs finished (the runs end mid-traffic, and which of the last
+    requests finish depends on the setting)."""
+    asked = {"long_prefill_token_threshold": 256}
+    first, fit = recorded_window(runs["recorded"])
+    settings = EngineSettings(max_num_batched_tokens=2048, **RECORDED, **asked)
+    predicted = pooled_replay(first.requests, settings, fitted_cost(fit))
+    second, _ = recorded_window(runs["threshold"])
+    ids = [r.request_id for rs in second.requests.values() for r in rs]
+    out = [r.output_tokens for rs in second.requests.values() for r in rs]
+    at = {rid: i for i, rid in enumerate(predicted.request_id)}
+    tokens = {r.request_id: r.output_tokens for rs in first.requests.values() for r in rs}
+    both = [k for k, rid in enumerate(ids) if rid in at]
+    assert all(tokens[ids[k]] == out[k] for k in both)  # the same work in both runs
+    assert len(both) > 0.95 * len(ids)
+    pick = np.array([at[ids[k]] for k in both])
+    for name, want, got in (
+        ("ttft", second.ttft_s[both], predicted.ttft_s[pick]),
+        ("e2e", second.e2e_s[both], predicted.e2e_s[pick]),
+    ):
+        for q in (0.5, 0.9, 0.99):
+            assert np.quantile(got, q) == pytest.approx(np.quantile(want, q), rel=0.03), (name, q)
+        assert np.median(np.abs(got - want)) < 0.005, name  # request by request, within 5 ms
+    # and the threshold does what it is for: short requests' TTFT down, the long prompts' up
+    long = second.prompt_tokens[both] >= 4096
+    before = {r.request_id: i for i, r in enumerate(x for rs in first.requests.values() for x in rs)}
+    was = first.ttft_s[[before[ids[k]] for k in both]]
+    assert np.quantile(second.ttft_s[both][~long], 0.99) < 0.6 * np.quantile(was[~long], 0.99)
+    assert second.ttft_s[both][long].max() > 1.5 * was[long].max()
+
+
+def test_a_sweep_marks_the_frontier_and_the_best_setting_meeting_the_targets(runs):
+    sweep = candidates_from(sweep="max_num_batched_tokens=256,512,1024,4096")
+    out = answer(runs["recorded"], candidates=sweep, recorded=RECORDED, itl_target_ms=20.0)
+    rows = {r["name"]: r for r in out["candidates"]}
+    assert list(rows) == [f"max_num_batched_tokens={b}" for b in (256, 512, 1024, 4096)]
+    itl = [rows[n]["predicted"]["itl_p99_s"] for n in rows]
+    assert itl == sorted(itl)  # a bigger budget: longer steps between a decode's tokens
+    meets = {n: r["meets"]["itl"] for n, r in rows.items()}
+    assert meets == {n: r["predicted"]["itl_p99_s"] * 1e3 <= 20.0 for n, r in rows.items()}
+    best = [n for n, r in rows.items() if r["best"]]
+    ok = [n for n in rows if meets[n]]
+    assert best == [min(ok, key=lambda n: rows[n]["predicted"]["short_ttft_p99_s"])]
+    assert all(r["frontier"] for r in rows.values())  # a trade-off: each wins somewhere
+    assert rows["max_num_batched_tokens=512"]["relative"]["short_ttft_p99_s"] > 0
+
+
+def test_a_window_with_preemptions_needs_the_kv_cache_size(runs):
+    with pytest.raises(WhatIfError) as err:
+        answer(runs["kv"], candidates=[{"max_num_batched_tokens": 512}])
+    assert err.value.reason == "recorded_setting_needed" and "num_kv_blocks" in str(err.value)
+    out = answer(
+        runs["kv"],
+        candidates=[{"policy": "kv-idle"}],
+        recorded={"num_kv_blocks": 2048, "max_num_seqs": 256, "reserve_full_isl": False},
+        force=True,
+    )
+    assert out["calibration"]["measured"]["preemptions"] > 0
+    assert out["calibration"]["predicted"]["preemptions"] > 0
+
+
+def test_a_large_calibration_error_is_refused_with_the_figures(runs):
+    wrong = {**RECORDED, "max_num_batched_tokens": 256}  # not what the engine ran
+    with pytest.raises(WhatIfError) as err:
+        answer(runs["recorded"], candidates=[{"max_num_batched_tokens": 512}], recorded=wrong)
+    assert err.value.reason == "calibration_failed" and err.value.status == 409
+    cal = err.value.details["calibration"]
+    assert cal["max_error"] > 0.25 and cal["settings"]["max_num_batched_tokens"] == 256
+    forced = answer(
+        runs["recorded"], candidates=[{"max_num_batched_tokens": 512}], recorded=wrong, force=True
+    )
+    assert forced["calibration"]["max_error"] == cal["max_error"]
+
+
+def test_too_few_requests_are_refused(runs):
+    with pytest.raises(WhatIfError) as err:
+        answer(runs["recorded"], candidates=[{"max_num_batched_tokens": 512}], min_requests=100_000)
+    assert err.value.reason == "too_little_data" and err.value.status == 409
+
+
+def test_the_fitted_cost_is_the_fits_prediction(runs):
+    engine = sa.create_engine(runs["recorded"], connect_args={"read_only": True})
+    window = read_steps(engine)
+    engine.dispose()
+    fit = fit_step_time(window.data)
+    cost = fitted_cost(fit, floor_s=0.0)
+    d = window.data
+    shapes = [
+        StepShape(*(int(getattr(d, c)[i]) for c in list(StepShape._fields)[:5]), float(d.kv_usage[i]))
+        for i in range(0, len(d), 37)
+    ]
+    got = np.array([cost(s) for s in shapes])
+    want = fit.predict(d.select(np.arange(len(d)) % 37 == 0))
+    np.testing.assert_allclose(got, want, rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("max_num_batched_tokens", "not key=value"),
+        ("chunk=512", "unknown setting 'chunk'"),
+        ("max_num_batched_tokens=lots", "max_num_batched_tokens='lots' is not a int"),
+        ("enable_chunked_prefill=maybe", "enable_chunked_prefill='maybe' is not a bool"),
+        ("", "empty"),
+    ],
+)
+def test_a_bad_setting_names_the_key_and_why(text, words):
+    with pytest.raises(WhatIfError) as err:
+        parse_setting(text)
+    assert words in str(err.value) and err.value.status == 422
+
+
+def test_asked_settings_from_set_sweep_and_policy():
+    assert candidates_from(["max_num_batched_tokens=512,long_prefill_token_threshold=128"]) == [
+        {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 128}
+    ]
+    assert candidates_from(sweep="admission_reserve=0.1,0.25") == [
+        {"admission_reserve": 0.1},
+        {"admission_reserve": 0.25},
+    ]
+    assert candidates_from(["max_num_batched_tokens=512"], policy="kv-idle") == [
+        {"max_num_batched_tokens": 512, "policy": "kv-idle"}
+    ]
+    assert candidates_from(policy="priority") == [{"policy": "priority"}]
+    for bad in ({}, {"policy": "random"}, {"sets": ["max_num_seqs=1"] * 33}):
+        with pytest.raises(WhatIfError):
+            candidates_from(**bad)
+
+
+# -- through the API and the command line -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def api(runs) -> Iterator[TestClient]:
+    store = open_store(runs["recorded"])
+    with TestClient(create_app(Settings(db_url=runs["recorded"], **TOKENS), store=store)) as c:
+        yield c
+    store.close()
+
+
+def test_the_endpoint_answers_a_sweep(api):
+    params = {"sweep": "max_num_batched_tokens=512,1024", "recorded": SIM_SETTINGS, "itl_target_ms": "25"}
+    r = api.get("/v1/whatif", params=params, headers=RD)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["name"] for c in body["candidates"]] == [
+        "max_num_batched_tokens=512",
+        "max_num_batched_tokens=1024",
+    ]
+    assert body["calibration"]["max_error"] < 0.15 and body["targets"]["itl_p99_ms"] == 25
+
+
+@pytest.mark.parametrize(
+    ("params", "status", "reason", "words"),
+    [
+        ({"set": "chunk=1"}, 422, "bad_setting", "unknown setting 'chunk'"),
+        ({"policy": "random"}, 422, "bad_setting", "policy"),
+        ({}, 422, "nothing_asked", "set, sweep or policy"),
+        ({"set": "max_num_seqs=0"}, 422, "bad_setting", "max_num_seqs"),
+        ({"set": "max_num_seqs=8", "since": "yesterday"}, 422, "bad_time", "yesterday"),
+        ({"set": "max_num_seqs=8", "model": "nobody"}, 404, "unknown_model", "nobody"),
+    ],
+)
+def test_the_endpoint_refuses_with_a_reason_naming_the_field(api, params, status, reason, words):
+    r = api.get("/v1/whatif", params={"recorded": SIM_SETTINGS, **params}, headers=RD)
+    assert r.status_code == status, r.text
+    assert r.json()["reason"] == reason and words in r.json()["detail"]
+
+
+def test_the_endpoint_needs_the_read_token(api):
+    assert api.get("/v1/whatif", params={"set": "max_num_seqs=8"}).status_code == 401
+
+
+def test_the_command_prints_measured_replayed_and_asked_side_by_side(runs):
+    # (the threshold run's file: the API tests' app holds the recorded one open in this process)
+    args = [
+        "whatif",
+        "--db",
+        runs["threshold"],
+        "--recorded",
+        SIM_SETTINGS + ",long_prefill_token_threshold=256",
+    ]
+    res = runner.invoke(
+        cli_app, [*args, "--sweep", "max_num_batched_tokens=512,1024", "--itl-target-ms", "25"]
+    )
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert any(line.startswith("measured ") for line in lines)
+    assert any(line.startswith("recorded, replayed (error)") for line in lines)
+    assert any(line.startswith("max_num_batched_tokens=512 ") and "itl" in line for line in lines)
+    js = runner.invoke(cli_app, [*args, "--set", "max_num_seqs=64", "--format", "json"])
+    assert js.exit_code == 0 and json.loads(js.output)["candidates"][0]["settings"]["max_num_seqs"] == 64
+
+
+def test_the_command_exits_1_with_the_calibration_when_refused(runs):
+    res = runner.invoke(
+        cli_app, ["whatif", "--db", runs["threshold"], "--set", "max_num_seqs=64", "--max-error", "0"]
+    )
+    assert res.exit_code == 1
+    assert "no what-if (calibration_failed)" in res.output and "replayed" in res.output
