@@ -31,6 +31,7 @@ PAGES = [
     st.Page("views/kv.py", title="KV & preemption", url_path="kv"),
     st.Page("views/cutoffs.py", title="Cutoffs & webhooks", url_path="cutoffs"),
     st.Page("views/advice.py", title="Chunk advice", url_path="advice"),
+    st.Page("views/whatif.py", title="What-if", url_path="whatif"),
     st.Page("views/sql.py", title="SQL console", url_path="sql"),
 ]
 

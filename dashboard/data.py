@@ -105,6 +105,9 @@ def _client(url: str, token: str) -> LedgerClient:
         return c
 
 
+WHATIF_TIMEOUT_S = 180.0
+
+
 class LedgerData:
     """The ledger's read API as the dashboard uses it (cached GETs, typed errors)."""
 
@@ -179,6 +182,15 @@ class LedgerData:
 
     def advice(self, itl_target_ms: float, **params: Any) -> dict[str, Any]:
         return self.get("/v1/advice/chunk-size", itl_target_ms=itl_target_ms, **params)
+
+    def whatif(self, **params: Any) -> dict[str, Any]:
+        """``GET /v1/whatif`` (not cached: every call is a replay the user asked for)."""
+        asked = {k: v for k, v in params.items() if v not in (None, "", [])}
+        try:  # a replay can take tens of seconds: a client with a longer timeout than the reads'
+            with LedgerClient(self.url, self.token, timeout_s=WHATIF_TIMEOUT_S) as client:
+                return client.get("/v1/whatif", **asked)
+        except LedgerError as exc:
+            return _raise_cached(_error_value(exc))
 
     def cutoffs(self, since_s: float | None = None, limit: int = 5000) -> pd.DataFrame:
         """Cutoff decisions (``GET /v1/cutoffs``, newest first) decided at or after ``since_s``."""

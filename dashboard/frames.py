@@ -232,3 +232,52 @@ def timeline(
                 item.get("detail", ""),
             )
     return pd.DataFrame(bars, columns=["lane", "what", "start_s", "end_s", "label"])
+
+
+# Setting names as chart labels: vLLM's names do not fit an axis.
+SHORT_SETTINGS = {
+    "max_num_batched_tokens": "budget",
+    "long_prefill_token_threshold": "threshold",
+    "enable_chunked_prefill": "chunked",
+    "admission_reserve": "reserve",
+    "admission_aging_s": "aging",
+    "max_num_seqs": "seqs",
+    "num_kv_blocks": "KV blocks",
+    "block_size": "block",
+    "reserve_full_isl": "full ISL",
+    "policy": "policy",
+}
+
+
+def short_setting(name: str) -> str:
+    """``max_num_batched_tokens=512,policy=kv-idle`` -> ``budget 512, policy kv-idle``."""
+    parts = []
+    for part in name.split(","):
+        key, eq, value = part.partition("=")
+        parts.append(f"{SHORT_SETTINGS.get(key, key)} {value}" if eq else part)
+    return ", ".join(parts)
+
+
+def whatif_rows(answer: dict[str, Any]) -> pd.DataFrame:
+    """``GET /v1/whatif``'s answer as one row per setting: measured, the recorded setting replayed,
+    then each asked one (milliseconds; the change from the recorded setting replayed)."""
+    cal = answer["calibration"]
+    rows: list[tuple[str, str, dict[str, Any], dict[str, Any] | None, dict[str, Any]]] = [
+        ("measured", "measured", cal["measured"], None, {}),
+        ("recorded (replayed)", "replayed", cal["predicted"], cal["error"], {}),
+    ]
+    for c in answer["candidates"]:
+        rows.append((c["name"], "predicted", c["predicted"], c["relative"], c))
+    out = []
+    for name, kind, tails, rel, extra in rows:
+        label = name if kind != "predicted" else short_setting(name)
+        row: dict[str, Any] = {"setting": name, "label": label, "kind": kind}
+        for key in ("short_ttft_p99_s", "long_ttft_max_s", "ttft_p50_s", "itl_p99_s", "e2e_p99_s"):
+            v = tails.get(key)
+            row[key[:-2] + "_ms"] = None if v is None else v * 1e3
+        row["preemptions"] = tails.get("preemptions")
+        row["change_short_ttft"] = (rel or {}).get("short_ttft_p99_s")
+        row["frontier"] = extra.get("frontier")
+        row["best"] = extra.get("best")
+        out.append(row)
+    return pd.DataFrame(out)

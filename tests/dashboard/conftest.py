@@ -29,6 +29,7 @@ PAGES = {
     "kv": "views/kv.py",
     "cutoffs": "views/cutoffs.py",
     "advice": "views/advice.py",
+    "whatif": "views/whatif.py",
     "sql": "views/sql.py",
 }
 

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, urlencode, urlparse
 
 import pytest
 
@@ -37,13 +37,40 @@ PAGES = {
     "kv": 3,
     "cutoffs": 1,
     "advice": 2,
+    # a linked what-if (the form's fields from the query, run once): the short-TTFT and ITL bars
+    "whatif?"
+    + urlencode(
+        {
+            "sweep": "max_num_batched_tokens=512,1024,4096",
+            "recorded": "num_kv_blocks=16384,max_num_seqs=256,reserve_full_isl=false",
+            "force": "1",
+            "run": "1",
+        }
+    ): 2,
     "sql": 0,
 }
 
 
 # page -> charts it must draw with the recorded vLLM run (at least): the KV page's preemption chart, KV
 # usage and waiting; the run's cutoffs (loop rule, preemption limit) over time; the step-time fit
-VLLM_PAGES = {"": 7, "requests": 0, "kv": 3, "cutoffs": 1, "advice": 2, "sql": 0}
+VLLM_PAGES = {
+    "": 7,
+    "requests": 0,
+    "kv": 3,
+    "cutoffs": 1,
+    "advice": 2,
+    # the recording's engine: a 256-token budget and 16 KV blocks of 128 tokens (tools/record_vllm_run.py)
+    "whatif?"
+    + urlencode(
+        {
+            "sweep": "max_num_batched_tokens=128,512",
+            "recorded": "max_num_batched_tokens=256,num_kv_blocks=16,block_size=128,reserve_full_isl=false",
+            "force": "1",
+            "run": "1",
+        }
+    ): 2,
+    "sql": 0,
+}
 
 
 def check_page(state: PageState, page: str, min_charts: int) -> None:

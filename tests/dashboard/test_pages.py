@@ -20,7 +20,7 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import ui
 from dashboard.data import LedgerData, NotFound, Unavailable
-from dashboard.frames import bucket_for, layers_long, tails_long, timeline
+from dashboard.frames import bucket_for, layers_long, short_setting, tails_long, timeline
 from ledger.client import LedgerClient
 
 
@@ -468,3 +468,59 @@ def test_request_page_tells_an_escape_valve_from_a_cut(vllm_ledger, run_page, vl
     at = run_page(vllm_ledger.url, "request", {"id": loop["request_id"]})
     assert not at.exception
     assert at.error and "cut off by rule **loop**" in at.error[0].value
+
+
+# -- what-if ------------------------------------------------------------------------------------------
+# the simulated engines' KV cache (the kv-pressure one's is smaller: force, the page is what is tested)
+SIM_RECORDED = "num_kv_blocks=16384,max_num_seqs=256,reserve_full_isl=false"
+
+
+def test_whatif_page_replays_only_when_asked(recorded_ledger, run_page) -> None:
+    at = run_page(recorded_ledger.url, "whatif")
+    no_exceptions(at)
+    assert not charts(at) and "Send the form to run it" in texts(at)
+
+
+def test_whatif_page_shows_measured_replayed_and_asked_settings(recorded_ledger, run_page, api) -> None:
+    at = run_page(recorded_ledger.url, "whatif")
+    at.text_input(key="wi_sweep").set_value("max_num_batched_tokens=512,4096")
+    at.text_input(key="wi_recorded").set_value(SIM_RECORDED)
+    at.number_input(key="wi_itl").set_value(40.0)
+    at.checkbox(key="wi_force").check()
+    at.button[0].click().run()
+    no_exceptions(at)
+    want = api.get(
+        "/v1/whatif",
+        sweep="max_num_batched_tokens=512,4096",
+        recorded=SIM_RECORDED,
+        itl_target_ms=40,
+        since="1h",
+        force="true",
+    )
+    table = at.dataframe[0].value
+    assert list(table["setting"]) == [
+        "measured",
+        "recorded (replayed)",
+        "max_num_batched_tokens=512",
+        "max_num_batched_tokens=4096",
+    ]
+    got = table.set_index("setting")["short_ttft_p99_ms"]
+    for c in want["candidates"]:
+        assert got[c["name"]] == pytest.approx(c["predicted"]["short_ttft_p99_s"] * 1e3, abs=0.05)
+    best = [c["name"] for c in want["candidates"] if c["best"]]
+    assert metric(at, "best setting") == (short_setting(best[0]) if best else "-")
+    specs = charts(at)
+    assert len(specs) == 2 and all(len(s["rows"]) == 4 for s in specs)  # measured, replayed, the two asked
+
+
+def test_whatif_page_says_why_the_ledger_declined(recorded_ledger, run_page) -> None:
+    at = run_page(recorded_ledger.url, "whatif", {"sweep": "max_num_batched_tokens=512", "run": "1"})
+    no_exceptions(at)
+    # the kv-pressure engine preempted: without its KV cache size there is no replay
+    assert "declined" in texts(at) and "num_kv_blocks" in texts(at) and not charts(at)
+
+
+def test_setting_names_are_shortened_for_the_charts() -> None:
+    assert short_setting("max_num_batched_tokens=512,policy=kv-idle") == "budget 512, policy kv-idle"
+    assert short_setting("long_prefill_token_threshold=256") == "threshold 256"
+    assert short_setting("something_new=1") == "something_new 1"
