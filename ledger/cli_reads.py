@@ -7,10 +7,14 @@ would have given (``{reason, detail, ...}``), so the command renders one or the 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 import typer
+
+from ledger.defaults import DEFAULT_LEDGER_URL
+from ledger.refusal import Refusal
 
 
 def via_http(url: str, token: str | None, path: str, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -33,11 +37,9 @@ def via_http(url: str, token: str | None, path: str, params: dict[str, Any]) -> 
         return status, exc.body
 
 
-def via_db(
-    url: str, compute: Callable[[Any], dict[str, Any]], errors: type[Exception]
-) -> tuple[int, dict[str, Any]]:
-    """``compute(engine)`` over the database at ``url`` opened read-only. ``errors`` (with ``reason``,
-    ``status`` and ``details``) become the error body; exit 2 when the database cannot be read."""
+def via_db(url: str, compute: Callable[[Any], dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """``compute(engine)`` over the database at ``url`` opened read-only; a :class:`Refusal` becomes
+    the error body; exit 2 when the database cannot be read."""
     import sqlalchemy as sa
 
     # Read-only: never migrate or write someone's ledger from a reporting tool.
@@ -45,13 +47,8 @@ def via_db(
     engine = sa.create_engine(url, connect_args=connect_args)
     try:
         return 200, compute(engine)
-    except errors as exc:
-        details = getattr(exc, "details", {})
-        return getattr(exc, "status", 422), {
-            "detail": str(exc),
-            "reason": getattr(exc, "reason", ""),
-            **details,
-        }
+    except Refusal as exc:
+        return exc.status, {"detail": str(exc), "reason": exc.reason, **exc.details}
     except sa.exc.SQLAlchemyError as exc:
         orig = getattr(exc, "orig", None)
         msg = str(orig if orig is not None else exc).splitlines()[0]
@@ -66,3 +63,31 @@ def via_db(
         raise typer.Exit(2) from None
     finally:
         engine.dispose()
+
+
+def answer(
+    *,
+    fmt: str,
+    db: str | None,
+    ledger: str | None,
+    token: str | None,
+    path: str,
+    params: dict[str, Any],
+    compute: Callable[[Any], dict[str, Any]],
+    render: Callable[[int, dict[str, Any]], str],
+) -> None:
+    """Ask ``path`` of the ledger (or ``compute`` it over ``db``), print the answer (``--format json``:
+    as the API gives it; else ``render(status, body)``) and exit 1 when there is none."""
+    if fmt not in ("table", "json"):
+        typer.echo("error: --format must be table or json", err=True)
+        raise typer.Exit(2)
+    if db and ledger:
+        typer.echo("error: pass either --ledger or --db, not both", err=True)
+        raise typer.Exit(2)
+    if db:
+        status, body = via_db(db, compute)
+    else:
+        status, body = via_http(ledger or DEFAULT_LEDGER_URL, token, path, params)
+    typer.echo(json.dumps(body, indent=2) if fmt == "json" else render(status, body))
+    if status != 200:
+        raise typer.Exit(1)

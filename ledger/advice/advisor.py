@@ -42,20 +42,15 @@ import numpy as np
 from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, MIN_USEFUL_CHUNK
 from ledger.advice.fit import StepTimeFit, check_data, fit_step_time
 from ledger.advice.terms import StepData
+from ledger.refusal import Refusal
 
 NOISY_FIT = 0.25  # cross-validated relative error above which the advice says the fit is poor
 MARGIN_MIN_STEPS = 50  # steps near the target needed to use their residual p99 as the margin
 SETTING_MULTIPLE = 16  # engine settings are rounded down to a multiple of this (vLLM's KV block size)
 
 
-class AdviceError(ValueError):
+class AdviceError(Refusal):
     """No advice: ``reason`` is a short code, ``status`` the HTTP status the API answers with."""
-
-    def __init__(self, reason: str, message: str, *, status: int = 409, **details: Any) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.status = status
-        self.details = details
 
 
 @dataclass(frozen=True)

@@ -8,35 +8,29 @@ from typing import Annotated, Any
 import typer
 
 from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN_USEFUL_CHUNK
-from ledger.cli_reads import via_db, via_http
-from ledger.defaults import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
+from ledger.cli_options import (
+    DbOpt,
+    FormatOpt,
+    LedgerOrNoneOpt,
+    ModelOpt,
+    ReadTokenOpt,
+    SinceOpt,
+    SourceOpt,
+    UntilOpt,
+)
+from ledger.cli_reads import answer
 
 
 def advise(
     itl_target_ms: Annotated[
         float, typer.Option("--itl-target-ms", min=0.001, help="inter-token latency p99 to stay within (ms)")
     ],
-    ledger: Annotated[
-        str | None,
-        typer.Option(
-            help=f"ledger base URL (env CHUNKLEDGER_LEDGER_URL; default {DEFAULT_LEDGER_URL})",
-            envvar=list(LEDGER_URL_ENV),
-        ),
-    ] = None,
-    db: Annotated[
-        str | None,
-        typer.Option(
-            "--db", help="read a database directly instead (PostgreSQL, or a DuckDB file no ledger serves)"
-        ),
-    ] = None,
-    model: Annotated[
-        str | None, typer.Option(help="served model (when engines of several models report)")
-    ] = None,
-    source: Annotated[str | None, typer.Option(help="one engine source id")] = None,
-    since: Annotated[
-        str | None, typer.Option(help="window start: unix seconds, ISO 8601, or an age (2h)")
-    ] = None,
-    until: Annotated[str | None, typer.Option(help="window end (same forms)")] = None,
+    ledger: LedgerOrNoneOpt = None,
+    db: DbOpt = None,
+    model: ModelOpt = None,
+    source: SourceOpt = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
     depth: Annotated[
         int | None, typer.Option(min=0, help="advise at this prefill depth (default: the p99 seen)")
     ] = None,
@@ -50,11 +44,8 @@ def advise(
     min_chunk: Annotated[
         int, typer.Option(min=1, help="refuse a target that leaves fewer prefill tokens per step")
     ] = MIN_USEFUL_CHUNK,
-    token: Annotated[
-        str | None,
-        typer.Option(help="read token (env CHUNKLEDGER_READ_TOKEN)", envvar="CHUNKLEDGER_READ_TOKEN"),
-    ] = None,
-    format: Annotated[str, typer.Option("--format", help="table or json")] = "table",
+    token: ReadTokenOpt = None,
+    format: FormatOpt = "table",
 ) -> None:
     """Advise max_num_batched_tokens and long_prefill_token_threshold for an ITL target.
 
@@ -62,12 +53,6 @@ def advise(
     decode time at current load, the prefill budget, the settings, the predicted ITL p99 and the
     prefill throughput they cost, by depth. Exit status 1 when the data cannot support advice.
     """
-    if format not in ("table", "json"):
-        typer.echo("error: --format must be table or json", err=True)
-        raise typer.Exit(2)
-    if db and ledger:
-        typer.echo("error: pass either --ledger or --db, not both", err=True)
-        raise typer.Exit(2)
     params: dict[str, Any] = {
         "itl_target_ms": itl_target_ms,
         "model": model,
@@ -79,21 +64,27 @@ def advise(
         "max_steps": max_steps,
         "min_chunk": min_chunk,
     }
-    if db:
-        from ledger.advice.advisor import AdviceError
+
+    def compute(engine: Any) -> dict[str, Any]:
         from ledger.advice.service import chunk_size_advice
 
-        status, body = via_db(db, lambda engine: chunk_size_advice(engine, **params), AdviceError)
-    else:
-        status, body = via_http(ledger or DEFAULT_LEDGER_URL, token, "/v1/advice/chunk-size", params)
-    if format == "json":
-        typer.echo(json.dumps(body, indent=2))
-    else:
+        return chunk_size_advice(engine, **params)
+
+    def render(status: int, body: dict[str, Any]) -> str:
         from ledger.advice.report import render_advice, render_refusal
 
-        typer.echo(render_advice(body) if status == 200 else render_refusal(body))
-    if status != 200:
-        raise typer.Exit(1)
+        return render_advice(body) if status == 200 else render_refusal(body)
+
+    answer(
+        fmt=format,
+        db=db,
+        ledger=ledger,
+        token=token,
+        path="/v1/advice/chunk-size",
+        params=params,
+        compute=compute,
+        render=render,
+    )
 
 
 def _int_list(text: str, option: str) -> tuple[int, ...]:
@@ -141,7 +132,7 @@ def profile(
     kv_cache_mib: Annotated[
         int, typer.Option(min=16, help="KV cache size for the profile engine (MiB)")
     ] = 512,
-    format: Annotated[str, typer.Option("--format", help="table or json")] = "table",
+    format: FormatOpt = "table",
 ) -> None:
     """Measure step time on vLLM with chunkledger's plugin: chunk sizes x depths x decode batches.
 

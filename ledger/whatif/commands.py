@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 import typer
 
-from ledger.cli_reads import via_db, via_http
-from ledger.defaults import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
+from ledger.cli_options import (
+    DbOpt,
+    FormatOpt,
+    LedgerOrNoneOpt,
+    ModelOpt,
+    ReadTokenOpt,
+    SinceOpt,
+    SourceOpt,
+    UntilOpt,
+)
+from ledger.cli_reads import answer
 
 
 def whatif(
@@ -32,21 +40,12 @@ def whatif(
         str | None,
         typer.Option(help="the engine's settings in the window, key=value[,...] (the rest are inferred)"),
     ] = None,
-    ledger: Annotated[
-        str | None,
-        typer.Option(
-            help=f"ledger base URL (env CHUNKLEDGER_LEDGER_URL; default {DEFAULT_LEDGER_URL})",
-            envvar=list(LEDGER_URL_ENV),
-        ),
-    ] = None,
-    db: Annotated[
-        str | None,
-        typer.Option("--db", help="read a database directly (PostgreSQL, or a DuckDB file no ledger serves)"),
-    ] = None,
-    model: Annotated[str | None, typer.Option(help="served model (engines of several models)")] = None,
-    source: Annotated[str | None, typer.Option(help="one engine source id")] = None,
-    since: Annotated[str | None, typer.Option(help="window start: unix s, ISO 8601, or an age (2h)")] = None,
-    until: Annotated[str | None, typer.Option(help="window end (same forms)")] = None,
+    ledger: LedgerOrNoneOpt = None,
+    db: DbOpt = None,
+    model: ModelOpt = None,
+    source: SourceOpt = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
     long_prompt_tokens: Annotated[
         int | None, typer.Option(min=1, help="prompts this long are the long ones (default: 8x the median)")
     ] = None,
@@ -61,11 +60,8 @@ def whatif(
         float, typer.Option(min=0.0, help="refuse when the recorded setting replayed misses a tail by more")
     ] = 0.25,
     force: Annotated[bool, typer.Option(help="answer even over --max-error")] = False,
-    token: Annotated[
-        str | None,
-        typer.Option(help="read token (env CHUNKLEDGER_READ_TOKEN)", envvar="CHUNKLEDGER_READ_TOKEN"),
-    ] = None,
-    format: Annotated[str, typer.Option("--format", help="table or json")] = "table",
+    token: ReadTokenOpt = None,
+    format: FormatOpt = "table",
 ) -> None:
     """Replay the window's recorded requests under other settings and predict the tails.
 
@@ -74,12 +70,6 @@ def whatif(
     replayed first: its error against the measured tails is printed beside every prediction, and the
     answer is refused when it is over --max-error. Exit status 1 when there is no answer.
     """
-    if format not in ("table", "json"):
-        typer.echo("error: --format must be table or json", err=True)
-        raise typer.Exit(2)
-    if db and ledger:
-        typer.echo("error: pass either --ledger or --db, not both", err=True)
-        raise typer.Exit(2)
     params: dict[str, Any] = {
         "set": set_ or [],
         "sweep": sweep,
@@ -95,17 +85,24 @@ def whatif(
         "max_error": max_error,
         "force": force,
     }
-    if db:
-        from ledger.whatif.service import WhatIfError, what_if_request
 
-        status, body = via_db(db, lambda engine: what_if_request(engine, **params), WhatIfError)
-    else:
-        status, body = via_http(ledger or DEFAULT_LEDGER_URL, token, "/v1/whatif", params)
-    if format == "json":
-        typer.echo(json.dumps(body, indent=2))
-    else:
+    def compute(engine: Any) -> dict[str, Any]:
+        from ledger.whatif.service import what_if_request
+
+        return what_if_request(engine, **params)
+
+    def render(status: int, body: dict[str, Any]) -> str:
         from ledger.whatif.report import render_refusal, render_whatif
 
-        typer.echo(render_whatif(body) if status == 200 else render_refusal(body))
-    if status != 200:
-        raise typer.Exit(1)
+        return render_whatif(body) if status == 200 else render_refusal(body)
+
+    answer(
+        fmt=format,
+        db=db,
+        ledger=ledger,
+        token=token,
+        path="/v1/whatif",
+        params=params,
+        compute=compute,
+        render=render,
+    )

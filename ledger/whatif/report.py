@@ -17,7 +17,7 @@ def _ms(v: Any) -> str:
     if v is None:
         return "-"
     v = float(v)
-    return f"{v:.2f} s" if v >= 10 else f"{v * 1e3:,.0f} ms" if v >= 0.1 else f"{v * 1e3:.1f} ms"
+    return f"{v:.2f} s" if v >= 1 else f"{v * 1e3:,.0f} ms" if v >= 0.1 else f"{v * 1e3:.1f} ms"
 
 
 def _pct(v: Any) -> str:

@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from ledger.advice.advisor import AdviceError
 from ledger.advice.fit import FitError, StepTimeFit, fit_step_time
 from ledger.advice.query import read_steps
+from ledger.refusal import Refusal
 from ledger.whatif.cost import fitted_cost
 from ledger.whatif.model import replay
 from ledger.whatif.results import Replay
@@ -47,14 +48,8 @@ SETTABLE: dict[str, type] = {
 }
 
 
-class WhatIfError(ValueError):
+class WhatIfError(Refusal):
     """No answer: ``reason`` is a short code, ``status`` the HTTP status the API answers with."""
-
-    def __init__(self, reason: str, message: str, *, status: int = 409, **details: Any) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.status = status
-        self.details = details
 
 
 # -- settings as users write them --------------------------------------------------------------------
