@@ -71,7 +71,12 @@ def render_whatif(body: dict[str, Any]) -> str:
         meets = c.get("meets")
         if meets:
             marks += [f"{k} {'met' if ok else 'missed'}" for k, ok in meets.items()]
+        if c.get("extrapolated"):
+            marks.append("extrapolated")
         lines.append(_row(c["name"], c["predicted"], c["relative"], " ".join(marks)))
+    for c in body["candidates"]:
+        if c.get("extrapolated"):
+            lines.append(f"{c['name']}: outside the step-time fit's data: {'; '.join(c['extrapolated'])}")
     worst = cal.get("max_error")
     lines += [
         "",

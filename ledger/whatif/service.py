@@ -35,7 +35,7 @@ from ledger.whatif.cost import fitted_cost
 from ledger.whatif.model import replay
 from ledger.whatif.results import Replay
 from ledger.whatif.trace import Observed, Recorded, read_recorded
-from ledger.whatif.types import POLICIES, EngineSettings, StepCost, TraceRequest
+from ledger.whatif.types import POLICIES, EngineSettings, StepCost, StepShape, TraceRequest
 
 MIN_REQUESTS = 50  # fewer finished requests in the window: refuse (the tails would be noise)
 MAX_CALIBRATION_ERROR = 0.25  # refuse when replaying the recorded setting misses a tail by more
@@ -43,6 +43,7 @@ UNBOUNDED_KV_BLOCKS = 1 << 30  # "the KV cache never ran out" when its size is n
 METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "e2e_p99_s", "short_ttft_p99_s", "long_ttft_max_s")
 CALIBRATED = ("ttft_p99_s", "itl_p99_s", "e2e_p99_s", "short_ttft_p99_s", "long_ttft_max_s")
 FRONTIER = ("short_ttft_p99_s", "long_ttft_max_s", "itl_p99_s")  # lower is better on each
+EXTRAPOLATION = 1.25  # a replay asking the fit for steps beyond this x what its data covered: flagged
 SETTABLE: dict[str, type] = {
     f.name: get_type_hints(EngineSettings)[f.name] for f in dataclasses.fields(EngineSettings)
 }
@@ -171,6 +172,39 @@ def pooled_replay(
     )
 
 
+class Coverage:
+    """A step cost that remembers the largest step shapes it was asked for, to tell a prediction
+    inside the fit's data from one outside it (a 16k-token chunk from a fit that saw 2k ones)."""
+
+    def __init__(self, cost: StepCost) -> None:
+        self._cost = cost
+        self.prefill_tokens = 0
+        self.max_prefill_depth = 0
+        self.num_decode_reqs = 0
+
+    def __call__(self, shape: StepShape) -> float:
+        if shape.prefill_tokens > self.prefill_tokens:
+            self.prefill_tokens = shape.prefill_tokens
+        if shape.max_prefill_depth > self.max_prefill_depth:
+            self.max_prefill_depth = shape.max_prefill_depth
+        if shape.num_decode_reqs > self.num_decode_reqs:
+            self.num_decode_reqs = shape.num_decode_reqs
+        return self._cost(shape)
+
+    def outside(self, fit: StepTimeFit) -> list[str]:
+        """What the replay asked of the fit beyond EXTRAPOLATION x what the fit's steps covered."""
+        r = fit.ranges
+        out = []
+        for name, asked, covered in (
+            ("prefill tokens per step", self.prefill_tokens, r.prefill_tokens[1]),
+            ("prefill depth", self.max_prefill_depth, r.max_prefill_depth[1]),
+            ("decoding requests per step", self.num_decode_reqs, r.num_decode_reqs[1]),
+        ):
+            if asked > EXTRAPOLATION * max(covered, 1):
+                out.append(f"{name} up to {asked:,} (the fit's steps: up to {int(covered):,})")
+        return out
+
+
 def _rel(predicted: Any, measured: Any) -> float | None:
     if predicted is None or measured is None or measured <= 0:
         return None
@@ -273,7 +307,8 @@ def what_if(
     rows: list[dict[str, Any]] = []
     for asked in candidates:
         values = {**base_values, **asked}
-        summary = pooled_replay(rec.requests, _settings(values, _name(asked)), cost).summary(long_tokens)
+        coverage = Coverage(cost)
+        summary = pooled_replay(rec.requests, _settings(values, _name(asked)), coverage).summary(long_tokens)
         rows.append(
             {
                 "name": _name(asked),
@@ -282,6 +317,7 @@ def what_if(
                 "predicted": _tails(summary),
                 "relative": {k: _rel(summary.get(k), predicted.get(k)) for k in METRICS},
                 "meets": _meets(summary, itl_target_ms, ttft_target_ms),
+                "extrapolated": coverage.outside(fit),
             }
         )
     everyone: list[dict[str, Any]] = [{"name": "recorded", "predicted": _tails(predicted)}, *rows]
@@ -316,10 +352,14 @@ def _meets(summary: Mapping[str, Any], itl_ms: float | None, ttft_ms: float | No
 
 
 def _mark_best(rows: list[dict[str, Any]], recorded: Mapping[str, Any]) -> None:
-    """``best``: among the candidates that meet every target given, the lowest short TTFT p99 (TTFT p99
-    when there are no long prompts)."""
+    """``best``: among the candidates that meet every target given and stay inside the fit's data, the
+    lowest short TTFT p99 (TTFT p99 when there are no long prompts)."""
     key = "short_ttft_p99_s" if recorded.get("short_ttft_p99_s") is not None else "ttft_p99_s"
-    ok = [r for r in rows if r["predicted"].get(key) is not None and all((r["meets"] or {}).values())]
+    ok = [
+        r
+        for r in rows
+        if r["predicted"].get(key) is not None and all((r["meets"] or {}).values()) and not r["extrapolated"]
+    ]
     best = min(ok, key=lambda r: r["predicted"][key], default=None)
     for r in rows:
         r["best"] = r is best

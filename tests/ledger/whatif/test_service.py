@@ -247,6 +247,19 @@ def test_asked_settings_from_set_sweep_and_policy():
             candidates_from(**bad)
 
 
+def test_a_setting_that_needs_steps_the_fit_never_saw_is_flagged_and_never_best(runs):
+    unchunked = {"enable_chunked_prefill": False, "max_num_batched_tokens": 32768}
+    out = answer(
+        runs["recorded"], candidates=[unchunked, {"max_num_batched_tokens": 1024}], recorded=RECORDED
+    )
+    flagged, inside = out["candidates"]
+    assert len(flagged["extrapolated"]) == 1 and flagged["extrapolated"][0].startswith(
+        "prefill tokens per step"
+    )
+    assert "the fit's steps: up to 2,04" in flagged["extrapolated"][0]
+    assert inside["extrapolated"] == [] and inside["best"] and not flagged["best"]
+
+
 # -- through the API and the command line -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def api(runs) -> Iterator[TestClient]:
