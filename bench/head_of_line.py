@@ -33,7 +33,9 @@ baseline is overloaded (short TTFT p99 above 10 step times: a growing queue). Th
 :mod:`bench.hol_bound`: the least long-request TTFT that any chunking can reach while every step the
 long prompt is in stays short enough for the short-TTFT goal. ``--json PATH`` also writes the results
 (with every step's tokens, attention work, deepest chunk and duration), which ``bench/hol_bound.py
-PATH`` reads again.
+PATH`` reads again. ``--ledger-db PATH`` keeps the ledger's DuckDB file (each configuration's engine
+is the source ``<tag>-<configuration>``, its ``source_id`` in the results), which ``bench/whatif_vllm.py``
+reads.
 
 Run it on an idle machine (the 1-minute load average at the end of each configuration is printed):
 with other CPU-bound processes on the two cores the steps slow down and the figures mean little.
@@ -245,6 +247,7 @@ def worker(args: argparse.Namespace) -> None:
     gaps: list[tuple[float, float]] = []  # (end time, gap) of each short's inter-token gap
     steps: list[float] = []
     step_ends: list[float] = []
+    scene_ts = time.time()  # wall clock: the ledger's window of the scene (the warmup is before it)
     start = time.monotonic()
     i = 0
     while i < len(arrivals) or engine.has_unfinished_requests():
@@ -256,7 +259,10 @@ def worker(args: argparse.Namespace) -> None:
                 max_tokens=n_out, ignore_eos=True, temperature=0.0, extra_args={"chunkledger_request_id": rid}
             )
             tokens = [rng.randrange(10, 1300) for _ in range(n_prompt)]
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens), params)
+            # --stamp-arrival: vLLM's arrival_time (the ledger's engine_arrival_ts) is the scene's, as an
+            # API server stamps a request it receives during a step; else the time it is added here.
+            stamp = scene_ts + arrivals[i][0] if args.stamp_arrival else None
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens), params, arrival_time=stamp)
             # TTFT counts from the arrival the scene gave it, as a client's would: a request due
             # during a step cannot be added before the step ends, and that wait is part of its TTFT.
             arrived[rid] = arrivals[i][0]
@@ -319,6 +325,8 @@ def worker(args: argparse.Namespace) -> None:
         "step_fit": next((s.step_times.coefficients() for s in _schedulers(llm) if s.step_caps), None),
         "step_records": records,
         "load": os.getloadavg()[0],
+        "scene_ts": scene_ts,
+        "engine": _engine_as_run(llm),
     }
     for s in _schedulers(llm):
         if s.exporter is not None:
@@ -347,6 +355,23 @@ def size_worker(args: argparse.Namespace) -> None:
     )
     out = {"size": size.as_dict(), **info}
     print(json.dumps(out), flush=True)
+
+
+def _engine_as_run(llm: Any) -> dict[str, Any]:
+    """The scheduler's settings as vLLM ran them (the KV cache it allocated, its block size), in the
+    names of :class:`ledger.whatif.types.EngineSettings`."""
+    s = _schedulers(llm)[0]
+    cfg = s.scheduler_config
+    return {
+        "max_num_batched_tokens": int(s.max_num_scheduled_tokens),
+        "long_prefill_token_threshold": int(cfg.long_prefill_token_threshold),
+        "enable_chunked_prefill": bool(cfg.enable_chunked_prefill),
+        "max_num_seqs": int(s.max_num_running_reqs),
+        "num_kv_blocks": int(s.kv_cache_config.num_blocks),
+        "block_size": int(s.block_size),
+        "reserve_full_isl": bool(s.scheduler_reserve_full_isl),
+        "adaptive_threshold": bool(s.adaptive_long_prefill_threshold),
+    }
 
 
 def _schedulers(llm: Any) -> list[Any]:
@@ -519,6 +544,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default="", help="comma-separated configurations: " + ", ".join(CONFIGS))
     parser.add_argument("--json", default="", help="also write the results (with every step) to this file")
+    parser.add_argument(
+        "--ledger-db", default="", help="the ledger's DuckDB file (kept); default: a temporary one"
+    )
+    parser.add_argument(
+        "--stamp-arrival",
+        action="store_true",
+        help="give vLLM each request's scene arrival as its arrival_time (the ledger's engine arrival)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -571,7 +604,7 @@ def main() -> None:
             "ledger.cli",
             "serve",
             "--db",
-            f"duckdb:///{tmp / 'ledger.duckdb'}",
+            f"duckdb:///{Path(args.ledger_db).resolve() if args.ledger_db else tmp / 'ledger.duckdb'}",
             "--port",
             str(port),
         ],
@@ -586,7 +619,7 @@ def main() -> None:
             cmd += ["--workdir", str(tmp / name), "--seed", str(args.seed), "--kv-mib", str(args.kv_mib)]
             cmd += ["--long-tokens", str(args.long_tokens), "--long-at", str(args.long_at)]
             cmd += ["--duration", str(args.duration), "--short-output", str(args.short_output)]
-            cmd += ["--gap-ms", args.gap_ms]
+            cmd += ["--gap-ms", args.gap_ms] + (["--stamp-arrival"] if args.stamp_arrival else [])
             env = {
                 **os.environ,
                 "CHUNKLEDGER_URL": url,
@@ -603,6 +636,7 @@ def main() -> None:
                 continue
             result = json.loads(lines[-1])
             result["ledger"] = _ledger_view(url, f"{tag}-{name}")
+            result["source_id"] = f"{tag}-{name}"  # the engine's source in the ledger
             results.append(result)
             print(f"  done: {name}", file=sys.stderr, flush=True)
     finally:

@@ -43,7 +43,7 @@ OTHER: tuple[tuple[str, str, str, str, str], ...] = (
         "str",
         "`http://127.0.0.1:8321`",
         "ledger base URL of the client commands (`attribution`, `requests`, `why`, `stalls`, `query`, "
-        "`export`, `advise`); unset: `CHUNKLEDGER_URL`, else the default",
+        "`export`, `advise`, `whatif`); unset: `CHUNKLEDGER_URL`, else the default",
         "ledger/client.py",
     ),
     (

@@ -26,14 +26,18 @@ _ITL_BINS_PER_E = 200
 
 
 def decode_itl(
-    conn: sa.Connection, window: Window = Window(), *, group_by_model: bool = False
+    conn: sa.Connection,
+    window: Window = Window(),
+    *,
+    group_by_model: bool = False,
+    source_ids: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Inter-token latency tails of decoding requests, from ``steps``.
 
     A request that decodes in two consecutive steps of its engine sees ``steps.interval_s`` between its
     tokens (end of the previous step to end of this one); each step counts once per decoding request
     in it, so the tails are per token. Requests that sat steps out (``stalled_request_ids``) saw longer
-    gaps than this; their exact gaps are in ``request_itl``.
+    gaps than this; their exact gaps are in ``request_itl``. ``source_ids``: those engines' steps only.
     """
     src = schema.sources
     model = sa.func.coalesce(src.c.model, "").label("model")
@@ -51,6 +55,8 @@ def decode_itl(
         .where(gap.is_not(None), S.c.num_decode_reqs > 0)
         .group_by(model, key)
     )
+    if source_ids is not None:
+        stmt = stmt.where(S.c.source_id.in_(source_ids))
     bins = in_window(stmt, window, S.c.ts).subquery()
     part = [bins.c.model] if group_by_model else []
     cum = sa.func.sum(bins.c.w).over(partition_by=part or None, order_by=bins.c.k)

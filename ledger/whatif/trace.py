@@ -1,15 +1,21 @@
 """Reading a window of the ledger as a what-if trace: each engine's recorded requests, what was measured,
 and what the data says about the engine's settings.
 
-The replay models an engine's scheduler, so a request's arrival is when that scheduler queued it
-(``queued_ts``) and its latencies are the engine's: TTFT = ``first_token_ts - queued_ts``, end to end =
-``finished_ts - queued_ts`` (the gateway and API-server layers are outside the model). Requests are
-taken by ``queued_ts`` in [since, until) and must have finished with at least one token; the others are
-counted in ``skipped``. Requests still running when the window opens are not in it: the replay starts
-from an idle engine.
+The replay models an engine's scheduler, so a request's arrival is when it reached the engine: its
+front end's arrival (``engine_arrival_ts``, vLLM's ``arrival_time``) when the ledger has it and it is
+not after ``queued_ts``, else ``queued_ts``; its latencies are the engine's, from that arrival: TTFT =
+``first_token_ts - arrival``, end to end = ``finished_ts - arrival`` (the gateway is outside the model).
+Not ``queued_ts`` alone: vLLM's engine core adds the requests that came during a step to its scheduler
+only after the step, so ``queued_ts`` has already waited for the step in flight, a wait the replay
+models (a request that arrives during a step is seen at the next one) and the candidates change: under
+a setting with 1-second steps a short prompt's TTFT from ``queued_ts`` hides up to a second of it.
+Requests are taken by ``queued_ts`` in [since, until) and must have finished with at least one token;
+the others are counted in ``skipped``. Requests still running when the window opens are not in it: the
+replay starts from an idle engine.
 
 The measured decode ITL is the ledger's (:func:`ledger.analytics.itl.decode_itl`: step intervals, one
-sample per decoding request) over the same window and model, the same quantity the replay reports.
+sample per decoding request, in its 0.5 % bins) over the same window and engines, the same quantity the
+replay reports.
 """
 
 from __future__ import annotations
@@ -93,6 +99,13 @@ def _cached(cached: int | None, prompt: int) -> int:
     return min(max(0, int(cached or 0)), prompt - 1)
 
 
+def arrival_of(queued_ts: float, engine_arrival_ts: float | None) -> float:
+    """When the request reached the engine (the module docstring says why not ``queued_ts`` alone)."""
+    if engine_arrival_ts is None or engine_arrival_ts > queued_ts:
+        return queued_ts
+    return float(engine_arrival_ts)
+
+
 def read_recorded(
     conn: sa.Connection, *, model: str | None, source_ids: list[str], since: float | None, until: float | None
 ) -> Recorded:
@@ -102,6 +115,7 @@ def read_recorded(
         r.c.request_id,
         r.c.engine_source_id,
         r.c.queued_ts,
+        r.c.engine_arrival_ts,
         r.c.first_token_ts,
         r.c.finished_ts,
         r.c.prompt_tokens,
@@ -128,16 +142,17 @@ def read_recorded(
             skipped["no_prompt_length"] += 1
             continue
         t0 = float(row.queued_ts) if t0 is None else t0
+        arrival = arrival_of(float(row.queued_ts), row.engine_arrival_ts)
         prompt = int(row.prompt_tokens)
         req = TraceRequest(
             request_id=row.request_id,
-            arrival_s=float(row.queued_ts) - t0,
+            arrival_s=arrival - t0,
             prompt_tokens=prompt,
             cached_tokens=_cached(row.cached_tokens, prompt),
             output_tokens=int(row.output_tokens),
         )
-        ttft = max(0.0, float(row.first_token_ts) - float(row.queued_ts))
-        e2e = max(0.0, float(row.finished_ts) - float(row.queued_ts))
+        ttft = max(0.0, float(row.first_token_ts) - arrival)
+        e2e = max(0.0, float(row.finished_ts) - arrival)
         per_source[row.engine_source_id].append((req, ttft, e2e))
         preemptions += int(row.preemptions or 0)
     # the measured arrays in the order the replay's results are pooled: source by source
@@ -151,19 +166,19 @@ def read_recorded(
         e2e_s=np.array([x[2] for x in flat], dtype=np.float64),
         prompt_tokens=np.array([x[0].prompt_tokens for x in flat], dtype=np.int64),
         preemptions=preemptions,
-        itl=_measured_itl(conn, model, since, until),
+        itl=_measured_itl(conn, source_ids, since, until),
         observed=observe(conn, source_ids, since, until),
         skipped=dict(skipped),
     )
 
 
 def _measured_itl(
-    conn: sa.Connection, model: str | None, since: float | None, until: float | None
+    conn: sa.Connection, source_ids: list[str], since: float | None, until: float | None
 ) -> dict[str, Any] | None:
-    for entry in decode_itl(conn, Window(since=since, until=until), group_by_model=True):
-        if (entry["model"] or None) == (model or None):
-            return entry
-    return None
+    """The ledger's decode ITL tails over the steps of ``source_ids`` only: the replay's engines (all
+    the engines of the model would compare a window narrowed to one engine with the others' ITL)."""
+    tails = decode_itl(conn, Window(since=since, until=until), source_ids=source_ids)
+    return tails[0] if tails else None
 
 
 def observe(conn: sa.Connection, source_ids: list[str], since: float | None, until: float | None) -> Observed:

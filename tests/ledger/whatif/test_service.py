@@ -24,13 +24,14 @@ from engine_hooks.simulation.scenario import SCENARIOS
 from engine_hooks.simulator import run_simulation
 from ledger.advice.fit import fit_step_time
 from ledger.advice.query import read_steps
+from ledger.analytics.itl import decode_itl
 from ledger.app import create_app
 from ledger.cli import app as cli_app
 from ledger.config import Settings
 from ledger.store import open_store
 from ledger.whatif.cost import fitted_cost
 from ledger.whatif.service import WhatIfError, candidates_from, parse_setting, pooled_replay, what_if
-from ledger.whatif.trace import Recorded, read_recorded
+from ledger.whatif.trace import Recorded, arrival_of, read_recorded
 from ledger.whatif.types import EngineSettings, StepShape
 from tests.support.servers import LedgerServer
 
@@ -258,6 +259,29 @@ def test_a_setting_that_needs_steps_the_fit_never_saw_is_flagged_and_never_best(
     )
     assert "the fit's steps: up to 2,04" in flagged["extrapolated"][0]
     assert inside["extrapolated"] == [] and inside["best"] and not flagged["best"]
+
+
+def test_arrival_is_the_engines_front_end_time_unless_it_is_missing_or_after_the_queue():
+    # vLLM queues a request that came during a step only after the step: that wait is the replay's too
+    assert arrival_of(100.0, 99.2) == 99.2
+    assert arrival_of(100.0, None) == 100.0
+    assert arrival_of(100.0, 100.5) == 100.0  # clocks disagree: never after the queue
+
+
+def test_the_measured_itl_is_the_replayed_engines_own(runs):
+    engine = sa.create_engine(runs["kv"], connect_args={"read_only": True})
+    try:
+        with engine.connect() as conn:
+            everyone = decode_itl(conn)[0]
+            (sid,) = [
+                r[0] for r in conn.execute(sa.text("SELECT source_id FROM sources WHERE kind = 'engine'"))
+            ]
+            own = read_recorded(conn, model=None, source_ids=[sid], since=None, until=None).itl
+            nobody = read_recorded(conn, model=None, source_ids=["nobody"], since=None, until=None).itl
+    finally:
+        engine.dispose()
+    assert own == everyone  # one engine: the same tails as the ledger's ITL
+    assert nobody is None
 
 
 # -- through the API and the command line -----------------------------------------------------------
