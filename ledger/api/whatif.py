@@ -46,6 +46,11 @@ def whatif(
     ttft_target_ms: float | None = Query(None, gt=0, le=3_600_000, description="short TTFT p99 target"),
     max_error: float = Query(MAX_CALIBRATION_ERROR, ge=0, le=100, description="largest calibration error"),
     force: bool = Query(False, description="answer even when the calibration error is over max_error"),
+    fit_source: str | None = Query(
+        None, min_length=1, max_length=128, description="fit step time on this engine's steps (a profile run)"
+    ),
+    fit_since: str | None = Query(None, max_length=64, description="fit step time on steps from then"),
+    fit_until: str | None = Query(None, max_length=64, description="... until then"),
 ) -> dict[str, Any] | JSONResponse:
     if store.dialect == "null":
         return errors.error_response(
@@ -74,6 +79,9 @@ def whatif(
             ttft_target_ms=ttft_target_ms,
             max_error=max_error,
             force=force,
+            fit_source=fit_source,
+            fit_since=fit_since,
+            fit_until=fit_until,
         )
     except WhatIfError as exc:
         return errors.error_response(exc.status, str(exc), reason=exc.reason, **exc.details)

@@ -60,6 +60,13 @@ def whatif(
         float, typer.Option(min=0.0, help="refuse when the recorded setting replayed misses a tail by more")
     ] = 0.25,
     force: Annotated[bool, typer.Option(help="answer even over --max-error")] = False,
+    fit_source: Annotated[
+        str | None, typer.Option(help="fit step time on this engine's steps (e.g. a chunkledger profile run)")
+    ] = None,
+    fit_since: Annotated[
+        str | None, typer.Option(help="fit step time on steps from then (same forms)")
+    ] = None,
+    fit_until: Annotated[str | None, typer.Option(help="... until then")] = None,
     token: ReadTokenOpt = None,
     format: FormatOpt = "table",
 ) -> None:
@@ -84,6 +91,9 @@ def whatif(
         "ttft_target_ms": ttft_target_ms,
         "max_error": max_error,
         "force": force,
+        "fit_source": fit_source,
+        "fit_since": fit_since,
+        "fit_until": fit_until,
     }
 
     def compute(engine: Any) -> dict[str, Any]:

@@ -34,6 +34,16 @@ def _row(label: str, tails: dict[str, Any], rel: dict[str, Any] | None, mark: st
     )
 
 
+def _fit_from(fit: dict[str, Any], window: dict[str, Any]) -> str:
+    """Where the fit's steps came from, when not the window's own engines and window."""
+    ids = fit.get("source_ids") or []
+    same = sorted(ids) == sorted(window["source_ids"]) and (fit.get("since"), fit.get("until")) == (
+        window["since"],
+        window["until"],
+    )
+    return "" if same or not ids else f", on {fit.get('steps', 0):,} steps of {', '.join(ids)}"
+
+
 def render_whatif(body: dict[str, Any]) -> str:
     w, cal = body["window"], body["calibration"]
     settings = cal["settings"]
@@ -58,7 +68,8 @@ def render_whatif(body: dict[str, Any]) -> str:
     lines = [
         f"what-if over model {w['model'] or '-'}: {w['requests']} requests on "
         f"{len(w['source_ids'])} engine(s){skipped}",
-        f"step time fit: R² {body['fit']['r2']:.3f}, cross-validated error {body['fit']['cv_rel_error']:.1%}",
+        f"step time fit: R² {body['fit']['r2']:.3f}, cross-validated error {body['fit']['cv_rel_error']:.1%}"
+        f"{_fit_from(body['fit'], w)}",
         f"recorded setting: {shown}  (* inferred from the steps)",
         f"long prompts: >= {long} tokens" if long else "long prompts: none in the window",
         "",

@@ -243,20 +243,37 @@ def what_if(
     max_error: float = MAX_CALIBRATION_ERROR,
     force: bool = False,
     min_requests: int = MIN_REQUESTS,
+    fit_source: str | None = None,
+    fit_since: str | float | None = None,
+    fit_until: str | float | None = None,
     now: float | None = None,
 ) -> dict[str, Any]:
-    """The what-if answer (the module docstring says what it holds); WhatIfError when there is none."""
+    """The what-if answer (the module docstring says what it holds); WhatIfError when there is none.
+
+    ``fit_source`` / ``fit_since`` / ``fit_until``: fit the step time on other steps than the
+    window's: one engine's (e.g. a ``chunkledger profile`` run sent to the ledger, which measures
+    chunk sizes x depths x decode batches: a window that ran one chunk size cannot tell a per-chunk
+    cost from a per-token one), over all its steps unless a fit window is given; or the window's own
+    engines over another window."""
     t0 = time.perf_counter()
     try:
         steps = read_steps(engine, model=model, source_id=source_id, since=since, until=until, now=now)
+        fit_steps = steps
+        if fit_source is not None or fit_since is not None or fit_until is not None:
+            fit_steps = read_steps(
+                engine,
+                model=None if fit_source is not None else model,
+                source_id=fit_source if fit_source is not None else source_id,
+                since=fit_since if fit_since is not None or fit_source is not None else since,
+                until=fit_until if fit_until is not None or fit_source is not None else until,
+                now=now,
+            )
     except AdviceError as exc:
         raise WhatIfError(exc.reason, str(exc), status=exc.status, **exc.details) from None
     try:
-        fit: StepTimeFit = fit_step_time(steps.data)
+        fit: StepTimeFit = fit_step_time(fit_steps.data)
     except FitError as exc:
-        raise WhatIfError(
-            exc.reason, f"cannot fit the window's step time: {exc}", status=409, **exc.details
-        ) from None
+        raise WhatIfError(exc.reason, f"cannot fit the step time: {exc}", status=409, **exc.details) from None
     with engine.connect() as conn:
         rec = read_recorded(
             conn, model=steps.model, source_ids=steps.source_ids, since=steps.since, until=steps.until
@@ -328,7 +345,15 @@ def what_if(
     _mark_best(rows, predicted)
     return {
         "window": window,
-        "fit": {"r2": fit.r2, "cv_rel_error": fit.cv_rel_error, "terms": list(fit.terms)},
+        "fit": {
+            "r2": fit.r2,
+            "cv_rel_error": fit.cv_rel_error,
+            "terms": list(fit.terms),
+            "source_ids": fit_steps.source_ids,
+            "since": fit_steps.since,
+            "until": fit_steps.until,
+            "steps": len(fit_steps.data),
+        },
         "long_prompt_tokens": long_tokens,
         "targets": {"itl_p99_ms": itl_target_ms, "short_ttft_p99_ms": ttft_target_ms},
         "calibration": calibration,

@@ -284,6 +284,33 @@ def test_the_measured_itl_is_the_replayed_engines_own(runs):
     assert nobody is None
 
 
+def engine_source(db_url: str) -> str:
+    engine = sa.create_engine(db_url, connect_args={"read_only": True})
+    try:
+        with engine.connect() as conn:
+            (sid,) = [
+                r[0] for r in conn.execute(sa.text("SELECT source_id FROM sources WHERE kind = 'engine'"))
+            ]
+        return sid
+    finally:
+        engine.dispose()
+
+
+def test_the_step_time_can_be_fitted_on_another_engines_steps(runs):
+    asked = [{"max_num_batched_tokens": 512}]
+    own = answer(runs["recorded"], candidates=asked, recorded=RECORDED)
+    sid = engine_source(runs["recorded"])
+    same = answer(runs["recorded"], candidates=asked, recorded=RECORDED, fit_source=sid)
+    assert same["fit"]["source_ids"] == [sid] and same["fit"]["steps"] == own["fit"]["steps"]
+    assert same["candidates"][0]["predicted"] == own["candidates"][0]["predicted"]
+    with pytest.raises(WhatIfError) as err:
+        answer(runs["recorded"], candidates=asked, recorded=RECORDED, fit_source="profile-nobody")
+    assert err.value.reason == "unknown_source" and err.value.status == 404
+    with pytest.raises(WhatIfError) as err:
+        answer(runs["recorded"], candidates=asked, recorded=RECORDED, fit_since="2100-01-01T00:00:00Z")
+    assert err.value.status == 409  # no step in that window to fit on
+
+
 # -- through the API and the command line -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def api(runs) -> Iterator[TestClient]:
@@ -343,6 +370,8 @@ def test_the_command_prints_measured_replayed_and_asked_side_by_side(runs):
     assert any(line.startswith("measured ") for line in lines)
     assert any(line.startswith("recorded, replayed (error)") for line in lines)
     assert any(line.startswith("max_num_batched_tokens=512 ") and "itl" in line for line in lines)
+    fitted = runner.invoke(cli_app, [*args, "--set", "max_num_seqs=64", "--fit-since", "0"])
+    assert fitted.exit_code == 0 and " steps of sim-" in fitted.output  # the fit's steps, named
     js = runner.invoke(cli_app, [*args, "--set", "max_num_seqs=64", "--format", "json"])
     assert js.exit_code == 0 and json.loads(js.output)["candidates"][0]["settings"]["max_num_seqs"] == 64
 
