@@ -8,7 +8,6 @@ from typing import Any
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
-from ledger.advice.advisor import AdviceError
 from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN_USEFUL_CHUNK
 from ledger.advice.service import chunk_size_advice
 from ledger.api import errors
@@ -57,20 +56,17 @@ def chunk_size(
         return errors.error_response(
             409, "this ledger stores nothing (null://): no steps to fit", reason="too_little_data"
         )
-    try:
-        advice = chunk_size_advice(
-            store.engine,
-            itl_target_ms=itl_target_ms,
-            model=model,
-            source_id=source_id,
-            since=since,
-            until=until,
-            depth=depth,
-            arrival_share=arrival_share,
-            max_steps=max_steps,
-            min_chunk=min_chunk,
-        )
-    except AdviceError as exc:
-        return errors.error_response(exc.status, str(exc), reason=exc.reason, **exc.details)
+    advice = chunk_size_advice(  # an AdviceError (a Refusal) is answered by ledger.api.errors
+        store.engine,
+        itl_target_ms=itl_target_ms,
+        model=model,
+        source_id=source_id,
+        since=since,
+        until=until,
+        depth=depth,
+        arrival_share=arrival_share,
+        max_steps=max_steps,
+        min_chunk=min_chunk,
+    )
     _publish(advice["window"]["model"], advice["prefill_tokens_per_step"])
     return advice

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ledger.api.models import ErrorBody
+from ledger.refusal import Refusal
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +144,15 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal error: the ledger's log has the details", reason="internal")
 
 
+async def _refusal(request: Request, exc: Exception) -> Response:
+    # a computed answer the ledger declines (advice, what-if): its status, reason and figures
+    assert isinstance(exc, Refusal)
+    return error_response(exc.status, str(exc), reason=exc.reason, **exc.details)
+
+
 def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Refusal, _refusal)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected)
 

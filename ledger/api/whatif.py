@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from ledger.api import errors
 from ledger.api.deps import StoreDep, require
 from ledger.api.models import WhatIf
-from ledger.whatif.service import MAX_CALIBRATION_ERROR, MAX_CANDIDATES, WhatIfError, what_if_request
+from ledger.whatif.service import MAX_CALIBRATION_ERROR, MAX_CANDIDATES, what_if_request
 
 router = APIRouter(prefix="/v1", tags=["whatif"], dependencies=[require("read")])
 
@@ -63,7 +63,7 @@ def whatif(
             reason="busy",
             headers={"Retry-After": "5"},
         )
-    try:
+    try:  # a WhatIfError (a Refusal) is answered by ledger.api.errors
         return what_if_request(
             store.engine,
             set=set,
@@ -83,7 +83,5 @@ def whatif(
             fit_since=fit_since,
             fit_until=fit_until,
         )
-    except WhatIfError as exc:
-        return errors.error_response(exc.status, str(exc), reason=exc.reason, **exc.details)
     finally:
         _BUSY.release()
