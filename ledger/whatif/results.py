@@ -41,6 +41,22 @@ def quantile(values: Any, q: float) -> float | None:
     return weighted_quantile(v, np.ones_like(v), q)
 
 
+def ttft_tails(
+    ttft_s: np.ndarray, prompt_tokens: np.ndarray, long_prompt_tokens: int | None
+) -> dict[str, Any]:
+    """TTFT p50/p99 and, with ``long_prompt_tokens``, the TTFT of each request whose prompt has at
+    least that many tokens (``long_ttft_s``, in request order, and their max) and the TTFT p99 of the
+    others (``short_ttft_p99_s``): what a replay and a measured window are compared on."""
+    out: dict[str, Any] = {"ttft_p50_s": quantile(ttft_s, 0.5), "ttft_p99_s": quantile(ttft_s, 0.99)}
+    if long_prompt_tokens is not None:
+        is_long = prompt_tokens >= long_prompt_tokens
+        long_ttft = ttft_s[is_long]
+        out["long_ttft_s"] = [float(x) for x in long_ttft]
+        out["long_ttft_max_s"] = float(long_ttft.max()) if long_ttft.size else None
+        out["short_ttft_p99_s"] = quantile(ttft_s[~is_long], 0.99)
+    return out
+
+
 @dataclass(frozen=True, eq=False)
 class Replay:
     """Per-request outcomes (in the order of the requests given to the replay) and the step totals.
@@ -71,23 +87,15 @@ class Replay:
         (``short_ttft_p99_s``). Quantiles are lower nearest-rank (:func:`weighted_quantile`); None
         where there is nothing to take one of.
         """
-        out: dict[str, Any] = {
+        return {
             "requests": len(self.request_id),
             "steps": self.steps,
             "simulated_s": self.simulated_s,
-            "ttft_p50_s": quantile(self.ttft_s, 0.5),
-            "ttft_p99_s": quantile(self.ttft_s, 0.99),
+            **ttft_tails(self.ttft_s, self.prompt_tokens, long_prompt_tokens),
             "itl_p99_s": weighted_quantile(self.itl_gap_s, self.itl_count, 0.99),
             "e2e_p99_s": quantile(self.e2e_s, 0.99),
             "preemptions": int(self.preemptions.sum()),
         }
-        if long_prompt_tokens is not None:
-            is_long = self.prompt_tokens >= long_prompt_tokens
-            long_ttft = self.ttft_s[is_long]
-            out["long_ttft_s"] = [float(x) for x in long_ttft]
-            out["long_ttft_max_s"] = float(long_ttft.max()) if long_ttft.size else None
-            out["short_ttft_p99_s"] = quantile(self.ttft_s[~is_long], 0.99)
-        return out
 
 
-__all__ = ["Replay", "quantile", "weighted_quantile"]
+__all__ = ["Replay", "quantile", "ttft_tails", "weighted_quantile"]

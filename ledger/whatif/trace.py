@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from ledger import schema
 from ledger.analytics.itl import decode_itl
 from ledger.analytics.window import Window
-from ledger.whatif.results import quantile
+from ledger.whatif.results import quantile, ttft_tails
 from ledger.whatif.types import TraceRequest
 
 
@@ -77,21 +77,13 @@ class Recorded:
 
     def summary(self, long_prompt_tokens: int | None) -> dict[str, Any]:
         """The measured tails, with the keys of :meth:`ledger.whatif.results.Replay.summary`."""
-        out: dict[str, Any] = {
+        return {
             "requests": self.count,
-            "ttft_p50_s": quantile(self.ttft_s, 0.5),
-            "ttft_p99_s": quantile(self.ttft_s, 0.99),
+            **ttft_tails(self.ttft_s, self.prompt_tokens, long_prompt_tokens),
             "itl_p99_s": None if self.itl is None else self.itl.get("p99"),
             "e2e_p99_s": quantile(self.e2e_s, 0.99),
             "preemptions": self.preemptions,
         }
-        if long_prompt_tokens is not None:
-            is_long = self.prompt_tokens >= long_prompt_tokens
-            long_ttft = self.ttft_s[is_long]
-            out["long_ttft_s"] = [float(x) for x in long_ttft]
-            out["long_ttft_max_s"] = float(long_ttft.max()) if long_ttft.size else None
-            out["short_ttft_p99_s"] = quantile(self.ttft_s[~is_long], 0.99)
-        return out
 
 
 def _cached(cached: int | None, prompt: int) -> int:
