@@ -34,7 +34,7 @@ from ledger.refusal import Refusal
 from ledger.whatif.cost import fitted_cost
 from ledger.whatif.model import replay
 from ledger.whatif.results import Replay
-from ledger.whatif.trace import Observed, Recorded, read_recorded
+from ledger.whatif.trace import Recorded, read_recorded
 from ledger.whatif.types import POLICIES, EngineSettings, StepCost, StepShape, TraceRequest
 
 MIN_REQUESTS = 50  # fewer finished requests in the window: refuse (the tails would be noise)
@@ -44,9 +44,8 @@ METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "e2e_p99_s", "short_ttft_p99
 CALIBRATED = ("ttft_p99_s", "itl_p99_s", "e2e_p99_s", "short_ttft_p99_s", "long_ttft_max_s")
 FRONTIER = ("short_ttft_p99_s", "long_ttft_max_s", "itl_p99_s")  # lower is better on each
 EXTRAPOLATION = 1.25  # a replay asking the fit for steps beyond this x what its data covered: flagged
-SETTABLE: dict[str, type] = {
-    f.name: get_type_hints(EngineSettings)[f.name] for f in dataclasses.fields(EngineSettings)
-}
+_HINTS = get_type_hints(EngineSettings)
+SETTABLE: dict[str, type] = {f.name: _HINTS[f.name] for f in dataclasses.fields(EngineSettings)}
 
 
 class WhatIfError(Refusal):
@@ -89,6 +88,10 @@ def _value(key: str, raw: str, where: str) -> Any:
             f"{where}: unknown setting {key!r}; known: {', '.join(SETTABLE)}",
             status=422,
         )
+    if key == "policy" and raw not in POLICIES:  # checked here, before any replay runs
+        raise WhatIfError(
+            "bad_setting", f"{where}: unknown policy {raw!r} (known: {', '.join(POLICIES)})", status=422
+        )
     try:
         if kind is bool:
             if raw.lower() not in ("true", "false", "1", "0", "on", "off"):
@@ -108,10 +111,9 @@ def _settings(values: Mapping[str, Any], where: str) -> EngineSettings:
         raise WhatIfError("bad_setting", f"{where}: {exc}", status=422) from None
 
 
-def recorded_settings(
-    observed: Observed, recorded: Recorded, given: Mapping[str, Any]
-) -> tuple[EngineSettings, list[str]]:
+def recorded_settings(recorded: Recorded, given: Mapping[str, Any]) -> tuple[EngineSettings, list[str]]:
     """The recorded setting: ``given`` plus what the window shows (the names inferred are returned)."""
+    observed = recorded.observed
     values = dict(given)
     inferred: list[str] = []
     longest = max(
@@ -293,7 +295,7 @@ def what_if(
             f"the window holds {rec.count} finished requests; a replay needs at least {min_requests}",
             window=window,
         )
-    base, inferred = recorded_settings(rec.observed, rec, recorded or {})
+    base, inferred = recorded_settings(rec, recorded or {})
     base_values = dataclasses.asdict(base)
     long_tokens = long_prompt_tokens if long_prompt_tokens is not None else default_long_prompt(rec)
     cost = fitted_cost(fit)
@@ -412,11 +414,6 @@ def candidates_from(
             f"{len(asked)} settings asked; at most {MAX_CANDIDATES} per answer",
             status=422,
         )
-    for a in asked:
-        if a.get("policy") is not None and a["policy"] not in POLICIES:
-            raise WhatIfError(
-                "bad_setting", f"policy: unknown {a['policy']!r} (known: {', '.join(POLICIES)})", status=422
-            )
     return asked
 
 

@@ -222,6 +222,7 @@ def test_the_fitted_cost_is_the_fits_prediction(runs):
         ("chunk=512", "unknown setting 'chunk'"),
         ("max_num_batched_tokens=lots", "max_num_batched_tokens='lots' is not a int"),
         ("enable_chunked_prefill=maybe", "enable_chunked_prefill='maybe' is not a bool"),
+        ("policy=random", "unknown policy 'random' (known: fcfs, priority, kv-idle)"),
         ("", "empty"),
     ],
 )
