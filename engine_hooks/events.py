@@ -23,11 +23,16 @@ Rules that hold for every event:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Literal
 
 import msgspec
 
-SCHEMA_VERSION = 1
+# 2: ``step`` events may carry the output tokens of the requests they ran (``token_counts``,
+# ``token_totals``, ``token_ids``) in place of per-request ``tokens`` events. A ledger that knows only
+# version 1 would drop those tokens without a word, so it refuses such batches (upgrade the ledger
+# first). Version 1 batches are read as before.
+SCHEMA_VERSION = 2
 
 # Ranges. Every integer fits the ledger's 64-bit columns; the counts that the ledger sums per request
 # (tokens, blocks) are at most 2^31 - 1 each, so a sum overflows only after 2^32 events of one request
@@ -220,6 +225,12 @@ class Step(_Event, tag="step", kw_only=True, frozen=True):
 
     Enough to rebuild each request's inter-token gaps (``request_ids``), to count KV idle time
     (``stalled_*``) and to fit step time against prefill tokens, prefill depth and decode batch size.
+    With ``token_counts`` it also carries every request's new output tokens, columnar (schema 2): one
+    entry per ``request_ids`` entry, or all three lists empty when the source sends ``tokens`` events
+    instead (a source sends one or the other, never both). The tokens count as produced at the step's
+    end (``ts + duration_s``). One event per step replaces a ``tokens`` event per request every few
+    tokens: a GPU engine running 256 requests at 33 steps a second sends 33 events a second in place of
+    about 530 (one per 16 tokens).
     """
 
     step: Seq  # step counter of the engine, from 0
@@ -239,6 +250,23 @@ class Step(_Event, tag="step", kw_only=True, frozen=True):
     # (a chunked prefill or a decode left out of the batch): their KV sat idle for duration_s
     stalled_kv_blocks: list[NonNegInt] = []  # KV blocks each stalled request held, same order
     # and length as stalled_request_ids (or empty: unknown)
+    token_counts: list[NonNegInt] = []  # output tokens each request got from this step (0: none,
+    # e.g. a chunk that left its prefill partial; more than 1 with speculative decoding)
+    token_totals: list[NonNegInt] = []  # output tokens each request has after this step
+    token_ids: list[NonNegInt] = []  # the new token ids, flattened in request_ids order
+    # (sum(token_counts) of them; empty when ids are not sent); for the loop detector, never stored
+
+    def token_groups(self) -> Iterator[tuple[str, int, int, list[int]]]:
+        """``(request_id, count, total, ids)`` for each request that got output tokens from this step
+        (``ids`` empty when the source does not send them): what a ``tokens`` event would say."""
+        if not self.token_counts:
+            return
+        ids = self.token_ids
+        at = 0
+        for rid, count, total in zip(self.request_ids, self.token_counts, self.token_totals, strict=True):
+            if count:
+                yield rid, count, total, ids[at : at + count]
+                at += count
 
 
 class Dropped(_Event, tag="dropped", kw_only=True, frozen=True):

@@ -42,6 +42,9 @@ STEP_FIELDS = (
     "max_prefill_depth",
     "stalled_request_ids",
     "stalled_kv_blocks",
+    "token_counts",
+    "token_totals",
+    "token_ids",
 )
 
 __all__ = [

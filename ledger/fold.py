@@ -268,7 +268,20 @@ def fold_step(rows: dict[str, Row], step: ev.Step) -> None:
         cur = row.get("last_step_ts")
         if cur is None or end > cur:
             row["last_step_ts"] = end
+    if step.token_counts:
+        for rid, count, total in zip(step.request_ids, step.token_counts, step.token_totals, strict=True):
+            if count:
+                _step_tokens(rows[rid], end, end, total)
     _fold_stalled(rows, step)
+
+
+def _step_tokens(row: Row, first: float, last: float, total: int) -> None:
+    """Output tokens a request got from steps (columnar ``token_counts``), produced at the steps' ends:
+    the same columns a ``tokens`` event sets (but ``token_events`` and ``events``: no event of its own)."""
+    _min(row, "first_token_ts", first)
+    _max(row, "last_token_ts", last)
+    _max(row, "last_event_ts", last)
+    _max(row, "output_tokens", total)
 
 
 def _fold_stalled(rows: dict[str, Row], step: ev.Step) -> None:
@@ -321,6 +334,7 @@ def fold_steps(rows: dict[str, Row], steps: list[ev.Step]) -> None:
         cur = row.get("last_step_ts")
         if cur is None or last > cur:
             row["last_step_ts"] = last
+    _fold_step_tokens(rows, [st for st in steps if st.token_counts])
     # Stalled requests: in Arrow where each step lists one block count per stalled request (as the
     # engine hooks send them), one by one otherwise.
     aligned = []
@@ -347,6 +361,33 @@ def fold_steps(rows: dict[str, Row], steps: list[ev.Step]) -> None:
         row["stalled_steps"] = row.get("stalled_steps", 0) + count
         row["kv_idle_s"] = row.get("kv_idle_s", 0.0) + idle_s
         row["kv_idle_block_s"] = row.get("kv_idle_block_s", 0.0) + block_s
+
+
+def _fold_step_tokens(rows: dict[str, Row], steps: list[ev.Step]) -> None:
+    """The output tokens the steps carry (``token_counts``, ``token_totals``), grouped by request in
+    Arrow: first and last token at the ends of its steps with a token, its highest total."""
+    if not steps:
+        return
+    runners = pa.array([st.request_ids for st in steps], pa.list_(pa.string()))
+    ends = pc.take(
+        pa.array([st.ts + st.duration_s for st in steps], pa.float64()), pc.list_parent_indices(runners)
+    )
+    counts = pc.list_flatten(pa.array([st.token_counts for st in steps], pa.list_(pa.int64())))
+    totals = pc.list_flatten(pa.array([st.token_totals for st in steps], pa.list_(pa.int64())))
+    got = pc.greater(counts, 0)
+    grouped = (
+        pa.table({"rid": pc.list_flatten(runners), "end": ends, "total": totals})
+        .filter(got)
+        .group_by("rid", use_threads=False)
+        .aggregate([("end", "min"), ("end", "max"), ("total", "max")])
+    )
+    for rid, first, last, total in zip(
+        *(grouped[c].to_pylist() for c in ("rid", "end_min", "end_max", "total_max")), strict=True
+    ):
+        row = rows.get(rid)
+        if row is None:
+            row = rows[rid] = {}
+        _step_tokens(row, first, last, total)
 
 
 def _by_request(

@@ -103,24 +103,59 @@ def decode_batch(body: bytes, *, max_events: int) -> ev.Batch:
         kind = e.__struct_config__.tag
         if kind not in allowed and kind not in ("dropped", "cutoff_applied"):
             errors.append(FieldError(i, "kind", f"a {batch.source.kind} source cannot send {kind!r} events"))
-        if (
-            type(e) is ev.Step
-            and e.stalled_kv_blocks
-            and len(e.stalled_kv_blocks) != len(e.stalled_request_ids)
-        ):
-            errors.append(
-                FieldError(
-                    i,
-                    "stalled_kv_blocks",
-                    f"{len(e.stalled_kv_blocks)} block counts for {len(e.stalled_request_ids)} stalled "
-                    "requests: one per stalled request, in the same order (or none)",
-                )
-            )
+        if type(e) is ev.Step:
+            errors += _step_errors(i, e)
         if len(errors) >= 20:
             break
     if errors:
         raise BadBatch(errors)
     return batch
+
+
+def _step_errors(i: int, e: ev.Step) -> list[FieldError]:
+    """A step's parallel lists must line up: one entry per request they describe (or none)."""
+    errors = []
+    if e.stalled_kv_blocks and len(e.stalled_kv_blocks) != len(e.stalled_request_ids):
+        errors.append(
+            FieldError(
+                i,
+                "stalled_kv_blocks",
+                f"{len(e.stalled_kv_blocks)} block counts for {len(e.stalled_request_ids)} stalled "
+                "requests: one per stalled request, in the same order (or none)",
+            )
+        )
+    counts, totals, ids, n = e.token_counts, e.token_totals, e.token_ids, len(e.request_ids)
+    if not (counts or totals or ids):
+        return errors
+    if len(counts) != n:
+        errors.append(
+            FieldError(i, "token_counts", f"{len(counts)} counts for {n} requests: one per request_ids entry")
+        )
+    if len(totals) != len(counts):
+        errors.append(
+            FieldError(
+                i,
+                "token_totals",
+                f"{len(totals)} totals for {len(counts)} counts: one per request_ids entry",
+            )
+        )
+    else:
+        for j, (c, t) in enumerate(zip(counts, totals, strict=True)):
+            if t < c:
+                errors.append(
+                    FieldError(i, f"token_totals[{j}]", f"{t} is less than this step's {c} new tokens")
+                )
+                break
+    if ids and len(ids) != sum(counts):
+        errors.append(
+            FieldError(
+                i,
+                "token_ids",
+                f"{len(ids)} ids for {sum(counts)} new tokens: the new ids of every request in order "
+                "(or none)",
+            )
+        )
+    return errors
 
 
 def clamp_future(batch: ev.Batch, now: float, max_ahead_s: float) -> int:

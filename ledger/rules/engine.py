@@ -114,9 +114,13 @@ class RuleEngine:
             # run at the end of the batch anyway).
             token_ids: dict[R.LiveRequest, list[int]] = {}
             mono = self._mono()
-            tokens_cls = ev.Tokens
+            tokens_cls, step_cls = ev.Tokens, ev.Step
+            # Output tokens carried by steps, per request over the batch: (its highest total, its ids).
+            stepped: dict[str, tuple[list[int], list[int]]] = {}
             for e in events:
                 if type(e) is not tokens_cls:
+                    if type(e) is step_cls and e.token_counts:
+                        _gather_step_tokens(e, stepped)
                     self._apply(source, e, now, touched, signals, mono)
                     continue
                 # ``tokens``, the bulk of any stream, here rather than in ``_apply``.
@@ -134,6 +138,8 @@ class RuleEngine:
                         token_ids[r] = list(ids)
                     else:
                         pending += ids
+            if stepped:
+                self._step_tokens(source, stepped, now, touched, token_ids, mono)
             for r, ids in token_ids.items():
                 self._detect(r, ids)
             decisions = self._decide(touched.values(), R.EVENT_RULES, now)
@@ -153,6 +159,34 @@ class RuleEngine:
         if decisions:
             hooks.decided(decisions)
         return decisions
+
+    def _step_tokens(
+        self,
+        source: ev.Source,
+        stepped: dict[str, tuple[list[int], list[int]]],
+        now: float,
+        touched: dict[str, R.LiveRequest],
+        token_ids: dict[R.LiveRequest, list[int]],
+        mono: float,
+    ) -> None:
+        """The output tokens the batch's steps carried, once per request (after the batch's other
+        events: a request that finished in the batch is not made live again): what its ``tokens``
+        events would have done."""
+        touch = self._touch
+        for rid, (total, ids) in stepped.items():
+            r = touch(rid, source, touched, mono)
+            if r is None:
+                continue
+            if total[0] > r.output_tokens:
+                r.output_tokens = total[0]
+            r.last_progress_ts = now
+            r.running, r.waiting_since = True, None
+            if ids:
+                pending = token_ids.get(r)
+                if pending is None:
+                    token_ids[r] = ids
+                else:
+                    pending += ids
 
     def _touch(
         self, rid: str, source: ev.Source, touched: dict[str, R.LiveRequest], mono: float
@@ -360,3 +394,21 @@ class RuleEngine:
     def get(self, request_id: str) -> R.LiveRequest | None:
         with self._lock:
             return self.live.get(request_id)
+
+
+def _gather_step_tokens(e: ev.Step, stepped: dict[str, tuple[list[int], list[int]]]) -> None:
+    """Add a step's output tokens to ``stepped``: request id -> ([highest total], ids in order)."""
+    ids = e.token_ids
+    at = 0
+    for rid, count, total in zip(e.request_ids, e.token_counts, e.token_totals, strict=True):
+        if not count:
+            continue
+        got = stepped.get(rid)
+        if got is None:
+            stepped[rid] = ([total], ids[at : at + count] if ids else [])
+        else:
+            if total > got[0][0]:
+                got[0][0] = total
+            if ids:
+                got[1].extend(ids[at : at + count])
+        at += count

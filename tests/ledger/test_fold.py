@@ -170,6 +170,10 @@ def busy_steps(draw):
         runners = draw(st.lists(st.sampled_from(ids), max_size=40, unique=True))
         stalled = draw(st.lists(st.sampled_from(ids), max_size=6, unique=True))
         n_blocks = len(stalled) if draw(st.booleans()) else draw(st.integers(0, 6))
+        counts = totals = []
+        if draw(st.booleans()):  # the step carries its output tokens (schema 2)
+            counts = draw(st.lists(st.integers(0, 3), min_size=len(runners), max_size=len(runners)))
+            totals = [c + draw(st.integers(0, 5000)) for c in counts]
         out.append(
             ev.Step(
                 seq=k,
@@ -179,6 +183,8 @@ def busy_steps(draw):
                 request_ids=runners,
                 stalled_request_ids=stalled,
                 stalled_kv_blocks=draw(st.lists(st.integers(0, 500), min_size=n_blocks, max_size=n_blocks)),
+                token_counts=counts,
+                token_totals=totals,
             )
         )
     return out
@@ -215,3 +221,40 @@ def test_a_busy_groups_steps_take_the_arrow_path(monkeypatch):
     assert calls == [] and rows["r0"]["step_count"] == 10
     fold_module.fold_steps({}, steps[:2])  # 64 participants: one by one
     assert len(calls) == 2
+
+
+def test_tokens_carried_by_steps_fold_like_tokens_events_at_the_steps_ends():
+    ends = [T0 + 1.0, T0 + 1.5, T0 + 2.5]  # ts + duration_s of each step below
+    steps = [
+        ev.Step(
+            seq=10 + k,
+            ts=end - 0.25,
+            step=k,
+            duration_s=0.25,
+            request_ids=["a", "b"],
+            token_counts=[1, c],
+            token_totals=[k + 1, t],
+            token_ids=[7, *range(c)],
+        )
+        for k, (end, c, t) in enumerate(zip(ends, [0, 2, 1], [0, 2, 3], strict=True))
+    ]
+    events = [
+        ev.Tokens(seq=1, ts=ends[0], request_id="a", count=1, total=1),
+        ev.Tokens(seq=2, ts=ends[1], request_id="a", count=1, total=2),
+        ev.Tokens(seq=3, ts=ends[2], request_id="a", count=1, total=3),
+        ev.Tokens(seq=4, ts=ends[1], request_id="b", count=2, total=2),
+        ev.Tokens(seq=5, ts=ends[2], request_id="b", count=1, total=3),
+    ]
+    by_events = fold([(ENGINE, e) for e in events])
+    by_steps = fold([(ENGINE, s) for s in steps])
+    for rid, first, last in (("a", ends[0], ends[2]), ("b", ends[1], ends[2])):
+        for rows in (by_events, by_steps):
+            row = rows[rid]
+            assert row["first_token_ts"] == pytest.approx(first) and row["output_tokens"] == 3
+            assert row["last_token_ts"] == pytest.approx(last) == row["last_event_ts"]
+        assert "token_events" not in by_steps[rid]  # no event of its own
+    grouped: dict = {}
+    fold_steps(grouped, steps * 100)  # the Arrow path: the same rows
+    for rid in ("a", "b"):
+        for k in ("first_token_ts", "last_token_ts", "output_tokens"):
+            assert grouped[rid][k] == pytest.approx(by_steps[rid][k])

@@ -80,3 +80,16 @@ def batch(source: ev.Source, events: list) -> ev.Batch:
 
 def body(source: ev.Source, events: list) -> bytes:
     return ev.encode_batch(source, events)
+
+
+def output_token_ids(events: list) -> dict[str, list[int]]:
+    """Each request's output token ids in emit order, from ``tokens`` events and from the columns of
+    ``step`` events (the two ways a source reports them)."""
+    out: dict[str, list[int]] = {}
+    for e in events:
+        if isinstance(e, ev.Tokens):
+            out.setdefault(e.request_id, []).extend(e.token_ids or [])
+        elif isinstance(e, ev.Step):
+            for rid, _count, _total, ids in e.token_groups():
+                out.setdefault(rid, []).extend(ids)
+    return out

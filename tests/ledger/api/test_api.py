@@ -132,6 +132,55 @@ def test_stalled_lists_of_different_lengths_are_a_422(client):
     assert err["field"] == "stalled_kv_blocks" and "1 block counts for 2 stalled requests" in err["reason"]
 
 
+@pytest.mark.parametrize(
+    ("columns", "field", "reason_part"),
+    [
+        ({"token_counts": [1], "token_totals": [1]}, "token_counts", "1 counts for 2 requests"),
+        ({"token_counts": [1, 1], "token_totals": [1]}, "token_totals", "1 totals for 2 counts"),
+        ({"token_counts": [2, 1], "token_totals": [1, 9]}, "token_totals[0]", "less than this step's 2"),
+        (
+            {"token_counts": [2, 1], "token_totals": [2, 9], "token_ids": [4, 5]},
+            "token_ids",
+            "2 ids for 3 new tokens",
+        ),
+    ],
+)
+def test_a_steps_token_columns_that_do_not_line_up_are_a_422_and_nothing_is_stored(
+    client, columns, field, reason_part
+):
+    _, en = lifecycle("kept")
+    step = ev.Step(seq=0, ts=5.0, step=1, duration_s=0.01, request_ids=["a", "b"], **columns)
+    r = _post(client, body(ENGINE, numbered([*en, step])))
+    assert r.status_code == 422, r.text
+    [err] = r.json()["errors"]
+    assert err["index"] == len(en) and err["field"] == field and reason_part in err["reason"], err
+    assert client.get("/v1/requests/kept", headers=RD).status_code == 404  # all or nothing
+
+
+def test_tokens_carried_by_steps_make_the_request_rows_token_columns(client):
+    _, en = lifecycle("s1")
+    t0 = en[-1].ts + 1.0
+    steps = [
+        ev.Step(
+            seq=0,
+            ts=t0 + k,
+            step=100 + k,
+            duration_s=0.5,
+            request_ids=["s1", "s2"],
+            token_counts=[1, 2],
+            token_totals=[70 + k, 2 * (k + 1)],
+            token_ids=[k, k, k],
+        )
+        for k in range(3)
+    ]
+    assert _post(client, body(ENGINE, numbered([*en, *steps]))).json()["accepted"] == len(en) + 3
+    s1 = client.get("/v1/requests/s1", headers=RD).json()["request"]
+    s2 = client.get("/v1/requests/s2", headers=RD).json()["request"]
+    assert s1["output_tokens"] == 72 and s1["last_token_ts"] == pytest.approx(t0 + 2.5)
+    assert s2["output_tokens"] == 6 and s2["first_token_ts"] == pytest.approx(t0 + 0.5)
+    assert s2["last_token_ts"] == pytest.approx(t0 + 2.5) and s2["step_count"] == 3
+
+
 def test_sums_at_the_contracts_limits_saturate_and_every_read_stays_readable(client):
     # Three valid batches with tokens and cached_tokens near 2^62 made the DuckDB view fail for good
     # (INT128 cannot be cast to INT64): reads 500, export and compaction failing every second.

@@ -246,3 +246,44 @@ def test_policy_changes_apply_to_new_checks():
     box["p"] = parse_policy({"rules": {"max_output_tokens": 50}})
     eng.observe(ENGINE, seqs([tokens("r", 116)], 2), T0)
     assert [d.rule for d in hooks.decisions] == ["token_cap"]
+
+
+def _step(k: int, groups: dict[str, list[int]], totals: dict[str, int]) -> ev.Step:
+    """Step ``k`` running the requests of ``groups``, each getting those output token ids."""
+    return ev.Step(
+        seq=0,
+        ts=T0 + k * 0.03,
+        step=k,
+        duration_s=0.03,
+        request_ids=list(groups),
+        token_counts=[len(ids) for ids in groups.values()],
+        token_totals=[totals[rid] for rid in groups],
+        token_ids=[t for ids in groups.values() for t in ids],
+    )
+
+
+def test_tokens_carried_by_steps_feed_the_loop_detector_per_request_and_the_token_cap():
+    eng, hooks, _ = make({"rules": {"max_output_tokens": 170}})
+    loop = [101, 2023, 318] * 60
+    rnd = [(i * 7919) % 5003 for i in range(180)]  # not periodic within the detector's window
+    steps = []
+    for k in range(180):
+        groups = {"text": [rnd[k]], "idle": []}
+        if k < 160:  # under the cap: only the loop can cut it
+            groups["looping"] = [loop[k]]
+        steps.append(_step(k, groups, {"looping": k + 1, "text": k + 1, "idle": 0}))
+    eng.observe(ENGINE, seqs(steps), T0)
+    decided = {(d.request_id, d.rule) for d in hooks.decisions}
+    assert ("looping", "loop") in decided and ("text", "token_cap") in decided
+    assert not any(rid == "text" and rule == "loop" for rid, rule in decided)
+    assert eng.get("idle") is None  # a runner that got no token is not made live by the step
+    assert eng.get("text").output_tokens == 180
+
+
+def test_a_steps_tokens_for_a_request_finished_earlier_in_the_batch_are_ignored():
+    eng, hooks, _ = make({"rules": {"max_output_tokens": 10}})
+    queued = ev.Queued(seq=0, ts=T0, request_id="r", prompt_tokens=5)
+    fin = ev.Finished(seq=0, ts=T0, request_id="r", reason="length", output_tokens=64)
+    # the plugin sends a request's finish before the step that carries its last tokens
+    eng.observe(ENGINE, seqs([queued, fin, _step(1, {"r": [5] * 64}, {"r": 64})]), T0)
+    assert hooks.decisions == [] and eng.get("r") is None
