@@ -221,13 +221,25 @@ class SimEngine:
             self.e_chunk.many(chunk_rows)
             self.emitted += len(chunk_rows)
         end = t + duration
+        in_step = sc.step_tokens
+        counts: list[int] = []  # the step's tokens, columnar (in_step): per plan entry
+        totals: list[int] = []
+        token_ids: list[int] = []
         for req, n in plan:
-            if req.finished:
+            if not req.finished:
+                req.computed += n
+            if req.finished or req.prefilling:  # a partial prefill produces no token
+                if in_step:
+                    counts.append(0)
+                    totals.append(req.output)
                 continue
-            req.computed += n
-            if req.prefilling:
-                continue  # a partial prefill produces no token
-            req.pending_ids.append(req.next_token(self.rng))
+            token = req.next_token(self.rng)
+            if in_step:
+                counts.append(1)
+                totals.append(req.output + 1)
+                token_ids.append(token)
+            else:
+                req.pending_ids.append(token)
             if req.pending_first_t is None:
                 req.pending_first_t = end
             req.output += 1
@@ -240,7 +252,7 @@ class SimEngine:
             elif req.output >= req.target_output:
                 capped = req.max_tokens is not None and req.output >= req.max_tokens
                 self._finish(req, end, "length" if capped or req.runaway else "stop", None)
-            elif len(req.pending_ids) >= sc.tokens_flush:
+            elif not in_step and len(req.pending_ids) >= sc.tokens_flush:
                 self._flush_tokens(req, end)
         running_ids = [req.id for req, _ in plan]
         # Running requests left out of this step (the budget ran out) hold their KV with no progress.
@@ -262,6 +274,9 @@ class SimEngine:
             max_depth,
             [r.id for r in stalled],
             [r.blocks for r in stalled],
+            counts,
+            totals,
+            token_ids,
         )
         self.emitted += 1
         self.step_no += 1

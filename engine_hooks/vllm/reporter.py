@@ -7,12 +7,14 @@
   (``computed_before``), prefix-cache hits on the first chunk and the request's KV blocks;
 * ``preempted`` / ``resumed`` (with the output tokens it had, so the ledger can tell a prefill wait
   from a decode wait);
-* ``tokens``: output tokens coalesced per request (every ``tokens_flush`` tokens or ``tokens_flush_s``
-  seconds, and at finish or preemption), with their ids unless ``token_ids`` is off;
+* output tokens, with their ids unless ``token_ids`` is off: by default on the ``step`` event, one
+  entry per request that ran (``token_counts``, ``token_totals``, ``token_ids``: one event per step,
+  however many requests decode); with ``step_tokens`` off as ``tokens`` events coalesced per request
+  (every ``tokens_flush`` tokens or ``tokens_flush_s`` seconds, and at finish or preemption);
 * ``finished`` with vLLM's finish reason (``cutoff`` for the ledger's aborts);
 * ``step``: monotonic duration from ``schedule()`` to the end of ``update_from_output()``, prefill and
   decode counts, queue sizes, KV usage, the requests that ran, prefill depth work, and the requests
-  that held KV blocks but sat the step out (``stalled_*``).
+  that held KV blocks but sat the step out (``stalled_*``), and (``step_tokens``) their new tokens.
 
 Between ``schedule()`` and ``update_from_output()`` a step is kept as a :class:`StepRecord`.
 """
@@ -54,6 +56,9 @@ class StepRecord(NamedTuple):
     stalled_request_ids: list[str]
     stalled_kv_blocks: list[int]
     work: float  # attention work of the step's tokens (predict.attention_work), for the step-time fit
+    rids: list[str]  # vLLM's ids of request_ids, same order (to look up the step's new tokens)
+    outputs: list[int]  # output tokens each of them had when the step was scheduled (with async
+    # scheduling the previous step's may still be due): a total for one that got none and is gone
 
 
 class _NullEmitter:
@@ -72,6 +77,7 @@ class Reporter(HookState):
     _cl_active: bool  # reporting on (an exporter or a stand-in is set)
     _cl_exporter: Exporter | None
     _cl_pending: dict[str, ReqState]  # requests with output tokens not yet sent
+    _cl_new: dict[str, tuple[list[int], int]]  # step_tokens: a request's new ids this step, its total
     _cl_steps: dict[int, StepRecord | None]  # id(SchedulerOutput) -> its step, None: nothing ran
     _cl_blocks: Callable[[str, int], int]
     _e_queued: Emitter
@@ -88,6 +94,7 @@ class Reporter(HookState):
         self._cl_states = {}
         self._cl_by_ext = {}
         self._cl_pending = {}
+        self._cl_new = {}
         self._cl_steps = {}
         self._cl_step = 0
         self._cl_blocks = compat.block_counter(self)
@@ -202,6 +209,8 @@ class Reporter(HookState):
         blocks_of = self._cl_blocks
         chunk_rows = []
         ids = []
+        rids = []
+        outs = []
         prefill_tokens = decode_tokens = n_prefill = n_decode = depth = max_depth = 0
         work = 0.0  # attention work, for the step-time fit
         for rid, n in scheduled.items():
@@ -211,6 +220,8 @@ class Reporter(HookState):
                 continue
             ext = st.ext
             ids.append(ext)
+            rids.append(rid)
+            outs.append(st.output)
             computed = req.num_computed_tokens
             before = computed - n
             st.last_active = now  # for the policies: the KV-idle victim, slow_pool's starvation
@@ -283,6 +294,8 @@ class Reporter(HookState):
             stalled_ids,
             stalled_blocks,
             work,
+            rids,
+            outs,
         )
         if len(self._cl_steps) > 64:  # outputs never passed back (should not happen): forget them
             del self._cl_steps[next(iter(self._cl_steps))]
@@ -290,11 +303,14 @@ class Reporter(HookState):
     # -- after update_from_output(): tokens, finishes, the step ---------------------------------------
 
     def _cl_report_outputs(self, outputs: dict[int, Any], ts: float, now: float) -> None:
-        """The step's new tokens (coalesced, :meth:`_cl_flush`) and finished requests."""
+        """The step's new tokens (kept for its step event, or coalesced: :meth:`_cl_flush`) and finished
+        requests."""
         states = self._cl_states
         pending = self._cl_pending
         keep_ids = self.options.token_ids
         flush_n = self.options.tokens_flush
+        in_step = self.options.step_tokens
+        new_of = self._cl_new
         for eco in outputs.values():
             for out in eco.outputs:
                 rid = out.request_id
@@ -302,7 +318,10 @@ class Reporter(HookState):
                 if st is None:
                     continue
                 new = out.new_token_ids
-                if new:
+                if new and in_step:
+                    st.output += len(new)
+                    new_of[rid] = (new, st.output)
+                elif new:
                     if not st.pending:
                         st.pending_first_ts = ts
                         pending[rid] = st
@@ -317,7 +336,7 @@ class Reporter(HookState):
                     if stop is None and out.finish_reason == compat.REPETITION:
                         stop = "repetition"
                     self._cl_finish(rid, st, reason, None if stop is None else str(stop), ts, now)
-                elif len(st.pending) >= flush_n:
+                elif not in_step and len(st.pending) >= flush_n:
                     self._cl_flush(rid, st, ts)
         if pending:
             oldest = ts - self.options.tokens_flush_s
@@ -329,9 +348,30 @@ class Reporter(HookState):
         """Send the ``step`` event of ``scheduler_output`` (and feed its duration to the step-time
         fit when admission_step_target_s uses it)."""
         rec = self._cl_steps.pop(id(scheduler_output), None)
+        new_of = self._cl_new
         if rec is None:
+            new_of.clear()
             return
         duration = max(now - rec.started, 0.0)
+        counts: list[int] = []
+        totals: list[int] = []
+        token_ids: list[int] = []
+        if self.options.step_tokens:
+            keep_ids = self.options.token_ids
+            states = self._cl_states
+            for rid, before in zip(rec.rids, rec.outputs, strict=True):
+                got = new_of.get(rid)
+                if got is None:
+                    st = states.get(rid)
+                    counts.append(0)
+                    totals.append(st.output if st is not None else before)
+                    continue
+                new, total = got
+                counts.append(len(new))
+                totals.append(total)
+                if keep_ids:
+                    token_ids += new
+            new_of.clear()
         self._e_step(
             rec.ts,
             rec.step,
@@ -348,6 +388,9 @@ class Reporter(HookState):
             rec.max_prefill_depth,
             rec.stalled_request_ids,
             rec.stalled_kv_blocks,
+            counts,
+            totals,
+            token_ids,
         )
         if self.options.admission_step_target_s:
             prefill = rec.prefill_tokens

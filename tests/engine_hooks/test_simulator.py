@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from engine_hooks.events import Chunk, Command, Finished, Preempted, Queued, Step, Tokens
 from engine_hooks.simulator import SCENARIOS, Fleet, run_simulation, simulate
+from tests.support.factories import output_token_ids
 from tests.support.fake_ledger import FakeLedger, wait_until
 
 FAST = {"spool_fsync": False, "flush_interval_s": 0.01}
@@ -144,8 +145,8 @@ def test_runaways_loop_without_a_token_cap(fake_ledger, tmp_path):
         e.request_id for e in fake_ledger.store.events if isinstance(e, Queued) and e.max_tokens is None
     }
     assert uncapped
-    looping = [e for e in fake_ledger.store.events if isinstance(e, Tokens) and e.request_id in uncapped]
-    ids = [t for e in looping for t in (e.token_ids or [])]
+    by_request = output_token_ids(fake_ledger.store.events)
+    ids = [t for rid in uncapped for t in by_request.get(rid, [])]
     assert len(ids) > 30 and set(ids) == {101, 2023, 318}
 
 
@@ -290,3 +291,52 @@ def test_cli_warns_when_the_ledger_did_not_take_everything_in_time(fake_ledger, 
     assert summary["drain"]["drained"] is False
     waiting = sum(summary["drain"]["spool_pending"].values())
     assert waiting > 0 and f"{waiting} events stay spooled in {tmp_path / 'sim'}" in result.stderr
+
+
+def test_output_tokens_ride_on_step_events_one_entry_per_request_that_ran(fake_ledger, tmp_path):
+    _simulate(fake_ledger, tmp_path, engines=1, rps=40, duration_s=1.0, seed=3)
+    events = fake_ledger.store.events
+    assert not [e for e in events if isinstance(e, Tokens)]
+    steps = [e for e in events if isinstance(e, Step)]
+    assert steps and all(len(s.token_counts) == len(s.request_ids) == len(s.token_totals) for s in steps)
+    assert all(len(s.token_ids) == sum(s.token_counts) for s in steps)
+    counted: Counter[str] = Counter()
+    for s in steps:
+        for rid, count, total, _ids in s.token_groups():
+            counted[rid] += count
+            assert total == counted[rid]  # the running total after this step
+    finished = {e.request_id: e.output_tokens for e in events if isinstance(e, Finished)}
+    assert finished and all(counted[rid] == n for rid, n in finished.items())
+
+
+def test_with_step_tokens_off_the_same_tokens_come_as_tokens_events(fake_ledger, tmp_path, monkeypatch):
+    monkeypatch.setitem(SCENARIOS, "steady-events", replace(SCENARIOS["steady"], step_tokens=False))
+    ids: dict[str, dict[str, list[int]]] = {}
+    done: dict[str, set[str]] = {}
+    for prefix, scenario in (("a", "steady"), ("b", "steady-events")):
+        _simulate(
+            fake_ledger,
+            tmp_path,
+            engines=1,
+            rps=40,
+            duration_s=3.0,
+            seed=5,
+            scenario=scenario,
+            source_prefix=prefix,
+        )
+        mine = [
+            e
+            for sid, e in zip((r[0] for r in fake_ledger.rows), fake_ledger.store.events, strict=True)
+            if sid.startswith(prefix)
+        ]
+        kinds = Counter(type(e).__name__ for e in mine)
+        assert (kinds["Tokens"] > 0) == (scenario == "steady-events")
+        ids[prefix] = {rid.removeprefix(prefix): t for rid, t in output_token_ids(mine).items()}
+        done[prefix] = {e.request_id.removeprefix(prefix) for e in mine if isinstance(e, Finished)}
+    # A request still decoding at the end has sent every token on its steps, but a tokens event only
+    # every tokens_flush tokens: what the events sent is the start of what the steps sent.
+    assert done["a"] == done["b"] and len(done["a"]) >= 20
+    assert ids["b"].keys() <= ids["a"].keys() and sum(len(t) for t in ids["a"].values()) > 100
+    for rid, steps in ids["a"].items():
+        events = ids["b"].get(rid, [])
+        assert events == steps if rid in done["a"] else steps[: len(events)] == events
