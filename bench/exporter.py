@@ -7,6 +7,11 @@ A simulated decode step with 256 running requests records one ``tokens`` event p
 * many:       the hook builds 256 rows and hands them over with ``tokens.many(rows)``, plus ``step(...)``;
 * single:     ``tokens(ts, rid, 1, total)`` x 256 plus ``step(...)``: one call per event;
 * keyword:    ``exporter.emit(Tokens, ts=..., request_id=..., ...)`` x 256: the convenience path;
+* coalesced:  what the vLLM plugin did per step with ``step_tokens`` off: each request's new token id
+              appended to its pending list, and every 16th step ``tokens.many`` with the 256 groups
+              of 16 ids, plus the step (with its request ids);
+* columnar:   what it does by default (``step_tokens``): the 256 counts, totals and ids appended to
+              three lists that ride on the step event (schema 2), one event per step;
 * worker:     what the worker thread later spends per event (numbering, building the Struct,
               encoding, validating) -- off the engine thread, but it shares the GIL.
 
@@ -22,6 +27,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import chain
 
 from engine_hooks.config import ExporterConfig
 from engine_hooks.events import Step, Tokens
@@ -61,7 +67,21 @@ def main() -> None:
     exporter = Exporter(config)
     tokens = exporter.emitter(Tokens, "ts", "request_id", "count", "total")
     step = exporter.emitter(Step, "ts", "step", "duration_s", "running")
+    groups = exporter.emitter(Tokens, "ts", "request_id", "count", "total", "token_ids")
+    full_step = exporter.emitter(
+        Step,
+        "ts",
+        "step",
+        "duration_s",
+        "running",
+        "request_ids",
+        "token_counts",
+        "token_totals",
+        "token_ids",
+    )
     rids = [f"req-{i:05d}" for i in range(RUNNING)]
+    pending: dict[str, list[int]] = {rid: [] for rid in rids}
+    n_step = [0]
     raw: deque[tuple[str, float, int, int]] = deque()
 
     def reset() -> None:
@@ -95,12 +115,46 @@ def main() -> None:
             emit(Tokens, ts=ts, request_id=rid, count=1, total=7)
         reset()
 
+    def coalesced_step() -> None:
+        ts = time.time()
+        for rid in rids:
+            pending[rid].append(1234)
+        n_step[0] += 1
+        if n_step[0] % 16 == 0:
+            groups.many([(ts, rid, 16, n_step[0], pending[rid]) for rid in rids])
+            for rid in rids:
+                pending[rid] = []
+        full_step(ts, 0, 0.01, RUNNING, list(rids), [], [], [])
+        reset()
+
+    new_of: dict[str, list[int]] = {}
+    total_of: dict[str, int] = {}
+    one = [1234]
+
+    def columnar_step() -> None:
+        # as engine_hooks.vllm.reporter: each output's ids and total kept by request, then the three
+        # columns built in the order of the step's request ids
+        ts = time.time()
+        for rid in rids:
+            new_of[rid] = one
+            total_of[rid] = 7
+        got = [new_of.get(rid) for rid in rids]
+        counts = [len(g) if g else 0 for g in got]
+        totals = [total_of.get(rid, 0) for rid in rids]
+        ids = list(chain.from_iterable(g for g in got if g))
+        new_of.clear()
+        total_of.clear()
+        full_step(ts, 0, 0.01, RUNNING, list(rids), counts, totals, ids)
+        reset()
+
     results = {}
     for name, fn in (
         ("raw", raw_step),
         ("many", many_step),
         ("single", single_step),
         ("keyword", keyword_step),
+        ("coalesced", coalesced_step),
+        ("columnar", columnar_step),
     ):
         results[name] = _best_us_per_step(fn, args.steps, args.rounds)
 
@@ -127,15 +181,45 @@ def main() -> None:
         "many": "tokens.many(256 rows) + step()",
         "single": "tokens(...) x256 + step()",
         "keyword": "emit(Tokens, **fields) x256",
+        "coalesced": "plugin, tokens events per 16 (off)",
+        "columnar": "plugin, tokens on the step (default)",
     }
+    per_step = {"keyword": RUNNING, "coalesced": 1 + RUNNING / 16, "columnar": 1}
     for name, label in labels.items():
         us = results[name]
-        events = RUNNING + (1 if name != "keyword" else 0)
+        events = per_step.get(name, RUNNING + 1)
         print(
             f"  {label:34s} {us:7.2f} us/step  {us * 1000 / events:6.1f} ns/event  "
             f"{us / raw_us:4.2f}x raw  {us / (DECODE_STEP_S * 1e6) * 100:5.2f}% of a 10 ms step"
         )
     print(f"  {'worker thread (off the engine)':34s} {worker_ns:7.0f} ns/event")
+    # The worker per output token, for the two plugin forms (50 steps each).
+    worker_tok = {}
+    for name in ("coalesced", "columnar"):
+        best = float("inf")
+        for _ in range(args.rounds):
+            ts = time.time()
+            n_step[0] = 0
+            for rid in rids:
+                pending[rid] = []
+            for k in range(48):
+                for rid in rids:
+                    pending[rid].append(1234)
+                if name == "coalesced" and (k + 1) % 16 == 0:
+                    groups.many([(ts, rid, 16, k + 1, pending[rid]) for rid in rids])
+                    for rid in rids:
+                        pending[rid] = []
+                cols = (
+                    ([1] * RUNNING, [7] * RUNNING, [1234] * RUNNING) if name == "columnar" else ([], [], [])
+                )
+                full_step(ts, k, 0.01, RUNNING, list(rids), *cols)
+            taken = exporter._take(10_000_000)
+            started = time.perf_counter_ns()
+            exporter._prepare(taken)
+            best = min(best, (time.perf_counter_ns() - started) / (48 * RUNNING))
+            reset()
+        worker_tok[name] = best
+        print(f"  {'worker, ' + name + ' form':34s} {best:7.0f} ns per output token")
     print(
         json.dumps(
             {
@@ -148,6 +232,10 @@ def main() -> None:
                 "many_ratio_to_raw": round(results["many"] / raw_us, 2),
                 "single_ratio_to_raw": round(results["single"] / raw_us, 2),
                 "worker_ns_per_event": round(worker_ns, 1),
+                "coalesced_us_per_step": round(results["coalesced"], 2),
+                "columnar_us_per_step": round(results["columnar"], 2),
+                "worker_ns_per_token_coalesced": round(worker_tok["coalesced"], 1),
+                "worker_ns_per_token_columnar": round(worker_tok["columnar"], 1),
             }
         )
     )

@@ -1,16 +1,26 @@
-"""Ingest benchmark: durable events/s over HTTP against the real server, next to the ceiling.
+"""Ingest benchmark: output tokens/s and events/s followed durably over HTTP by the real server (every
+rule of the default policy on), next to the ceiling.
 
 Starts ``chunkledger serve`` for each backend in turn (``null://`` = the same server path with storage
 disabled, i.e. the ceiling; a DuckDB file; a throwaway PostgreSQL database), drives it from a separate
-process with batches of 500 events for a fixed time, then stops the server and counts what the store
-holds. Prints one table; ``--json`` adds a JSON line per backend.
+process for a fixed time, then stops the server and counts what the store holds. Workloads:
 
-    python -m bench.ingest --duration 10 --clients 16
+* ``mix``: batches of 500 events, per 10 events 1 step (32 participants), 1 chunk, 1 queued and 7
+  ``tokens`` events of 4 ids (the per-event unit of the first benchmarks);
+* ``fleet-steps``: GPU-shaped engines (``bench.fleet_workload``: 256 running requests, 8 steps per
+  batch), the output tokens on the step events, as the vLLM plugin sends them;
+* ``fleet-tokens``: the same stream with a ``tokens`` event per request every 16 tokens (before).
+
+Prints one table (tokens/s, steps/s, events/s, ack latency, server CPU per 1k output tokens, peak RSS,
+and whether the store holds exactly what was acknowledged); ``--json`` adds a JSON line per run.
+
+    python -m bench.ingest --duration 10 --clients 16 --workloads fleet-steps,fleet-tokens
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -29,9 +39,12 @@ from pathlib import Path
 
 import httpx
 
+from bench.fleet_workload import Cycle, build_cycle, render
 from engine_hooks import events as ev
 
 BATCH = 500
+FLEET_STEPS = 2400  # one pass over a fleet engine's stream: 72 s of engine time, new ids every pass
+STEPS_PER_BATCH = 8  # a fleet engine's batch: 8 steps (240 ms) with their lifecycle events
 PG_ADMIN = os.environ.get("CHUNKLEDGER_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
@@ -92,11 +105,22 @@ def batch_template(source: ev.Source) -> str:
     return raw
 
 
-def _client_proc(url: str, source_ids: list[str], duration: float, start_at: float, out: mp.Queue) -> None:
+def _client_proc(
+    url: str, source_ids: list[str], duration: float, start_at: float, out: mp.Queue, workload: str
+) -> None:
     """One client process running one thread per source (an engine's exporter: one batch in flight)."""
-    threads = [
-        threading.Thread(target=_client, args=(url, sid, duration, start_at, out)) for sid in source_ids
-    ]
+    if workload == "mix":
+        threads = [
+            threading.Thread(target=_client, args=(url, sid, duration, start_at, out)) for sid in source_ids
+        ]
+    else:
+        cycle = build_cycle(
+            workload.removeprefix("fleet-"), steps=FLEET_STEPS, steps_per_batch=STEPS_PER_BATCH
+        )
+        threads = [
+            threading.Thread(target=_fleet_client, args=(url, sid, cycle, duration, start_at, out))
+            for sid in source_ids
+        ]
     for t in threads:
         t.start()
     for t in threads:
@@ -134,7 +158,42 @@ def _client(url: str, source_id: str, duration: float, start_at: float, out: mp.
             acked += r.json()["accepted"]
             seq = s
             b += 1
-    out.put({"acked": acked, "lat": lat})
+    # 7 tokens events of 4 ids per 10 events
+    out.put({"acked": acked, "lat": lat, "tokens": b * (BATCH // 10) * 7 * 4, "steps": b * (BATCH // 10)})
+
+
+def _fleet_client(
+    url: str, source_id: str, cycle: Cycle, duration: float, start_at: float, out: mp.Queue
+) -> None:
+    """One GPU-shaped engine (``bench.fleet_workload``), sending its batches back to back."""
+    lat: list[float] = []
+    acked = tokens = steps = 0
+    seq = 1
+    k = 0
+    with httpx.Client(base_url=url, timeout=30.0) as http:
+        while time.time() < start_at:
+            time.sleep(0.001)
+        deadline = time.perf_counter() + duration
+        while time.perf_counter() < deadline:
+            i = k % len(cycle.batches)
+            n = cycle.events[i]
+            body = render(cycle.batches[i], source_id, f"{source_id}-c{k // len(cycle.batches)}", seq, n)
+            t0 = time.perf_counter()
+            r = http.post("/v1/events", content=body, headers={"content-type": "application/json"})
+            lat.append(time.perf_counter() - t0)
+            if r.status_code != 200:
+                raise SystemExit(f"{r.status_code}: {r.text[:300]}")
+            acked += r.json()["accepted"]
+            tokens += cycle.tokens[i]
+            steps += STEPS_PER_BATCH
+            seq += n
+            k += 1
+    out.put({"acked": acked, "lat": lat, "tokens": tokens, "steps": steps})
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _free_port() -> int:
@@ -158,6 +217,7 @@ def run_backend(
     workdir: Path,
     env: dict | None = None,
     server_root: str | None = None,
+    workload: str = "mix",
 ) -> dict:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -182,16 +242,20 @@ def run_backend(
             raise SystemExit(f"{name}: server did not get ready; see {workdir / (name + '.log')}")
         ctx = mp.get_context("spawn")
         q: mp.Queue = ctx.Queue()
-        start_at = time.time() + 3.0
+        start_at = time.time() + (3.0 if workload == "mix" else 8.0)  # fleet: clients build their cycle
         n_procs = min(clients, 2)
         ids = [f"bench-{name}-{i}" for i in range(clients)]
         procs = [
-            ctx.Process(target=_client_proc, args=(url, ids[k::n_procs], duration, start_at, q))
+            ctx.Process(target=_client_proc, args=(url, ids[k::n_procs], duration, start_at, q, workload))
             for k in range(n_procs)
         ]
         for p in procs:
             p.start()
-        results = [q.get(timeout=duration + 120) for _ in ids]
+        while time.time() < start_at:
+            time.sleep(0.01)
+        cpu0 = _cpu_s(server.pid)
+        results = [q.get(timeout=duration + 300) for _ in ids]
+        cpu = _cpu_s(server.pid) - cpu0
         for p in procs:
             p.join()
         rss = _rss_peak_mb(server.pid)
@@ -201,11 +265,17 @@ def run_backend(
     acked = sum(r["acked"] for r in results)
     lat = sorted(x for r in results for x in r["lat"])
     stored = _count_stored(db_url) if not db_url.startswith("null") else acked
+    tokens = sum(r.get("tokens", 0) for r in results)
     return {
         "backend": name,
+        "workload": workload,
         "acked": acked,
         "stored": stored,
         "events_per_s": stored / duration,
+        "tokens_per_s": tokens / duration,
+        "steps_per_s": sum(r.get("steps", 0) for r in results) / duration,
+        "server_cpu_s": cpu,
+        "cpu_ms_per_1k_tokens": 1e3 * cpu / tokens * 1e3 if tokens else float("nan"),
         "p50_ms": statistics.median(lat) * 1e3,
         "p99_ms": lat[int(0.99 * (len(lat) - 1))] * 1e3,
         "batches": len(lat),
@@ -238,65 +308,69 @@ def main() -> None:
         help="also: duckdb-gc-default (no GC tuning); NAME@DIR runs that server from the checkout in DIR "
         "(e.g. a git worktree of an older commit: null@/tmp/old,null compares old and new in one run)",
     )
+    ap.add_argument(
+        "--workloads",
+        default="mix",
+        help="comma list: mix (500-event batches of the old per-event mix), fleet-steps (GPU-shaped "
+        "engines, output tokens on the step events), fleet-tokens (the same stream with tokens events)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="chunkledger-bench-") as tmp:
         workdir = Path(tmp)
-        for spec in args.backends.split(","):
-            name, _, root = spec.partition("@")
-            suffix = f"@{Path(root).name}" if root else ""
-            label = ("ceiling(null)" if name == "null" else name) + suffix
-            root_arg = str(Path(root).resolve()) if root else None
-            if name == "null":
-                rows.append(
-                    run_backend(
-                        label,
-                        "null://",
-                        args.duration,
-                        args.clients,
-                        workdir,
-                        server_root=root_arg,
-                    )
-                )
-            elif name in ("duckdb", "duckdb-gc-default"):
-                # duckdb-gc-default: CPython's default collector thresholds (CHUNKLEDGER_GC_TUNING=0)
-                env = {"CHUNKLEDGER_GC_TUNING": "0"} if name != "duckdb" else None
-                path = f"duckdb:///{workdir}/bench-{name}-{uuid.uuid4().hex[:6]}.duckdb"
-                rows.append(run_backend(label, path, args.duration, args.clients, workdir, env, root_arg))
-            elif name == "postgres":
-                import sqlalchemy as sa
-
-                db = f"chunkledger_bench_{uuid.uuid4().hex[:8]}"
-                admin = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-                with admin.connect() as c:
-                    c.exec_driver_sql(f'CREATE DATABASE "{db}"')
-                try:
-                    url = PG_ADMIN.rsplit("/", 1)[0] + f"/{db}"
-                    rows.append(
-                        run_backend(label, url, args.duration, args.clients, workdir, server_root=root_arg)
-                    )
-                finally:
-                    with admin.connect() as c:
-                        c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
-                    admin.dispose()
-    ceiling = next((r["events_per_s"] for r in rows if r["backend"] == "ceiling(null)"), None)
+        for workload in args.workloads.split(","):
+            for spec in args.backends.split(","):
+                rows.append(_run_spec(spec, workload, args, workdir))
     print(
-        f"\ningest: {args.clients} clients x batches of {BATCH} events, {args.duration:.0f} s per backend, "
-        f"{os.cpu_count()} cores"
+        f"\ningest: {args.clients} clients, {args.duration:.0f} s per backend and workload, "
+        f"{os.cpu_count()} cores (mix: batches of {BATCH} events; "
+        f"fleet: {STEPS_PER_BATCH} steps of 256 requests per batch)"
     )
     print(
-        f"{'backend':<22}{'durable ev/s':>14}{'of ceiling':>12}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'batches':>9}{'RSS MB':>9}{'stored=acked':>14}"
+        f"{'workload':<14}{'backend':<20}{'tokens/s':>11}{'steps/s':>9}{'durable ev/s':>14}{'p50 ms':>8}"
+        f"{'p99 ms':>8}{'CPU ms/1k tok':>15}{'RSS MB':>8}{'stored=acked':>14}"
     )
     for r in rows:
-        share = f"{r['events_per_s'] / ceiling:.2f}" if ceiling else "-"
         print(
-            f"{r['backend']:<22}{r['events_per_s']:>14,.0f}{share:>12}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
-            f"{r['batches']:>9}{r['server_rss_peak_mb']:>9.0f}{r['stored'] == r['acked']!s:>14}"
+            f"{r['workload']:<14}{r['backend']:<20}{r['tokens_per_s']:>11,.0f}{r['steps_per_s']:>9,.0f}"
+            f"{r['events_per_s']:>14,.0f}{r['p50_ms']:>8.1f}{r['p99_ms']:>8.1f}"
+            f"{r['cpu_ms_per_1k_tokens']:>15.2f}{r['server_rss_peak_mb']:>8.0f}"
+            f"{r['stored'] == r['acked']!s:>14}"
         )
         if args.json:
             print(json.dumps(r))
+
+
+def _run_spec(spec: str, workload: str, args: argparse.Namespace, workdir: Path) -> dict:
+    name, _, root = spec.partition("@")
+    suffix = f"@{Path(root).name}" if root else ""
+    label = ("ceiling(null)" if name == "null" else name) + suffix
+    root_arg = str(Path(root).resolve()) if root else None
+    run = functools.partial(
+        run_backend, duration=args.duration, clients=args.clients, workdir=workdir, workload=workload
+    )
+    if name == "null":
+        return run(label, "null://", server_root=root_arg)
+    if name in ("duckdb", "duckdb-gc-default"):
+        # duckdb-gc-default: CPython's default collector thresholds (CHUNKLEDGER_GC_TUNING=0)
+        env = {"CHUNKLEDGER_GC_TUNING": "0"} if name != "duckdb" else None
+        path = f"duckdb:///{workdir}/bench-{name}-{uuid.uuid4().hex[:6]}.duckdb"
+        return run(label, path, env=env, server_root=root_arg)
+    if name != "postgres":
+        raise SystemExit(f"unknown backend {name!r}")
+    import sqlalchemy as sa
+
+    db = f"chunkledger_bench_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.exec_driver_sql(f'CREATE DATABASE "{db}"')
+    try:
+        return run(label, PG_ADMIN.rsplit("/", 1)[0] + f"/{db}", server_root=root_arg)
+    finally:
+        with admin.connect() as c:
+            c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        admin.dispose()
 
 
 if __name__ == "__main__":

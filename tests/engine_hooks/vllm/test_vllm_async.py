@@ -47,9 +47,7 @@ SCRIPT = textwrap.dedent(
         "errors": sch.hook_errors,
         "outputs": [len(o.outputs[0].token_ids) for o in outs],
         "chunk_tokens": [sum(c.tokens for c in by(Chunk, r)) for r in rids],
-        "token_totals": [sum(g[1] for s in ev if isinstance(s, Step) for g in s.token_groups() if g[0] == r)
-                         for r in rids],
-        "tokens_events": sum(isinstance(e, Tokens) for e in ev),
+        "token_totals": [sum(t.count for t in by(Tokens, r)) for r in rids],
         "finished": [[f.reason, f.output_tokens] for r in rids for f in by(Finished, r)],
         "max_step_tokens": max(s.prefill_tokens + s.decode_tokens for s in ev if isinstance(s, Step)),
     }))

@@ -192,6 +192,5 @@ def test_openai_server_events_are_keyed_by_the_clients_request_ids(server):  # n
     assert sorted(e.request_id for e in of(Queued)) == sorted(expected)
     assert sorted(e.request_id for e in of(Finished)) == sorted(expected)
     assert {e.request_id for e in of(Chunk)} == expected
-    assert not of(Tokens)  # the output tokens ride on the steps
-    assert {g[0] for s in of(Step) for g in s.token_groups()} == expected
+    assert {e.request_id for e in of(Tokens)} == expected
     assert {r for s in of(Step) for r in s.request_ids} == expected

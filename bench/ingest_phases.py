@@ -1,0 +1,92 @@
+"""Where the ledger's CPU goes per output token, in process (no HTTP), for a GPU-shaped engine's stream.
+
+Takes ``bench.fleet_workload``'s stream in both forms (output tokens on the steps; ``tokens`` events)
+and times, per output token: decoding and validating the batches (``decode_batch``), the rule engine
+(``RuleEngine.observe`` with the default policy: token cap, loop detector on every id, timeouts),
+folding the batches into partial rows (``fold_into``), and storing them in DuckDB in groups of 4
+batches (``Store.write``, which folds again and appends). Best of ``--rounds`` (the least disturbed
+by the machine's other work); the two forms are measured alternately in one run.
+
+    python -m bench.ingest_phases [--steps 800] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench.fleet_workload import build_cycle, render
+from ledger.fold import fold_into
+from ledger.ingest import decode_batch
+from ledger.rules.engine import RuleEngine
+from ledger.rules.policy import parse_policy
+from ledger.store import open_store
+
+
+class _Hooks:
+    def decided(self, ds: Any) -> None: ...
+    def confirmed(self, *a: Any) -> None: ...
+    def request_done(self, *a: Any) -> None: ...
+    def gateway_joined(self, *a: Any) -> None: ...
+    def dropped(self, *a: Any) -> None: ...
+    def starving(self, *a: Any) -> None: ...
+
+
+def _phases(form: str, steps: int, workdir: str) -> dict[str, float]:
+    """Seconds per phase for one pass over ``steps`` steps of the stream, and the tokens it holds."""
+    cycle = build_cycle(form, steps=steps, steps_per_batch=8)
+    bodies, seq = [], 1
+    for tpl, n in zip(cycle.batches, cycle.events, strict=True):
+        bodies.append(render(tpl, "e0", "e0-c0", seq, n))
+        seq += n
+    out: dict[str, float] = {"tokens": float(sum(cycle.tokens))}
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        result = fn()
+        out[name] = time.perf_counter() - t0
+        return result
+
+    batches = timed("decode", lambda: [decode_batch(b, max_events=1_000_000) for b in bodies])
+    policy = parse_policy({})
+    rules = RuleEngine(lambda: policy, _Hooks())
+    timed("rules", lambda: [rules.observe(b.source, b.events) for b in batches])
+    timed("fold", lambda: [fold_into({}, b.source, b.events) for b in batches])
+    store = open_store(f"duckdb:///{workdir}/{form}-{time.monotonic_ns()}.duckdb")
+    timed("store", lambda: [store.write(batches[i : i + 4]) for i in range(0, len(batches), 4)])
+    store.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=800, help="engine steps per pass (256 requests each)")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    best: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="chunkledger-phases-") as tmp:
+        for _ in range(args.rounds):
+            for form in ("steps", "tokens"):
+                got = _phases(form, args.steps, tmp)
+                mine = best.setdefault(form, got)
+                for k, v in got.items():
+                    mine[k] = min(mine[k], v)
+    names = {
+        "decode": "decode + validate",
+        "rules": "rules (default policy)",
+        "fold": "fold into partial rows",
+        "store": "DuckDB write (fold + append + commit)",
+    }
+    print(f"ns per output token, best of {args.rounds} ({args.steps} steps of 256 requests per pass)")
+    print(f"  {'phase':40s}{'tokens on steps':>17}{'tokens events':>15}")
+    for key, label in names.items():
+        a = best["steps"][key] / best["steps"]["tokens"] * 1e9
+        b = best["tokens"][key] / best["tokens"]["tokens"] * 1e9
+        print(f"  {label:40s}{a:>17.0f}{b:>15.0f}")
+
+
+if __name__ == "__main__":
+    main()
