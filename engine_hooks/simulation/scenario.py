@@ -41,7 +41,7 @@ class Scenario:
     step_b_s: float = 12e-6  # per prefill token
     step_c_s: float = 8e-10  # per prefill token per token of depth (attention over the prefix)
     step_d_s: float = 40e-6  # per decode request
-    step_tokens: bool = True  # output tokens ride on the step event (schema 2), as the plugin sends them
+    step_tokens: bool = False  # output tokens ride on the step event (schema 2), the plugin's step_tokens
     tokens_flush: int = 16  # output tokens coalesced per tokens event (with step_tokens off)
     gateway_entry_s: float = 0.002  # parsing, auth, tokenising at the gateway
 

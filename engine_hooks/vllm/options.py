@@ -69,8 +69,9 @@ class LedgerOptions(msgspec.Struct, kw_only=True, frozen=True):
     # for this many steps is scheduled first once (its guaranteed progress)
 
     # -- events -----------------------------------------------------------------------------------
-    step_tokens: bool = True  # output tokens ride on the step event, one column entry per request
-    # that ran (schema 2: one event per step); false: per-request tokens events (tokens_flush)
+    step_tokens: bool = False  # output tokens ride on the step event, one column entry per request
+    # that ran (schema 2: one event per step, a third fewer bytes); off: per-request tokens events
+    # (tokens_flush), which today's ledger folds with less CPU per token (docs/benchmarks.md)
     tokens_flush: Annotated[int, msgspec.Meta(ge=1)] = 16  # output tokens coalesced per tokens event
     tokens_flush_s: NonNegFloat = 0.05  # longest a produced token waits for its tokens event (one is
     # also sent at finish and at preemption)

@@ -7,10 +7,10 @@
   (``computed_before``), prefix-cache hits on the first chunk and the request's KV blocks;
 * ``preempted`` / ``resumed`` (with the output tokens it had, so the ledger can tell a prefill wait
   from a decode wait);
-* output tokens, with their ids unless ``token_ids`` is off: by default on the ``step`` event, one
-  entry per request that ran (``token_counts``, ``token_totals``, ``token_ids``: one event per step,
-  however many requests decode); with ``step_tokens`` off as ``tokens`` events coalesced per request
-  (every ``tokens_flush`` tokens or ``tokens_flush_s`` seconds, and at finish or preemption);
+* output tokens, with their ids unless ``token_ids`` is off: as ``tokens`` events coalesced per
+  request (every ``tokens_flush`` tokens or ``tokens_flush_s`` seconds, and at finish or preemption),
+  or with ``step_tokens`` on the ``step`` event, one entry per request that ran (``token_counts``,
+  ``token_totals``, ``token_ids``: one event per step, however many requests decode);
 * ``finished`` with vLLM's finish reason (``cutoff`` for the ledger's aborts);
 * ``step``: monotonic duration from ``schedule()`` to the end of ``update_from_output()``, prefill and
   decode counts, queue sizes, KV usage, the requests that ran, prefill depth work, and the requests

@@ -293,8 +293,9 @@ def test_cli_warns_when_the_ledger_did_not_take_everything_in_time(fake_ledger, 
     assert waiting > 0 and f"{waiting} events stay spooled in {tmp_path / 'sim'}" in result.stderr
 
 
-def test_output_tokens_ride_on_step_events_one_entry_per_request_that_ran(fake_ledger, tmp_path):
-    _simulate(fake_ledger, tmp_path, engines=1, rps=40, duration_s=1.0, seed=3)
+def test_output_tokens_ride_on_step_events_one_entry_per_request_that_ran(fake_ledger, tmp_path, monkeypatch):
+    monkeypatch.setitem(SCENARIOS, "steady-steps", replace(SCENARIOS["steady"], step_tokens=True))
+    _simulate(fake_ledger, tmp_path, engines=1, rps=40, duration_s=1.0, seed=3, scenario="steady-steps")
     events = fake_ledger.store.events
     assert not [e for e in events if isinstance(e, Tokens)]
     steps = [e for e in events if isinstance(e, Step)]
@@ -310,6 +311,7 @@ def test_output_tokens_ride_on_step_events_one_entry_per_request_that_ran(fake_l
 
 
 def test_with_step_tokens_off_the_same_tokens_come_as_tokens_events(fake_ledger, tmp_path, monkeypatch):
+    monkeypatch.setitem(SCENARIOS, "steady", replace(SCENARIOS["steady"], step_tokens=True))
     monkeypatch.setitem(SCENARIOS, "steady-events", replace(SCENARIOS["steady"], step_tokens=False))
     ids: dict[str, dict[str, list[int]]] = {}
     done: dict[str, set[str]] = {}

@@ -57,12 +57,9 @@ def test_chunks_never_exceed_the_budget_and_add_up_to_the_prompt(engine, attach,
         assert s.duration_s > 0 and 0 < s.kv_usage <= 1
     assert len(steps) == 8 + 3  # the last chunk yields the first token, then three decodes
 
-    # The output tokens ride on the steps (step_tokens, the default): no tokens events.
-    assert not events_of(events, Tokens, r)
-    groups = [g for s in steps for g in s.token_groups() if g[0] == r]
-    assert [(count, total) for _, count, total, _ in groups] == [(1, 1), (1, 2), (1, 3), (1, 4)]
-    assert output_token_ids(events)[r] == list(out.outputs[0].token_ids)
-    assert all(s.token_counts == [0] for s in steps[:7])  # partial prefills sample no token
+    tokens = events_of(events, Tokens, r)
+    assert sum(t.count for t in tokens) == 4 and tokens[-1].total == 4
+    assert [i for t in tokens for i in t.token_ids] == list(out.outputs[0].token_ids)
     (finished,) = events_of(events, Finished, r)
     assert finished.reason == "length" and finished.output_tokens == 4 and finished.wait_s is None
     kinds = [type(e).__name__ for e in events if getattr(e, "request_id", None) == r]
@@ -140,11 +137,26 @@ def test_kv_pressure_preemptions_are_reported_with_resume_and_recomputed_tokens(
         assert not set(s.stalled_request_ids) & set(s.request_ids)
 
 
-def test_with_step_tokens_off_tokens_are_coalesced_per_request(engine, attach, ledger):
+def test_with_step_tokens_the_output_tokens_ride_on_the_steps(engine, attach, ledger):
     exporter = attach(ledger.url)
-    engine.scheduler.options = type(engine.scheduler.options)(
-        step_tokens=False, tokens_flush=5, tokens_flush_s=60.0
-    )
+    engine.scheduler.options = type(engine.scheduler.options)(step_tokens=True)
+    r = rid("step-tokens")
+    engine.add(r, prompt(1000), max_tokens=4)
+    out = engine.run()[r]
+    events = _events(ledger, exporter)
+    assert not events_of(events, Tokens, r)
+    steps = [s for s in events_of(events, Step) if r in s.request_ids]
+    groups = [g for s in steps for g in s.token_groups() if g[0] == r]
+    assert [(count, total) for _, count, total, _ in groups] == [(1, 1), (1, 2), (1, 3), (1, 4)]
+    assert output_token_ids(events)[r] == list(out.outputs[0].token_ids)
+    assert all(s.token_counts == [0] for s in steps[:7])  # partial prefills sample no token
+    (finished,) = events_of(events, Finished, r)
+    assert finished.output_tokens == 4
+
+
+def test_tokens_are_coalesced_per_request(engine, attach, ledger):
+    exporter = attach(ledger.url)
+    engine.scheduler.options = type(engine.scheduler.options)(tokens_flush=5, tokens_flush_s=60.0)
     r = rid("coalesce")
     engine.add(r, prompt(10), max_tokens=23)
     out = engine.run()[r]
