@@ -4,7 +4,9 @@ On the shipped corpus (``tools.loop_corpus``: legitimate outputs with repetition
 loops with log-uniform periods 1..512 after up to ~3,000 tokens of normal text, drifting loops and
 near-loops) it prints, per detector: false positives on the legitimate outputs, recall, and the delay
 (tokens of the loop produced before the cut, ``at - onset + 1``) p50/p90, also by period octave, and the
-cost per token.
+cost per token: the compiled detector (``ledger.rules._loopc``, the live one) beside the pure-Python
+reference (``PyLoopDetector``) in the same run, and ``extend_many`` for a fleet (8,000 live requests
+getting 1-4 ids each per call, one call per ingest group) beside one ``extend`` per request.
 
 Detectors:
 - ``live``: ``ledger.rules.loop`` with the default policy (``[rules.loop]``), fed 16 tokens per call as
@@ -25,15 +27,24 @@ Detectors:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ledger.rules.loop import LoopDetector, exact_detector, near_detector
+from ledger.rules.loop import (
+    COMPILED,
+    LoopDetector,
+    PyLoopDetector,
+    exact_detector,
+    extend_many,
+    near_detector,
+)
 from ledger.rules.policy import LoopSettings, NearLoopSettings
 from tools.loop_corpus import Sample, legit_corpus, loop_corpus, near_loop_corpus
 
@@ -182,6 +193,56 @@ def ns_per_token(make: Callable[[], LoopDetector], samples: list, rounds: int = 
     return best / n * 1e9
 
 
+def fleet_calls(
+    samples: list, live: int = 8000, calls: int = 10, seed: int = 0
+) -> tuple[list[list[int]], list[tuple[list[int], list[int]]]]:
+    """A fleet of ``live`` requests, each replaying a corpus output from a random point: what each has
+    produced so far (0-1,000 ids, fed before timing), then ``calls`` ingest groups in which every request
+    gets 1-4 ids (counts and the flat ids, as ``extend_many`` takes them)."""
+    rng = random.Random(seed)
+    streams = [samples[k % len(samples)].tokens for k in range(live)]
+    pos = [rng.randrange(len(s)) for s in streams]
+
+    def take(k: int, c: int) -> list[int]:
+        s, p = streams[k], pos[k]
+        pos[k] = p + c
+        return [s[(p + j) % len(s)] for j in range(c)]
+
+    warm = [take(k, rng.randrange(1000)) for k in range(live)]
+    groups = []
+    for _ in range(calls):
+        counts = [rng.randint(1, 4) for _ in range(live)]
+        groups.append((counts, [t for k, c in enumerate(counts) for t in take(k, c)]))
+    return warm, groups
+
+
+def fleet_ns_per_token(
+    make: Callable[[], object], warm: list[list[int]], groups: list, bulk: bool, rounds: int = 2
+) -> float:
+    """Best-of-``rounds`` ns per id over the fleet's groups (fresh detectors each round, fed ``warm``
+    first): one ``extend_many`` per group, or one ``extend`` per request (its ids already a list)."""
+    n = sum(len(flat) for _, flat in groups)
+    split = []
+    for counts, flat in groups:
+        offs = list(itertools.accumulate(counts, initial=0))
+        split.append([flat[a:b] for a, b in itertools.pairwise(offs)])
+    best = float("inf")
+    for _ in range(rounds):
+        dets: list = [make() for _ in warm]
+        for d, w in zip(dets, warm, strict=True):
+            d.extend(w)
+        t0 = time.perf_counter()
+        if bulk:
+            for counts, flat in groups:
+                extend_many(dets, counts, flat)
+        else:
+            for parts in split:
+                for d, ids in zip(dets, parts, strict=True):
+                    d.extend(ids)
+        best = min(best, time.perf_counter() - t0)
+    return best / n * 1e9
+
+
 def vllm_ns_per_token(check: Callable[..., bool], samples: list, mx: int, mn: int, count: int) -> float:
     n, t0 = 0, time.perf_counter()
     for s in samples:
@@ -277,21 +338,30 @@ def main() -> None:
         )
     )
     sample = legit + loops[::3]
-    ns_live = ns_per_token(
-        lambda: LoopDetector(max_period=L.max_period, min_repeats=1 << 20, min_span_tokens=1 << 20), sample
-    )
-    ns_near = ns_per_token(
-        lambda: LoopDetector(
-            max_period=N.max_period,
-            min_repeats=1 << 20,
-            min_span_tokens=1 << 20,
-            min_period=N.min_period,
-            changes=1,
-        ),
-        sample,
-    )
+    never = {"min_repeats": 1 << 20, "min_span_tokens": 1 << 20}  # every token is paid for
+    live_kw = {"max_period": L.max_period, **never}
+    near_kw = {"max_period": N.max_period, "min_period": N.min_period, "changes": 1, **never}
+    ns_live = ns_per_token(lambda: LoopDetector(**live_kw), sample)
+    ns_near = ns_per_token(lambda: LoopDetector(**near_kw), sample)
+    ns_py_live = ns_per_token(lambda: PyLoopDetector(**live_kw), sample)
+    ns_py_near = ns_per_token(lambda: PyLoopDetector(**near_kw), sample)
     print(
-        f"cost per token: live {ns_live:.0f} ns, near_loop {ns_near:.0f} ns (16 tokens per call, CPython)",
+        f"cost per token, 16 per call: live {ns_live:.0f} ns {'compiled' if COMPILED else '(NOT compiled)'}, "
+        f"{ns_py_live:.0f} ns Python ({ns_py_live / ns_live:.0f}x); near_loop {ns_near:.0f} ns, "
+        f"{ns_py_near:.0f} ns Python"
+    )
+    warm, groups = fleet_calls(sample)
+    fleet = {
+        "extend_many": fleet_ns_per_token(lambda: LoopDetector(**live_kw), warm, groups, bulk=True),
+        "extend_per_request": fleet_ns_per_token(lambda: LoopDetector(**live_kw), warm, groups, bulk=False),
+        "python_extend_per_request": fleet_ns_per_token(
+            lambda: PyLoopDetector(**live_kw), warm, groups, bulk=False, rounds=1
+        ),
+    }
+    print(
+        f"fleet of {len(warm):,} live requests, 1-4 ids each per group: extend_many "
+        f"{fleet['extend_many']:.0f} ns per id; one extend per request {fleet['extend_per_request']:.0f} ns "
+        f"compiled, {fleet['python_extend_per_request']:.0f} ns Python",
         end="",
     )
     ns_vllm = {}
@@ -307,8 +377,12 @@ def main() -> None:
             json.dumps(
                 {
                     "results": results,
+                    "compiled": COMPILED,
                     "ns_per_token": ns_live,
                     "near_ns_per_token": ns_near,
+                    "python_ns_per_token": ns_py_live,
+                    "python_near_ns_per_token": ns_py_near,
+                    "fleet_ns_per_token": fleet,
                     "vllm_ns_per_token": ns_vllm,
                     "brute_force_differ": differ,
                     "vllm_agree": agree,
