@@ -35,7 +35,8 @@ from typing import Any, Protocol
 
 from engine_hooks import events as ev
 from ledger.rules import rules as R
-from ledger.rules.loop import exact_detector, near_detector
+from ledger.rules import step_tokens
+from ledger.rules.loop import exact_detector, extend_many, near_detector
 from ledger.rules.policy import Policy, RuleSettings
 
 log = logging.getLogger(__name__)
@@ -115,12 +116,11 @@ class RuleEngine:
             token_ids: dict[R.LiveRequest, list[int]] = {}
             mono = self._mono()
             tokens_cls, step_cls = ev.Tokens, ev.Step
-            # Output tokens carried by steps, per request over the batch: (its highest total, its ids).
-            stepped: dict[str, tuple[list[int], list[int]]] = {}
+            stepped: list[ev.Step] = []  # steps carrying output tokens, taken per request at the end
             for e in events:
                 if type(e) is not tokens_cls:
                     if type(e) is step_cls and e.token_counts:
-                        _gather_step_tokens(e, stepped)
+                        stepped.append(e)
                     self._apply(source, e, now, touched, signals, mono)
                     continue
                 # ``tokens``, the bulk of any stream, here rather than in ``_apply``.
@@ -140,8 +140,7 @@ class RuleEngine:
                         pending += ids
             if stepped:
                 self._step_tokens(source, stepped, now, touched, token_ids, mono)
-            for r, ids in token_ids.items():
-                self._detect(r, ids)
+            self._detect(token_ids, touched)
             decisions = self._decide(touched.values(), R.EVENT_RULES, now)
             self._bound()
         # Reported outside the lock, in event order, decisions last (a confirmation in this batch is
@@ -163,7 +162,7 @@ class RuleEngine:
     def _step_tokens(
         self,
         source: ev.Source,
-        stepped: dict[str, tuple[list[int], list[int]]],
+        stepped: list[ev.Step],
         now: float,
         touched: dict[str, R.LiveRequest],
         token_ids: dict[R.LiveRequest, list[int]],
@@ -171,14 +170,20 @@ class RuleEngine:
     ) -> None:
         """The output tokens the batch's steps carried, once per request (after the batch's other
         events: a request that finished in the batch is not made live again): what its ``tokens``
-        events would have done."""
+        events would have done. Such a request is checked by the counter rules only when its total is
+        above the token cap (or, see ``_detect``, its loop detector fired): nothing else a token
+        changes can make them decide, and a busy engine's steps touch every running request."""
         touch = self._touch
-        for rid, (total, ids) in stepped.items():
-            r = touch(rid, source, touched, mono)
+        cap = self.rules_for(source.model).max_output_tokens if source.model else None
+        quiet: dict[str, R.LiveRequest] = {}  # touched, but nothing for the counter rules to check
+        for rid, total, ids in step_tokens.group(stepped):
+            r = touch(rid, source, quiet, mono)
             if r is None:
                 continue
-            if total[0] > r.output_tokens:
-                r.output_tokens = total[0]
+            if total > r.output_tokens:
+                r.output_tokens = total
+            if cap is None or total > cap or r.model != source.model:
+                touched[rid] = r
             r.last_progress_ts = now
             r.running, r.waiting_since = True, None
             if ids:
@@ -210,22 +215,34 @@ class RuleEngine:
             r.gateway_source_id = source.id
         return r
 
-    def _detect(self, r: R.LiveRequest, ids: list[int]) -> None:
-        """Feed output token ids to the request's loop detectors (made on its first ids)."""
-        det = r.detector
-        if det is None:
-            rules = self.rules_for(r.model)
-            lp, near = rules.loop, rules.near_loop
-            if lp.enabled:
-                det = r.detector = exact_detector(lp)
-            if near.enabled:
-                r.near_detector = near_detector(near)
-            if det is None and r.near_detector is None:
-                return
-        if det is not None:
-            det.extend(ids)
-        if r.near_detector is not None:
-            r.near_detector.extend(ids)
+    def _detect(self, token_ids: dict[R.LiveRequest, list[int]], touched: dict[str, R.LiveRequest]) -> None:
+        """Feed each request's new output token ids to its loop detectors (made on its first ids), all
+        in one call (``extend_many``: compiled, the detectors' state read once per batch); a request
+        whose detector fired is checked by the counter rules."""
+        detectors: list[Any] = []
+        owners: list[R.LiveRequest] = []
+        counts: list[int] = []
+        flat: list[int] = []
+        for r, ids in token_ids.items():
+            det, near = r.detector, r.near_detector
+            if det is None and near is None:
+                rules = self.rules_for(r.model)
+                if rules.loop.enabled:
+                    det = r.detector = exact_detector(rules.loop)
+                if rules.near_loop.enabled:
+                    near = r.near_detector = near_detector(rules.near_loop)
+                if det is None and near is None:
+                    continue
+            n = len(ids)
+            for d in (det, near):
+                if d is not None and d.hit is None:
+                    detectors.append(d)
+                    owners.append(r)
+                    counts.append(n)
+                    flat += ids
+        if detectors:
+            for k in extend_many(detectors, counts, flat):
+                touched[owners[k].request_id] = owners[k]
 
     def _apply(
         self,
@@ -286,10 +303,11 @@ class RuleEngine:
 
     def _step(self, source: ev.Source, e: ev.Step, t: float, touched: dict[str, R.LiveRequest]) -> None:
         live = self.live
-        for rid in e.request_ids:
-            r = live.get(rid)
-            if r is not None:
-                r.last_progress_ts = t
+        if not e.token_counts:  # with them, each runner got a token (``_step_tokens``) or a chunk
+            for rid in e.request_ids:
+                r = live.get(rid)
+                if r is not None:
+                    r.last_progress_ts = t
         stalled = 0
         for rid in e.stalled_request_ids:
             r = live.get(rid)
@@ -394,21 +412,3 @@ class RuleEngine:
     def get(self, request_id: str) -> R.LiveRequest | None:
         with self._lock:
             return self.live.get(request_id)
-
-
-def _gather_step_tokens(e: ev.Step, stepped: dict[str, tuple[list[int], list[int]]]) -> None:
-    """Add a step's output tokens to ``stepped``: request id -> ([highest total], ids in order)."""
-    ids = e.token_ids
-    at = 0
-    for rid, count, total in zip(e.request_ids, e.token_counts, e.token_totals, strict=True):
-        if not count:
-            continue
-        got = stepped.get(rid)
-        if got is None:
-            stepped[rid] = ([total], ids[at : at + count] if ids else [])
-        else:
-            if total > got[0][0]:
-                got[0][0] = total
-            if ids:
-                got[1].extend(ids[at : at + count])
-        at += count
