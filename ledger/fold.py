@@ -320,12 +320,24 @@ def fold_steps(rows: dict[str, Row], steps: list[ev.Step]) -> None:
     ends = pa.array([st.ts + st.duration_s for st in steps], pa.float64())
     runners = pa.array([st.request_ids for st in steps], pa.list_(pa.string()))
     parents = pc.list_parent_indices(runners)
-    ran = _by_request(
-        runners,
-        {"d": pc.take(durations, parents), "end": pc.take(ends, parents)},
-        [("d", "count"), ("d", "sum"), ("end", "max")],
-    )
-    for rid, count, active, last in ran:
+    end = pc.take(ends, parents)
+    values = {"d": pc.take(durations, parents), "end": end}
+    aggregations = [("d", "count"), ("d", "sum"), ("end", "max")]
+    with_tokens = any(st.token_counts for st in steps)
+    if with_tokens:
+        # The steps' output tokens (schema 2): each entry's end and total where it got a token, else
+        # null (ignored by min and max); a step without token columns counts as none.
+        counts = pa.array(
+            [st.token_counts or [0] * len(st.request_ids) for st in steps], pa.list_(pa.int64())
+        )
+        totals = pa.array(
+            [st.token_totals or [0] * len(st.request_ids) for st in steps], pa.list_(pa.int64())
+        )
+        got = pc.greater(pc.list_flatten(counts), 0)
+        values["tok_end"] = pc.if_else(got, end, pa.scalar(None, pa.float64()))
+        values["tok_total"] = pc.if_else(got, pc.list_flatten(totals), pa.scalar(None, pa.int64()))
+        aggregations += [("tok_end", "min"), ("tok_end", "max"), ("tok_total", "max")]
+    for rid, count, active, last, *tok in _by_request(runners, values, aggregations):
         row = rows.get(rid)
         if row is None:
             row = rows[rid] = {}
@@ -334,7 +346,8 @@ def fold_steps(rows: dict[str, Row], steps: list[ev.Step]) -> None:
         cur = row.get("last_step_ts")
         if cur is None or last > cur:
             row["last_step_ts"] = last
-    _fold_step_tokens(rows, [st for st in steps if st.token_counts])
+        if tok and tok[0] is not None:
+            _step_tokens(row, tok[0], tok[1], tok[2])
     # Stalled requests: in Arrow where each step lists one block count per stalled request (as the
     # engine hooks send them), one by one otherwise.
     aligned = []
@@ -361,33 +374,6 @@ def fold_steps(rows: dict[str, Row], steps: list[ev.Step]) -> None:
         row["stalled_steps"] = row.get("stalled_steps", 0) + count
         row["kv_idle_s"] = row.get("kv_idle_s", 0.0) + idle_s
         row["kv_idle_block_s"] = row.get("kv_idle_block_s", 0.0) + block_s
-
-
-def _fold_step_tokens(rows: dict[str, Row], steps: list[ev.Step]) -> None:
-    """The output tokens the steps carry (``token_counts``, ``token_totals``), grouped by request in
-    Arrow: first and last token at the ends of its steps with a token, its highest total."""
-    if not steps:
-        return
-    runners = pa.array([st.request_ids for st in steps], pa.list_(pa.string()))
-    ends = pc.take(
-        pa.array([st.ts + st.duration_s for st in steps], pa.float64()), pc.list_parent_indices(runners)
-    )
-    counts = pc.list_flatten(pa.array([st.token_counts for st in steps], pa.list_(pa.int64())))
-    totals = pc.list_flatten(pa.array([st.token_totals for st in steps], pa.list_(pa.int64())))
-    got = pc.greater(counts, 0)
-    grouped = (
-        pa.table({"rid": pc.list_flatten(runners), "end": ends, "total": totals})
-        .filter(got)
-        .group_by("rid", use_threads=False)
-        .aggregate([("end", "min"), ("end", "max"), ("total", "max")])
-    )
-    for rid, first, last, total in zip(
-        *(grouped[c].to_pylist() for c in ("rid", "end_min", "end_max", "total_max")), strict=True
-    ):
-        row = rows.get(rid)
-        if row is None:
-            row = rows[rid] = {}
-        _step_tokens(row, first, last, total)
 
 
 def _by_request(
