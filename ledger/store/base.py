@@ -108,12 +108,19 @@ def merge_sql(table: str, staging: str, *, wide_int: str) -> str:
 
 
 def request_columns(rows: dict[str, Row]) -> dict[str, list[Any]]:
-    """Partial rows as columns; sums default to 0 so the upsert can add them."""
+    """Partial rows as columns; sums default to 0 so the upsert can add them.
+
+    A group's rows set few of the columns (a request that only decoded sets its token and step
+    columns): a column no row sets is its default repeated, without a lookup per row."""
     cols: dict[str, list[Any]] = {"request_id": list(rows)}
     values = list(rows.values())
+    present: set[str] = set()
+    for r in values:
+        present.update(r)
+    n = len(values)
     for col in AGGREGATES:
         default = 0 if col in SUM_COLUMNS else None
-        cols[col] = [r.get(col, default) for r in values]
+        cols[col] = [r.get(col, default) for r in values] if col in present else [default] * n
     return cols
 
 
