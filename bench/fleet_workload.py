@@ -203,16 +203,19 @@ def build_cycle(form: str, *, steps: int, steps_per_batch: int, seed: int = 0, w
         if k < warmup:
             pending, tokens_in_batch = [], 0
         elif (k + 1 - warmup) % steps_per_batch == 0:
-            batches.append(_template(src, pending))
+            batches.append(_template(src, pending, schema_version=2 if form == "steps" else 1))
             n_events.append(len(pending))
             n_tokens.append(tokens_in_batch)
             pending, tokens_in_batch = [], 0
     return Cycle(batches, n_events, n_tokens, steps)
 
 
-def _template(src: ev.Source, events: list[Any]) -> str:
+def _template(src: ev.Source, events: list[Any], schema_version: int) -> str:
+    """``schema_version``: 1 for the tokens form, which uses nothing newer, so that a ledger from
+    before version 2 takes it too (``bench.ingest``'s before/after runs)."""
     numbered = [msgspec.structs.replace(e, seq=900_000_000_000 + i) for i, e in enumerate(events)]
-    raw = ev.encode_batch(src, numbered).decode().replace("%", "%%")
+    batch = ev.Batch(source=src, events=numbered, schema_version=schema_version)
+    raw = ev.batch_encoder.encode(batch).decode().replace("%", "%%")
     return re.sub(r'"seq":9000\d{8}', '"seq":%d', raw)
 
 

@@ -346,8 +346,20 @@ def fold_steps(rows: dict[str, Row], steps: list[ev.Step]) -> None:
         cur = row.get("last_step_ts")
         if cur is None or last > cur:
             row["last_step_ts"] = last
-        if tok and tok[0] is not None:
-            _step_tokens(row, tok[0], tok[1], tok[2])
+        if tok and tok[0] is not None:  # _step_tokens, inlined (a busy engine's every request)
+            first, last, total = tok
+            cur = row.get("first_token_ts")
+            if cur is None or first < cur:
+                row["first_token_ts"] = first
+            cur = row.get("last_token_ts")
+            if cur is None or last > cur:
+                row["last_token_ts"] = last
+            cur = row.get("last_event_ts")
+            if cur is None or last > cur:
+                row["last_event_ts"] = last
+            cur = row.get("output_tokens")
+            if cur is None or total > cur:
+                row["output_tokens"] = total
     # Stalled requests: in Arrow where each step lists one block count per stalled request (as the
     # engine hooks send them), one by one otherwise.
     aligned = []
