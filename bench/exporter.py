@@ -7,11 +7,11 @@ A simulated decode step with 256 running requests records one ``tokens`` event p
 * many:       the hook builds 256 rows and hands them over with ``tokens.many(rows)``, plus ``step(...)``;
 * single:     ``tokens(ts, rid, 1, total)`` x 256 plus ``step(...)``: one call per event;
 * keyword:    ``exporter.emit(Tokens, ts=..., request_id=..., ...)`` x 256: the convenience path;
-* coalesced:  what the vLLM plugin did per step with ``step_tokens`` off: each request's new token id
+* coalesced:  what the vLLM plugin does per step by default (``step_tokens`` off): each new token id
               appended to its pending list, and every 16th step ``tokens.many`` with the 256 groups
               of 16 ids, plus the step (with its request ids);
-* columnar:   what it does by default (``step_tokens``): the 256 counts, totals and ids appended to
-              three lists that ride on the step event (schema 2), one event per step;
+* columnar:   what it does with ``step_tokens``: the 256 counts, totals and ids gathered into three
+              lists that ride on the step event (schema 2), one event per step;
 * worker:     what the worker thread later spends per event (numbering, building the Struct,
               encoding, validating) -- off the engine thread, but it shares the GIL.
 
@@ -27,7 +27,6 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
-from itertools import chain
 
 from engine_hooks.config import ExporterConfig
 from engine_hooks.events import Step, Tokens
@@ -127,24 +126,19 @@ def main() -> None:
         full_step(ts, 0, 0.01, RUNNING, list(rids), [], [], [])
         reset()
 
-    new_of: dict[str, list[int]] = {}
-    total_of: dict[str, int] = {}
     one = [1234]
 
     def columnar_step() -> None:
-        # as engine_hooks.vllm.reporter: each output's ids and total kept by request, then the three
-        # columns built in the order of the step's request ids
+        # as engine_hooks.vllm.reporter: a row and the new ids per output, in one pass, then the
+        # columns by one transposition (every scheduled request got a token: no second pass)
         ts = time.time()
+        rows = []
+        ids: list[int] = []
         for rid in rids:
-            new_of[rid] = one
-            total_of[rid] = 7
-        got = [new_of.get(rid) for rid in rids]
-        counts = [len(g) if g else 0 for g in got]
-        totals = [total_of.get(rid, 0) for rid in rids]
-        ids = list(chain.from_iterable(g for g in got if g))
-        new_of.clear()
-        total_of.clear()
-        full_step(ts, 0, 0.01, RUNNING, list(rids), counts, totals, ids)
+            rows.append((rid, rid, 1, 7))
+            ids += one
+        _, ext, counts, totals = zip(*rows, strict=True)
+        full_step(ts, 0, 0.01, RUNNING, list(ext), list(counts), list(totals), ids)
         reset()
 
     results = {}
@@ -169,7 +163,6 @@ def main() -> None:
         worker_ns = min(worker_ns, (time.perf_counter_ns() - started) / (50 * RUNNING))
         assert sum(p.events for p in prepared) == 50 * RUNNING
         reset()
-    exporter.shutdown(1.0)
 
     raw_us = results["raw"]
     print(
@@ -181,8 +174,8 @@ def main() -> None:
         "many": "tokens.many(256 rows) + step()",
         "single": "tokens(...) x256 + step()",
         "keyword": "emit(Tokens, **fields) x256",
-        "coalesced": "plugin, tokens events per 16 (off)",
-        "columnar": "plugin, tokens on the step (default)",
+        "coalesced": "plugin, tokens events of 16",
+        "columnar": "plugin, step_tokens (columns)",
     }
     per_step = {"keyword": RUNNING, "coalesced": 1 + RUNNING / 16, "columnar": 1}
     for name, label in labels.items():
@@ -220,6 +213,7 @@ def main() -> None:
             reset()
         worker_tok[name] = best
         print(f"  {'worker, ' + name + ' form':34s} {best:7.0f} ns per output token")
+    exporter.shutdown(1.0)
     print(
         json.dumps(
             {

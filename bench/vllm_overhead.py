@@ -1,11 +1,13 @@
 """What the vLLM plugin costs: the same workload on vLLM with and without LedgerScheduler, alternated.
 
-Two engine processes are started side by side (vLLM in-process mode inside each, tiny random-weight
-Llama, CPU): one with vLLM's own Scheduler, one with ``engine_hooks.vllm.LedgerScheduler`` reporting
-to a real ledger (``chunkledger serve --db null://``: the full HTTP ingest path, no storage). The parent
-asks them in turn (A B A B ...) to run one round of the same seeded workload, so that machine noise
-hits both alike, and prints the output tokens/s ratio (plugin / vanilla, median of rounds) and the p99
-step time ratio (all steps pooled). Goal: ratios >= 0.99 and <= 1.01.
+Three engine processes are started side by side (vLLM in-process mode inside each, tiny random-weight
+Llama, CPU): one with vLLM's own Scheduler, two with ``engine_hooks.vllm.LedgerScheduler`` reporting
+to a real ledger (``chunkledger serve --db null://``: the full HTTP ingest path, no storage), one
+with its defaults (``tokens`` events) and one with ``step_tokens`` (the tokens on the step events).
+The parent asks them in turn (rotating the order) to run one round of the same seeded workload, so
+that machine noise hits all alike, and prints the output tokens/s ratio (plugin / vanilla, median of
+rounds), the p99 step time ratio (all steps pooled) and the hooks' engine-thread time per step.
+Goal: ratios >= 0.99 and <= 1.01.
 
     .venv/bin/python -m bench.vllm_overhead                    # about a minute or two
     .venv/bin/python -m bench.vllm_overhead --rounds 6 --requests 48
@@ -151,23 +153,28 @@ def main() -> None:
     }
     procs: dict[str, subprocess.Popen[str]] = {}
     try:
-        for name, extra in (("vanilla", []), ("plugin", ["--plugin"])):
+        for name, extra, more_env in (
+            ("vanilla", [], {}),
+            ("plugin", ["--plugin"], {}),
+            ("plugin-steps", ["--plugin"], {"CHUNKLEDGER_VLLM_STEP_TOKENS": "1"}),
+        ):
             procs[name] = subprocess.Popen(
                 [*base, *extra, "--workdir", str(tmp / name)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=open(tmp / f"{name}.log", "w"),  # noqa: SIM115
                 text=True,
-                env=env,
+                env={**env, **more_env, "CHUNKLEDGER_SOURCE_ID": f"bench-overhead-{port}-{name}"},
             )
         for name, proc in procs.items():
             assert proc.stdout is not None
             line = proc.stdout.readline()
             if line.strip() != "ready":
                 raise SystemExit(f"{name} engine failed to start; see {tmp / (name + '.log')}")
-        results: dict[str, list[dict[str, Any]]] = {"vanilla": [], "plugin": []}
+        results: dict[str, list[dict[str, Any]]] = {name: [] for name in procs}
+        names = list(procs)
         for r in range(args.rounds + 1):
-            order = ("vanilla", "plugin") if r % 2 == 0 else ("plugin", "vanilla")
+            order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 proc = procs[name]
                 assert proc.stdin is not None and proc.stdout is not None
@@ -200,22 +207,23 @@ def main() -> None:
             sum(r["hook_s"] for r in rounds) / max(len(steps), 1) * 1e6,
         )
 
-    v, p = summary("vanilla"), summary("plugin")
+    v, p, ps = summary("vanilla"), summary("plugin"), summary("plugin-steps")
     print(
         f"vllm_overhead: tiny Llama hidden {args.hidden} x {args.layers} layers, {args.requests} requests x "
         f"{args.max_tokens} output tokens, budget {args.budget}, {args.rounds} rounds each, alternated"
     )
     print(
-        f"  {'engine':10} {'out tok/s':>10} {'step p50 ms':>12} {'step p99 ms':>12} {'steps':>7}"
+        f"  {'engine':12} {'out tok/s':>10} {'step p50 ms':>12} {'step p99 ms':>12} {'steps':>7}"
         f" {'hook us/step':>13}"
     )
-    for name, s in (("vanilla", v), ("plugin", p)):
-        print(f"  {name:10} {s[0]:10.1f} {s[1]:12.2f} {s[2]:12.2f} {s[3]:7d} {s[4]:13.1f}")
-    print(f"  throughput ratio (plugin / vanilla): {p[0] / v[0]:.3f}   (goal >= 0.99)")
-    print(f"  p99 step time ratio (plugin / vanilla): {p[2] / v[2]:.3f}")
-    print(
-        f"  hook cost on the engine thread: {p[4]:.1f} us per step = {p[4] / 1e3 / p[1]:.2%} of the p50 step"
-    )
+    for name, s in (("vanilla", v), ("plugin", p), ("plugin-steps", ps)):
+        print(f"  {name:12} {s[0]:10.1f} {s[1]:12.2f} {s[2]:12.2f} {s[3]:7d} {s[4]:13.1f}")
+    for name, s in (("plugin", p), ("plugin-steps", ps)):
+        print(f"  {name}: throughput ratio (/ vanilla) {s[0] / v[0]:.3f} (goal >= 0.99), p99 step time ratio")
+        print(
+            f"    {s[2] / v[2]:.3f}, hook cost on the engine thread {s[4]:.1f} us per step = "
+            f"{s[4] / 1e3 / s[1]:.2%} of the p50 step"
+        )
 
 
 if __name__ == "__main__":

@@ -77,7 +77,8 @@ class Reporter(HookState):
     _cl_active: bool  # reporting on (an exporter or a stand-in is set)
     _cl_exporter: Exporter | None
     _cl_pending: dict[str, ReqState]  # requests with output tokens not yet sent
-    _cl_new: dict[str, tuple[list[int], int]]  # step_tokens: a request's new ids this step, its total
+    _cl_new: list[tuple[str, str, int, int]]  # step_tokens: (id, ext, new tokens, total) per output
+    _cl_new_ids: list[int]  # step_tokens: their new ids, in the same order
     _cl_steps: dict[int, StepRecord | None]  # id(SchedulerOutput) -> its step, None: nothing ran
     _cl_blocks: Callable[[str, int], int]
     _e_queued: Emitter
@@ -94,7 +95,8 @@ class Reporter(HookState):
         self._cl_states = {}
         self._cl_by_ext = {}
         self._cl_pending = {}
-        self._cl_new = {}
+        self._cl_new = []
+        self._cl_new_ids = []
         self._cl_steps = {}
         self._cl_step = 0
         self._cl_blocks = compat.block_counter(self)
@@ -310,7 +312,7 @@ class Reporter(HookState):
         keep_ids = self.options.token_ids
         flush_n = self.options.tokens_flush
         in_step = self.options.step_tokens
-        new_of = self._cl_new
+        new_rows, new_ids = self._cl_new, self._cl_new_ids
         for eco in outputs.values():
             for out in eco.outputs:
                 rid = out.request_id
@@ -320,7 +322,9 @@ class Reporter(HookState):
                 new = out.new_token_ids
                 if new and in_step:
                     st.output += len(new)
-                    new_of[rid] = (new, st.output)
+                    new_rows.append((rid, st.ext, len(new), st.output))
+                    if keep_ids:
+                        new_ids += new
                 elif new:
                     if not st.pending:
                         st.pending_first_ts = ts
@@ -348,30 +352,28 @@ class Reporter(HookState):
         """Send the ``step`` event of ``scheduler_output`` (and feed its duration to the step-time
         fit when admission_step_target_s uses it)."""
         rec = self._cl_steps.pop(id(scheduler_output), None)
-        new_of = self._cl_new
+        rows, ids = self._cl_new, self._cl_new_ids
+        self._cl_new, self._cl_new_ids = [], []
         if rec is None:
-            new_of.clear()
             return
         duration = max(now - rec.started, 0.0)
+        request_ids = rec.request_ids
         counts: list[int] = []
         totals: list[int] = []
-        token_ids: list[int] = []
         if self.options.step_tokens:
-            keep_ids = self.options.token_ids
-            states = self._cl_states
-            for rid, before in zip(rec.rids, rec.outputs, strict=True):
-                got = new_of.get(rid)
-                if got is None:
-                    st = states.get(rid)
-                    counts.append(0)
-                    totals.append(st.output if st is not None else before)
-                    continue
-                new, total = got
-                counts.append(len(new))
-                totals.append(total)
-                if keep_ids:
-                    token_ids += new
-            new_of.clear()
+            # The requests that got tokens in the order of the outputs (their columns came with them, one
+            # pass), then those that got none (a partial prefill) with their totals when scheduled.
+            request_ids, counts, totals = [], [], []
+            if rows:
+                _, ext, n, total = zip(*rows, strict=True)
+                request_ids, counts, totals = list(ext), list(n), list(total)
+            if len(rows) != len(rec.rids):
+                got = {row[0] for row in rows}
+                for rid, e, before in zip(rec.rids, rec.request_ids, rec.outputs, strict=True):
+                    if rid not in got:
+                        request_ids.append(e)
+                        counts.append(0)
+                        totals.append(before)
         self._e_step(
             rec.ts,
             rec.step,
@@ -383,14 +385,14 @@ class Reporter(HookState):
             rec.running,
             rec.waiting,
             rec.kv_usage,
-            rec.request_ids,
+            request_ids,
             rec.prefill_depth_tokens,
             rec.max_prefill_depth,
             rec.stalled_request_ids,
             rec.stalled_kv_blocks,
             counts,
             totals,
-            token_ids,
+            ids,
         )
         if self.options.admission_step_target_s:
             prefill = rec.prefill_tokens
