@@ -100,7 +100,7 @@ def predict_variants(
         rec = read_recorded(
             conn, model=steps.model, source_ids=steps.source_ids, since=steps.since, until=steps.until
         )
-    base, _ = recorded_settings(rec.observed, rec, recorded)
+    base, _ = recorded_settings(rec, recorded)
     out: dict[str, Any] = {}
     for variant in variants:
         cost, info = step_cost(steps.data, variant)
