@@ -16,6 +16,13 @@ candidate's figures are kept in ``StepTimeFit.selection`` so the choice can be c
   prefill_tokens² / num_prefill_reqs, exact for one-chunk steps);
 * ``kv_usage``          decode attention over the KV in use (grows with the context being decoded).
 
+A candidate is kept on either of two cross-validated errors: the relative error of a step (each step
+counts alike, each held-out error capped so that stalls do not decide), or the error in time (each
+step weighted by its duration, uncapped). The first is what the advice needs among short steps; the
+second sees a term that only long steps show, such as the attention inside a 16k-token chunk. Capped,
+the few long steps' misfit looked like stalls and the term was never kept, though a profile over chunk
+sizes shows it plainly (in one: the error in time 22 % lower with it, the relative error 1 %).
+
 The fit is weighted least squares (weights 1/ŷ²: step noise is proportional to step time) made robust
 with Huber weights, so rare stalls do not bend the coefficients; the residual quantiles reported (and
 used as the advice's margin) are over every step, stalls included.
@@ -50,6 +57,7 @@ MIN_PREFILL_SIZES = 3  # distinct prefill token counts (the fit extrapolates bet
 MIN_DEPTHS = 3  # distinct chunk depths among prefill steps
 STEPS_PER_TERM = 10  # at least this many steps per fitted coefficient (candidates stop short of it)
 MIN_CV_GAIN = 0.02  # a candidate term must cut the cross-validated error by 2% (relative) to be kept
+MIN_TIME_GAIN = 0.10  # ... or the cross-validated error in time (steps weighted by duration) by 10%
 MIN_CV_GAIN_ABS = 1e-4  # ... and by 0.01 percentage points (noise-free data: no rounding-error terms)
 SELECTION_MAX_STEPS = 20_000  # term selection runs on a sample of at most this many steps
 
@@ -265,8 +273,16 @@ def fit_step_time(
     clip = CV_CLIP * max(robust_scale((ys - xsel @ base_beta) * np.sqrt(ws)), 1e-9)
     folds = rng.permutation(len(sel)) % CV_FOLDS
     best = cv_error(xsel, ys, ws, folds, clip)
+    wt = ws * ys  # each step weighted by its duration: the error in time
+    best_t = cv_error(xsel, ys, wt, folds, np.inf)
     selection: list[dict[str, Any]] = [
-        {"term": "base", "cv_rel_error": best, "kept": True, **in_sample(xsel, ys, ws)}
+        {
+            "term": "base",
+            "cv_rel_error": best,
+            "cv_time_error": best_t,
+            "kept": True,
+            **in_sample(xsel, ys, ws),
+        }
     ]
     remaining = list(candidates)
     while remaining and n >= STEPS_PER_TERM * (len(terms) + 1):
@@ -274,22 +290,40 @@ def fit_step_time(
         for cand in remaining:
             xc = np.column_stack([xsel, cand.column(data)[sel]])
             _, r = weighted_solve(xc, ys, ws)
-            score = cv_error(xc, ys, ws, folds, clip) if r == xc.shape[1] else float("inf")
-            tried.append((score, cand, xc))
-        score, cand, xc = min(tried, key=lambda s: s[0])
+            full = r == xc.shape[1]
+            score = cv_error(xc, ys, ws, folds, clip) if full else float("inf")
+            score_t = cv_error(xc, ys, wt, folds, np.inf) if full else float("inf")
+            tried.append((score, score_t, cand, xc))
+        score, score_t, cand, xc = min(tried, key=lambda s: s[0])
         if not (score <= best * (1 - MIN_CV_GAIN) and best - score >= MIN_CV_GAIN_ABS):
-            for s, c, xt in sorted(tried, key=lambda s: s[0]):
-                if np.isfinite(s):
-                    selection.append(
-                        {"term": c.name, "cv_rel_error": s, "kept": False, **in_sample(xt, ys, ws)}
-                    )
-                else:
-                    selection.append(
-                        {"term": c.name, "kept": False, "why": "no variation apart from the terms kept"}
-                    )
-            break
-        selection.append({"term": cand.name, "cv_rel_error": score, "kept": True, **in_sample(xc, ys, ws)})
-        best, xsel = score, xc
+            score, score_t, cand, xc = min(tried, key=lambda s: s[1])
+            if not (score_t <= best_t * (1 - MIN_TIME_GAIN) and best_t - score_t >= MIN_CV_GAIN_ABS):
+                for s, st, c, xt in sorted(tried, key=lambda s: s[0]):
+                    if np.isfinite(s):
+                        selection.append(
+                            {
+                                "term": c.name,
+                                "cv_rel_error": s,
+                                "cv_time_error": st,
+                                "kept": False,
+                                **in_sample(xt, ys, ws),
+                            }
+                        )
+                    else:
+                        selection.append(
+                            {"term": c.name, "kept": False, "why": "no variation apart from the terms kept"}
+                        )
+                break
+        selection.append(
+            {
+                "term": cand.name,
+                "cv_rel_error": score,
+                "cv_time_error": score_t,
+                "kept": True,
+                **in_sample(xc, ys, ws),
+            }
+        )
+        best, best_t, xsel = score, score_t, xc
         terms.append(cand)
         remaining.remove(cand)
     x = _design(data, terms)
