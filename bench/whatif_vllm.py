@@ -25,6 +25,12 @@
    :mod:`bench.whatif_diagnose` (where the errors come from) and :mod:`bench.whatif_variants` (the
    errors under changed step costs). Exits 0 whatever the errors: it reports.
 
+With ``--fit-profile``: after each scene, ``chunkledger profile`` runs the same tiny model on this CPU
+(chunk sizes 256 to 16,384 at depths to 32,768, next to 1, 4 and 8 decodes) and sends its steps to the
+run's ledger as source ``profile-scene``; the predictions then take their step time from that profile
+(``what_if(fit_source=...)``) instead of the recorded window, whose one chunk size cannot tell a
+per-chunk cost from a per-token one, nor show attention inside a chunk.
+
 ``self`` in the table: each configuration replayed under its own setting with its own window's fit
 (its calibration), which separates the model's error from the transfer's (``-`` when its window cannot
 be fitted, e.g. unchunked: no chunk at any depth).
@@ -62,7 +68,11 @@ SETTING_KEYS = (  # EngineSettings fields as vLLM ran them (head_of_line's worke
     "reserve_full_isl",
 )
 MODELLED_PLUGIN = ("admission_reserve", "admission_aging_s")  # the plugin options the model knows
-HOL_JSON, LEDGER_DB = "hol.json", "ledger.duckdb"
+HOL_JSON, LEDGER_DB, PROFILE_JSON = "hol.json", "ledger.duckdb", "profile.json"
+PROFILE_SOURCE = "profile-scene"
+SERVE = (sys.executable, "-m", "ledger.cli", "serve", "--db")
+PROFILE_PLAN = ("--chunk-sizes", "256,1024,4096,8192,16384", "--max-depth", "32768")
+PROFILE_PLAN += ("--decode-batches", "1,4,8")
 
 
 # -- what the model is given (tests/bench/test_whatif_vllm.py) ----------------------------------------
@@ -107,6 +117,50 @@ def run_scene(args: argparse.Namespace, work: Path) -> None:
         raise SystemExit(f"head_of_line failed (exit {proc.returncode}); its files are in {work}")
 
 
+def run_profile_into(work: Path, hidden: int, layers: int) -> None:
+    """``chunkledger profile`` on the scene's model size, its steps sent to ``work``'s ledger database
+    as ``PROFILE_SOURCE`` (a ledger is started on it for that), its report kept in ``PROFILE_JSON``."""
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    url = f"http://127.0.0.1:{port}"
+    with open(work / "profile-ledger.log", "wb") as log:
+        server = subprocess.Popen(
+            [*SERVE, f"duckdb:///{work / LEDGER_DB}", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            for _ in range(600):
+                try:
+                    if httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if server.poll() is not None:
+                    raise SystemExit(f"the ledger did not start; see {work / 'profile-ledger.log'}")
+                time.sleep(0.2)
+            cmd = [sys.executable, "-m", "ledger.cli", "profile", str(work / "profile-model"), "--tiny"]
+            cmd += ["--tiny-hidden", str(hidden), "--tiny-layers", str(layers), *PROFILE_PLAN]
+            cmd += ["--ledger", url, "--source-id", PROFILE_SOURCE, "--format", "json"]
+            print("$ " + " ".join(cmd[3:]), flush=True)
+            with open(work / "profile.log", "w") as err:
+                proc = subprocess.run(
+                    cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, timeout=1800
+                )
+            if proc.returncode:
+                raise SystemExit(f"profile failed (exit {proc.returncode}); see {work / 'profile.log'}")
+            (work / PROFILE_JSON).write_text(proc.stdout)
+        finally:
+            server.terminate()  # a clean stop: what the writer holds is committed first
+            server.wait(60)
+
+
 # -- reading the ledger ------------------------------------------------------------------------------
 
 
@@ -139,9 +193,11 @@ def what_if_on(
     candidates: Sequence[Mapping[str, Any]],
     cut: int,
     itl_target_ms: float | None,
+    fit_source: str | None = None,
 ) -> dict[str, Any]:
     """:func:`ledger.whatif.service.what_if` on one configuration's window, forced past a failed
-    calibration (this bench reports the error instead)."""
+    calibration (this bench reports the error instead); ``fit_source``: the steps the step time is
+    fitted on (default: the window's own)."""
     from ledger.whatif.service import what_if
 
     since, until = window_of(engine, result)
@@ -155,6 +211,7 @@ def what_if_on(
         long_prompt_tokens=cut,
         itl_target_ms=itl_target_ms,
         force=True,
+        fit_source=fit_source,
     )
 
 
@@ -182,6 +239,7 @@ def evaluate(engine: sa.Engine, results: list[dict[str, Any]], args: argparse.Na
         [settings_of(r["config"], r["engine"]) for r in others],
         args.long_prompt_tokens,
         target_ms,
+        PROFILE_SOURCE if args.fit_profile else None,
     )
     predicted = {args.recorded: answer["calibration"]["predicted"]}
     predicted.update(
@@ -257,6 +315,15 @@ def run_dirs(args: argparse.Namespace) -> list[Path]:
     return dirs
 
 
+def profile_dirs(args: argparse.Namespace, dirs: list[Path]) -> None:
+    """``--fit-profile``: a profile into each run's ledger that has none yet."""
+    for d in dirs:
+        if not (d / PROFILE_JSON).exists():
+            hol = json.loads((d / HOL_JSON).read_text())
+            scene = hol["scene"]
+            run_profile_into(d, int(scene.get("hidden", 128)), int(scene.get("layers", 2)))
+
+
 def analyse(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """One run's evaluation, diagnosis and variants, from its results and its ledger database."""
     from bench.whatif_diagnose import diagnose
@@ -302,13 +369,21 @@ def main() -> None:
     ap.add_argument("--workdir", default="", help="keep the runs here (default: a new temporary folder)")
     ap.add_argument("--reuse", default="", help="the folder of earlier runs: no vLLM, read their files")
     ap.add_argument("--json", default="", help="also write the comparison here")
+    ap.add_argument(
+        "--fit-profile",
+        action="store_true",
+        help="fit the step time on a chunkledger profile run (made after each scene) instead of the window",
+    )
     args = ap.parse_args()
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in HOL_CONFIGS]
     if unknown:
         raise SystemExit(f"--configs: unknown {unknown}")
     print(f"load average (1, 5, 15 min) at the start, on {os.cpu_count()} cores: {_load()}", flush=True)
-    runs = [analyse(args, d) for d in run_dirs(args)]
+    dirs = run_dirs(args)
+    if args.fit_profile:
+        profile_dirs(args, dirs)
+    runs = [analyse(args, d) for d in dirs]
     if not runs:
         raise SystemExit(f"--reuse {args.reuse}: no run there")
     target_s = args.itl_target_ms / 1e3 if args.itl_target_ms else None
