@@ -51,6 +51,9 @@ def whatif(
     ),
     fit_since: str | None = Query(None, max_length=64, description="fit step time on steps from then"),
     fit_until: str | None = Query(None, max_length=64, description="... until then"),
+    step_noise: bool = Query(
+        True, description="each replayed step's time times a factor from the window's own steps' spread"
+    ),
 ) -> dict[str, Any] | JSONResponse:
     if store.dialect == "null":
         return errors.error_response(
@@ -82,6 +85,7 @@ def whatif(
             fit_source=fit_source,
             fit_since=fit_since,
             fit_until=fit_until,
+            step_noise=step_noise,
         )
     finally:
         _BUSY.release()

@@ -67,6 +67,12 @@ def whatif(
         str | None, typer.Option(help="fit step time on steps from then (same forms)")
     ] = None,
     fit_until: Annotated[str | None, typer.Option(help="... until then")] = None,
+    step_noise: Annotated[
+        bool,
+        typer.Option(
+            help="each replayed step's time times a factor drawn from the window's own steps' spread"
+        ),
+    ] = True,
     token: ReadTokenOpt = None,
     format: FormatOpt = "table",
 ) -> None:
@@ -94,6 +100,7 @@ def whatif(
         "fit_source": fit_source,
         "fit_since": fit_since,
         "fit_until": fit_until,
+        "step_noise": step_noise,
     }
 
     def compute(engine: Any) -> dict[str, Any]:

@@ -40,7 +40,7 @@ shape (the fast-forward calls it once per distinct shape in a row).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -60,10 +60,13 @@ def replay(
     settings: EngineSettings,
     step_cost: StepCost,
     *,
+    noise: Callable[[int, bool], float] | None = None,
     fast_forward: bool = True,
     vectorized: bool = True,
 ) -> Replay:
-    """Replay ``requests`` under ``settings``, each step lasting ``step_cost(shape)`` seconds.
+    """Replay ``requests`` under ``settings``, each step lasting ``step_cost(shape)`` seconds, times
+    ``noise(k, prefill)`` for the ``k``-th step (from 0; ``prefill``: it runs a chunk) when given
+    (:class:`ledger.whatif.noise.StepNoise`).
 
     Raises ValueError naming the first request the engine could never run: one whose KV for prompt +
     output - 1 tokens exceeds the KV cache, or, with chunked prefill off, whose prompt (less its
@@ -88,7 +91,7 @@ def replay(
             st.now = st.arrival_list[st.next_arrival]  # idle until the next arrival
             continue
         queue.prepare(st.now)
-        if fast_forward and n and _fast_forward(st, step_cost):
+        if fast_forward and n and _fast_forward(st, step_cost, noise):
             continue
         eligible = n + len(queue)
         thr = settings.long_prefill_token_threshold if eligible > 1 else 0
@@ -116,7 +119,7 @@ def replay(
             if preempted:
                 continue  # nothing ran: the next schedule() comes at once
             raise RuntimeError(f"the replay is stuck at t={st.now}: nothing can run (a bug in the model)")
-        _run_step(st, idx, new, before, step_cost)
+        _run_step(st, idx, new, before, step_cost, noise)
     return _results(st)
 
 
@@ -136,7 +139,14 @@ def _reserve_cap(st: State) -> int | None:
     )
 
 
-def _run_step(st: State, idx: np.ndarray, new: np.ndarray, before: np.ndarray, cost: StepCost) -> None:
+def _run_step(
+    st: State,
+    idx: np.ndarray,
+    new: np.ndarray,
+    before: np.ndarray,
+    cost: StepCost,
+    noise: Callable[[int, bool], float] | None,
+) -> None:
     """Time the scheduled step and apply its outcome: tokens, first tokens, gaps, finishes."""
     t = st.now
     prefill = (before < st.prompt[idx]) | (new > 1)
@@ -154,7 +164,8 @@ def _run_step(st: State, idx: np.ndarray, new: np.ndarray, before: np.ndarray, c
         )
     else:
         shape = StepShape(0, 0, 0, 0, len(idx), usage)
-    end = t + step_seconds(cost, shape)
+    d = step_seconds(cost, shape)
+    end = t + (d * noise(st.steps, n_prefill > 0) if noise is not None else d)
     after = before + new
     st.comp[idx] = after
     ntok = st.ntok[idx]

@@ -33,6 +33,7 @@ from ledger.advice.query import read_steps
 from ledger.refusal import Refusal
 from ledger.whatif.cost import fitted_cost
 from ledger.whatif.model import replay
+from ledger.whatif.noise import StepNoise, window_noise
 from ledger.whatif.results import Replay
 from ledger.whatif.trace import Recorded, read_recorded
 from ledger.whatif.types import POLICIES, EngineSettings, StepCost, StepShape, TraceRequest
@@ -143,10 +144,13 @@ def recorded_settings(recorded: Recorded, given: Mapping[str, Any]) -> tuple[Eng
 
 # -- replay over the window's engines -----------------------------------------------------------------
 def pooled_replay(
-    requests: Mapping[str, Sequence[TraceRequest]], settings: EngineSettings, cost: StepCost
+    requests: Mapping[str, Sequence[TraceRequest]],
+    settings: EngineSettings,
+    cost: StepCost,
+    noise: StepNoise | None = None,
 ) -> Replay:
     """Each engine's requests through its own scheduler model, the results pooled (engines in the
-    order of ``requests``)."""
+    order of ``requests``); ``noise``: each step's factor (:mod:`ledger.whatif.noise`)."""
     parts = []
     bs = settings.block_size
     for sid, reqs in requests.items():
@@ -158,7 +162,7 @@ def pooled_replay(
             for r in reqs
         ]
         try:
-            parts.append(replay(reqs, settings, cost))
+            parts.append(replay(reqs, settings, cost, noise=noise))
         except ValueError as exc:
             raise WhatIfError("cannot_replay", f"engine {sid}: {exc}", status=422) from None
     return Replay(
@@ -248,6 +252,7 @@ def what_if(
     fit_source: str | None = None,
     fit_since: str | float | None = None,
     fit_until: str | float | None = None,
+    step_noise: bool = True,
     now: float | None = None,
 ) -> dict[str, Any]:
     """The what-if answer (the module docstring says what it holds); WhatIfError when there is none.
@@ -256,7 +261,9 @@ def what_if(
     window's: one engine's (e.g. a ``chunkledger profile`` run sent to the ledger, which measures
     chunk sizes x depths x decode batches: a window that ran one chunk size cannot tell a per-chunk
     cost from a per-token one), over all its steps unless a fit window is given; or the window's own
-    engines over another window."""
+    engines over another window. ``step_noise``: each replayed step's fitted time times a factor drawn
+    from the window's own steps' ``actual / fitted`` (:mod:`ledger.whatif.noise`): the tails come from
+    the steps that ran long."""
     t0 = time.perf_counter()
     try:
         steps = read_steps(engine, model=model, source_id=source_id, since=since, until=until, now=now)
@@ -299,9 +306,10 @@ def what_if(
     base_values = dataclasses.asdict(base)
     long_tokens = long_prompt_tokens if long_prompt_tokens is not None else default_long_prompt(rec)
     cost = fitted_cost(fit)
+    noise = window_noise(fit, steps.data) if step_noise else None
 
     measured = rec.summary(long_tokens)
-    predicted = pooled_replay(rec.requests, base, cost).summary(long_tokens)
+    predicted = pooled_replay(rec.requests, base, cost, noise).summary(long_tokens)
     error = {k: _rel(predicted.get(k), measured.get(k)) for k in CALIBRATED}
     worst = max((abs(v) for v in error.values() if v is not None), default=None)
     calibration = {
@@ -327,7 +335,9 @@ def what_if(
     for asked in candidates:
         values = {**base_values, **asked}
         coverage = Coverage(cost)
-        summary = pooled_replay(rec.requests, _settings(values, _name(asked)), coverage).summary(long_tokens)
+        summary = pooled_replay(rec.requests, _settings(values, _name(asked)), coverage, noise).summary(
+            long_tokens
+        )
         rows.append(
             {
                 "name": _name(asked),
@@ -356,12 +366,29 @@ def what_if(
             "until": fit_steps.until,
             "steps": len(fit_steps.data),
         },
+        "step_noise": _noise_figures(noise, step_noise),
         "long_prompt_tokens": long_tokens,
         "targets": {"itl_p99_ms": itl_target_ms, "short_ttft_p99_ms": ttft_target_ms},
         "calibration": calibration,
         "candidates": rows,
         "elapsed_s": time.perf_counter() - t0,
     }
+
+
+def _noise_figures(noise: StepNoise | None, asked: bool) -> dict[str, Any]:
+    """What the replay's step noise was drawn from: the window's steps' ``actual / fitted``."""
+    if noise is None:
+        return {"applied": False, "why": "off" if not asked else "too few steps in the window"}
+    out: dict[str, Any] = {"applied": True}
+    for name, values in (("decode", noise.decode), ("prefill", noise.prefill)):
+        r = np.asarray(values)
+        out[name] = {
+            "steps": len(r),
+            "mean": float(r.mean()),
+            "p50": float(np.quantile(r, 0.5)),
+            "p99": float(np.quantile(r, 0.99)),
+        }
+    return out
 
 
 def _tails(summary: Mapping[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from ledger.whatif.model import replay
+from ledger.whatif.noise import StepNoise
 from ledger.whatif.queues import ReserveQueue
 from ledger.whatif.results import Replay, weighted_quantile
 from ledger.whatif.schedule import choose_victim
@@ -392,6 +393,77 @@ def test_fast_forward_and_vectorized_pass_give_the_plain_loops_results(
     assert fast.preemptions.sum() > 0
     assert not np.isnan(fast.e2e_s).any()
     assert _fingerprint(fast) == _fingerprint(plain) == _fingerprint(loop)
+    # with step noise too: the fast-forward draws step k's factor as the plain loop does
+    noise = StepNoise([0.9, 1.0, 1.1, 2.5], [0.95, 1.3], seed=seed)
+    noisy = replay(reqs, settings, kv_cost, noise=noise)
+    assert _fingerprint(noisy) == _fingerprint(
+        replay(reqs, settings, kv_cost, noise=noise, fast_forward=False)
+    )
+    assert _fingerprint(noisy) != _fingerprint(fast)
+
+
+# -- step noise ------------------------------------------------------------------------------------
+
+
+def test_step_noise_draws_a_deterministic_factor_per_step_from_its_class() -> None:
+    noise = StepNoise([1.0, 2.0, 3.0], [10.0], seed=7)
+    draws = [noise(k) for k in range(3000)]
+    assert draws == [noise(k) for k in range(3000)]  # a function of the step, not a stream
+    assert collections.Counter(draws).keys() == {1.0, 2.0, 3.0}
+    assert all(400 < c < 1600 for c in collections.Counter(draws).values())  # spread, not stuck
+    assert {noise(k, True) for k in range(100)} == {10.0}
+    assert [StepNoise([1.0, 2.0, 3.0], seed=8)(k) for k in range(50)] != draws[:50]
+    with pytest.raises(ValueError, match="finite ratios > 0"):
+        StepNoise([1.0, 0.0])
+
+
+def test_step_noise_puts_the_windows_tail_into_the_replayed_itl_p99() -> None:
+    # 2 % of the steps take 3x their fitted time: a mean replay's ITL p99 misses them
+    reqs = _random_trace(3, 200)
+    settings = EngineSettings(512, 64, 2000)
+    plain = replay(reqs, settings, kv_cost)
+    noise = StepNoise([1.0] * 98 + [3.0] * 2, seed=1)
+    noisy = replay(reqs, settings, kv_cost, noise=noise)
+
+    def p99(out: Replay) -> float:
+        return weighted_quantile(out.itl_gap_s, out.itl_count, 0.99)
+
+    def p50(out: Replay) -> float:
+        return weighted_quantile(out.itl_gap_s, out.itl_count, 0.50)
+
+    assert p99(noisy) > 2.0 * p99(plain)
+    assert p50(noisy) == pytest.approx(p50(plain), rel=0.1)
+
+
+def test_window_noise_takes_each_classes_ratios_against_the_fit() -> None:
+    from ledger.advice.fit import fit_step_time
+    from ledger.advice.terms import StepData
+    from ledger.whatif.noise import window_noise
+
+    rng = np.random.default_rng(0)
+    n = 600
+    prefill = np.where(rng.random(n) < 0.3, rng.integers(64, 2048, n), 0).astype(float)
+    depth = np.where(prefill > 0, rng.integers(0, 8, n) * 512, 0).astype(float)
+    decodes = rng.integers(1, 32, n).astype(float)
+    base = 0.002 + 2e-5 * prefill + 1e-9 * prefill * depth + 3e-4 * decodes
+    factor = np.where(prefill > 0, 1.0, np.where(rng.random(n) < 0.05, 3.0, 1.0))  # decode-only hiccups
+    data = StepData.from_columns(
+        {
+            "duration_s": base * factor,
+            "prefill_tokens": prefill,
+            "prefill_depth_tokens": prefill * depth,
+            "max_prefill_depth": depth,
+            "num_prefill_reqs": (prefill > 0).astype(float),
+            "num_decode_reqs": decodes,
+            "kv_usage": np.full(n, 0.3),
+        }
+    )
+    fit = fit_step_time(data)
+    noise = window_noise(fit, data)
+    assert noise is not None
+    assert max(noise.decode) == pytest.approx(3.0, rel=0.05)  # the decode-only hiccups
+    assert max(noise.prefill) < 1.2  # prefill steps ran on time
+    assert window_noise(fit, data.select(np.arange(n) < 10)) is None  # too few steps
 
 
 # -- inputs -----------------------------------------------------------------------------------

@@ -104,6 +104,13 @@ def test_replaying_the_recorded_setting_gives_back_the_measured_tails(runs):
     # the ledger's ITL is read off step intervals in 0.5 % bins, the replay's off its own steps
     assert abs(cal["error"]["itl_p99_s"]) < 0.15, cal
     assert cal["max_error"] < 0.15
+    # the simulator's steps take exactly their modelled time: the window's noise is a factor of 1
+    noise = out["step_noise"]
+    assert noise["applied"] and noise["decode"]["steps"] > 1000
+    for cls in ("decode", "prefill"):
+        assert noise[cls]["p50"] == pytest.approx(1.0, abs=0.01) and noise[cls]["p99"] < 1.05
+    off = answer(runs["recorded"], candidates=[], recorded=RECORDED, step_noise=False)
+    assert off["step_noise"] == {"applied": False, "why": "off"}
 
 
 def recorded_window(db_url: str) -> tuple[Recorded, Any]:
