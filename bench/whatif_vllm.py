@@ -194,6 +194,7 @@ def what_if_on(
     cut: int,
     itl_target_ms: float | None,
     fit_source: str | None = None,
+    step_noise: bool = True,
 ) -> dict[str, Any]:
     """:func:`ledger.whatif.service.what_if` on one configuration's window, forced past a failed
     calibration (this bench reports the error instead); ``fit_source``: the steps the step time is
@@ -212,15 +213,19 @@ def what_if_on(
         itl_target_ms=itl_target_ms,
         force=True,
         fit_source=fit_source,
+        step_noise=step_noise,
     )
 
 
-def self_replay(engine: sa.Engine, result: Mapping[str, Any], cut: int) -> dict[str, Any] | None:
+def self_replay(
+    engine: sa.Engine, result: Mapping[str, Any], cut: int, step_noise: bool = True
+) -> dict[str, Any] | None:
     """A configuration's own calibration (its setting, its window's fit); None when it has none."""
     from ledger.whatif.service import WhatIfError
 
     try:
-        return dict(what_if_on(engine, result, [], cut, None)["calibration"]["predicted"])
+        answer = what_if_on(engine, result, [], cut, None, step_noise=step_noise)
+        return dict(answer["calibration"]["predicted"])
     except WhatIfError as exc:
         return {"refused": exc.reason}
 
@@ -240,6 +245,7 @@ def evaluate(engine: sa.Engine, results: list[dict[str, Any]], args: argparse.Na
         args.long_prompt_tokens,
         target_ms,
         PROFILE_SOURCE if args.fit_profile else None,
+        args.step_noise,
     )
     predicted = {args.recorded: answer["calibration"]["predicted"]}
     predicted.update(
@@ -254,7 +260,7 @@ def evaluate(engine: sa.Engine, results: list[dict[str, Any]], args: argparse.Na
                 "recorded": name == args.recorded,
                 "settings": settings_of(name, r["engine"]),
                 "unmodelled": unmodelled(name, r["engine"]),
-                "self": self_replay(engine, r, args.long_prompt_tokens),
+                "self": self_replay(engine, r, args.long_prompt_tokens, args.step_noise),
                 "measured_all": measured_of(engine, r, args.long_prompt_tokens),
                 "predicted_all": predicted[name],
             }
@@ -369,6 +375,12 @@ def main() -> None:
     ap.add_argument("--workdir", default="", help="keep the runs here (default: a new temporary folder)")
     ap.add_argument("--reuse", default="", help="the folder of earlier runs: no vLLM, read their files")
     ap.add_argument("--json", default="", help="also write the comparison here")
+    ap.add_argument(
+        "--no-step-noise",
+        dest="step_noise",
+        action="store_false",
+        help="replay the fitted step times alone (no factor from the window's spread)",
+    )
     ap.add_argument(
         "--fit-profile",
         action="store_true",
