@@ -379,8 +379,8 @@ class WhatIf(BaseModel):
     window: dict[str, Any] = Field(description="model, source_ids, since, until, requests, skipped, observed")
     fit: dict[str, Any] = Field(description="the step-time fit the replay uses: r2, cv_rel_error, terms")
     step_noise: dict[str, Any] = Field(
-        description="the factors each replayed step's fitted time is multiplied by, drawn from the window's "
-        "steps' actual / fitted per class: applied, decode and prefill (steps, mean, p50, p99), or why not"
+        description="the factors each replayed decode-only step's fitted time is multiplied by, drawn from "
+        "the window's decode-only steps' actual / fitted: applied, decode_steps, mean, p50, p99; or why not"
     )
     long_prompt_tokens: int | None
     targets: dict[str, Any]

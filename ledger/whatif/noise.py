@@ -1,12 +1,13 @@
-"""Step-time noise for the replay: the measured spread of real steps around the fitted step time.
+"""Step-time noise for the replay: the measured spread of decode steps around their fitted time.
 
-A fit predicts a step's mean time; a tail (a decode ITL p99, a short request's TTFT p99) is made of
-the steps that ran long: a descheduled thread, a garbage collection, a cache-cold kernel. On this
-CPU a decode step's p99 is about twice its fitted time, so a replay of mean times predicted ITL p99
-at half of what was measured. The replay therefore multiplies step ``k``'s fitted time by a factor
-drawn from the recorded window's own ratios ``actual / fitted`` of steps of its class (decode-only, or
-with a prefill chunk; :func:`ratios`): the window's spread, and, when the fit comes from elsewhere (a
-profile), the window's level against it.
+A fit predicts a step's mean time; a decode ITL p99 is made of the decode steps that ran long: a
+descheduled thread, a garbage collection, a cache-cold kernel. On this CPU a decode-only step's p99
+is about twice its fitted time, so a replay of mean times predicted ITL p99 at under half of what was
+measured. The replay therefore multiplies a decode-only step's fitted time by a factor drawn from the
+recorded window's own decode-only steps' ratios ``actual / fitted`` (:func:`ratios`). Steps that run a
+prefill chunk keep their fitted time: drawn from the window's prefill steps (short prompts' prefills,
+mostly), factors made a profile-fitted replay's long prompts 30-50 % slow (``bench.whatif_vllm``);
+their time is what the fit is for.
 
 The draw for step ``k`` is a hash of ``k`` and a seed, not a random stream, so a replay is
 deterministic and the fast-forward (:mod:`ledger.whatif.fastforward`), which times many steps in one
@@ -28,22 +29,23 @@ _MASK = (1 << 64) - 1
 
 
 class StepNoise:
-    """``noise(k, prefill)``: the factor of step ``k`` (an index from 0), one of the ratios of its
-    class (steps that ran a prefill chunk, or decode-only steps), chosen by a hash of ``k`` and
-    ``seed``. The classes differ: a decode-only step's tail is its own (a 2 ms step doubled by a
-    hiccup), a long chunk's time varies far less."""
+    """``noise(k, prefill)``: the factor of step ``k`` (an index from 0): for a decode-only step, one
+    of ``decode`` chosen by a hash of ``k`` and ``seed``; for a step with a prefill chunk, one of
+    ``prefill`` likewise when given, else 1."""
 
     def __init__(
         self, decode: np.ndarray | list[float], prefill: np.ndarray | list[float] | None = None, seed: int = 0
     ) -> None:
         self.decode = _checked(decode)
-        self.prefill = _checked(prefill) if prefill is not None and len(prefill) else self.decode
+        self.prefill = _checked(prefill) if prefill is not None else None
         self._seed = int(seed) & _MASK
 
     def __call__(self, k: int, prefill: bool = False) -> float:
+        values = self.prefill if prefill else self.decode
+        if values is None:
+            return 1.0
         h = ((k + 1) * _MULT ^ self._seed) & _MASK
         h = ((h ^ (h >> 31)) * _MULT) & _MASK  # splitmix-like: neighbouring steps draw unrelated factors
-        values = self.prefill if prefill else self.decode
         return values[(h >> 11) % len(values)]
 
 
@@ -54,33 +56,23 @@ def _checked(ratios: np.ndarray | list[float]) -> list[float]:
     return values.tolist()
 
 
-def ratios(fit: StepTimeFit, data: StepData) -> tuple[np.ndarray, np.ndarray]:
-    """``duration / fitted`` of the steps of ``data`` within ``RATIO_RANGE``: (decode-only steps, steps
-    that ran a prefill chunk)."""
-    ran = (data.prefill_tokens > 0) | (data.num_decode_reqs > 0)
-    if not np.any(ran):
-        return np.zeros(0), np.zeros(0)
-    steps = data.select(ran)
-    predicted = fit.predict(steps)
+def ratios(fit: StepTimeFit, data: StepData) -> np.ndarray:
+    """``duration / fitted`` of the decode-only steps of ``data``, within ``RATIO_RANGE``."""
+    decode_only = (data.prefill_tokens == 0) & (data.num_decode_reqs > 0)
+    if not np.any(decode_only):
+        return np.zeros(0)
+    steps = data.select(decode_only)
     with np.errstate(divide="ignore", invalid="ignore"):
-        r = steps.duration_s / predicted
+        r = steps.duration_s / fit.predict(steps)
     lo, hi = RATIO_RANGE
-    ok = np.isfinite(r) & (r >= lo) & (r <= hi)
-    pre = steps.prefill_tokens > 0
-    return r[ok & ~pre], r[ok & pre]
+    return r[np.isfinite(r) & (r >= lo) & (r <= hi)]
 
 
 def window_noise(fit: StepTimeFit, data: StepData, seed: int = 0) -> StepNoise | None:
-    """The noise of a window's steps against ``fit``, per class (a class with fewer than ``MIN_STEPS``
-    steps takes the other's); None when the window has too few steps in all."""
-    decode, prefill = ratios(fit, data)
-    if len(decode) + len(prefill) < MIN_STEPS:
-        return None
-    if len(decode) < MIN_STEPS:
-        decode = np.concatenate((decode, prefill))
-    if len(prefill) < MIN_STEPS:
-        prefill = np.concatenate((decode, prefill)) if len(prefill) else decode
-    return StepNoise(decode, prefill, seed)
+    """The noise of a window's decode-only steps against ``fit``; None when fewer than ``MIN_STEPS``
+    tell it."""
+    r = ratios(fit, data)
+    return StepNoise(r, seed=seed) if len(r) >= MIN_STEPS else None
 
 
 __all__ = ["StepNoise", "ratios", "window_noise"]

@@ -261,9 +261,9 @@ def what_if(
     window's: one engine's (e.g. a ``chunkledger profile`` run sent to the ledger, which measures
     chunk sizes x depths x decode batches: a window that ran one chunk size cannot tell a per-chunk
     cost from a per-token one), over all its steps unless a fit window is given; or the window's own
-    engines over another window. ``step_noise``: each replayed step's fitted time times a factor drawn
-    from the window's own steps' ``actual / fitted`` (:mod:`ledger.whatif.noise`): the tails come from
-    the steps that ran long."""
+    engines over another window. ``step_noise``: each replayed decode-only step's fitted time times a
+    factor drawn from the window's own decode-only steps' ``actual / fitted`` (:mod:`ledger.whatif.noise`):
+    the ITL tail comes from the steps that ran long."""
     t0 = time.perf_counter()
     try:
         steps = read_steps(engine, model=model, source_id=source_id, since=since, until=until, now=now)
@@ -376,19 +376,17 @@ def what_if(
 
 
 def _noise_figures(noise: StepNoise | None, asked: bool) -> dict[str, Any]:
-    """What the replay's step noise was drawn from: the window's steps' ``actual / fitted``."""
+    """What the replay's step noise was drawn from: the window's decode-only steps' ``actual / fitted``."""
     if noise is None:
         return {"applied": False, "why": "off" if not asked else "too few steps in the window"}
-    out: dict[str, Any] = {"applied": True}
-    for name, values in (("decode", noise.decode), ("prefill", noise.prefill)):
-        r = np.asarray(values)
-        out[name] = {
-            "steps": len(r),
-            "mean": float(r.mean()),
-            "p50": float(np.quantile(r, 0.5)),
-            "p99": float(np.quantile(r, 0.99)),
-        }
-    return out
+    r = np.asarray(noise.decode)
+    return {
+        "applied": True,
+        "decode_steps": len(r),
+        "mean": float(r.mean()),
+        "p50": float(np.quantile(r, 0.5)),
+        "p99": float(np.quantile(r, 0.99)),
+    }
 
 
 def _tails(summary: Mapping[str, Any]) -> dict[str, Any]:

@@ -106,9 +106,8 @@ def test_replaying_the_recorded_setting_gives_back_the_measured_tails(runs):
     assert cal["max_error"] < 0.15
     # the simulator's steps take exactly their modelled time: the window's noise is a factor of 1
     noise = out["step_noise"]
-    assert noise["applied"] and noise["decode"]["steps"] > 1000
-    for cls in ("decode", "prefill"):
-        assert noise[cls]["p50"] == pytest.approx(1.0, abs=0.01) and noise[cls]["p99"] < 1.05
+    assert noise["applied"] and noise["decode_steps"] > 500
+    assert noise["p50"] == pytest.approx(1.0, abs=0.01) and noise["p99"] < 1.05
     off = answer(runs["recorded"], candidates=[], recorded=RECORDED, step_noise=False)
     assert off["step_noise"] == {"applied": False, "why": "off"}
 
