@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from ledger.whatif.model import replay
+from ledger.whatif.noise import StepNoise
 from ledger.whatif.types import EngineSettings, StepShape, TraceRequest
 
 
@@ -58,6 +59,12 @@ def main() -> None:
     ap.add_argument("--reserve", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--check", action="store_true", help="also replay without fast-forward and compare")
+    ap.add_argument(
+        "--no-step-noise",
+        dest="step_noise",
+        action="store_false",
+        help="replay fitted times alone (what-if multiplies decode-only steps by the window's spread)",
+    )
     args = ap.parse_args()
     settings = EngineSettings(
         max_num_batched_tokens=args.budget,
@@ -71,11 +78,14 @@ def main() -> None:
         trace(rng, args.requests, args.hour_s, args.long_every, settings.block_size)
         for _ in range(args.engines)
     ]
+    # as what_if() does by default: decode-only steps times a factor from a window's spread (log-normal
+    # here, sigma 0.2, a CPU's decode steps)
+    noise = StepNoise(np.exp(rng.normal(0.0, 0.2, 4000)), seed=args.seed) if args.step_noise else None
     total_wall = 0.0
     total_steps = total_reqs = 0
     for k, reqs in enumerate(traces):
         t0 = time.perf_counter()
-        out = replay(reqs, settings, cost)
+        out = replay(reqs, settings, cost, noise=noise)
         wall = time.perf_counter() - t0
         total_wall += wall
         total_steps += out.steps
@@ -91,7 +101,7 @@ def main() -> None:
         )
         if args.check:
             t0 = time.perf_counter()
-            plain = replay(reqs, settings, cost, fast_forward=False)
+            plain = replay(reqs, settings, cost, noise=noise, fast_forward=False)
             plain_wall = time.perf_counter() - t0
             same = (
                 np.array_equal(plain.ttft_s, out.ttft_s)
