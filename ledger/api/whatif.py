@@ -51,6 +51,13 @@ def whatif(
     ),
     fit_since: str | None = Query(None, max_length=64, description="fit step time on steps from then"),
     fit_until: str | None = Query(None, max_length=64, description="... until then"),
+    attention_source: str | None = Query(
+        None,
+        min_length=1,
+        max_length=128,
+        description="fit the attention inside a chunk on this engine's steps (a profile run), the rest on "
+        "the window's",
+    ),
     step_noise: bool = Query(
         True, description="each replayed step's time times a factor from the window's own steps' spread"
     ),
@@ -85,6 +92,7 @@ def whatif(
             fit_source=fit_source,
             fit_since=fit_since,
             fit_until=fit_until,
+            attention_source=attention_source,
             step_noise=step_noise,
         )
     finally:

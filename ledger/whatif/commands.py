@@ -67,6 +67,13 @@ def whatif(
         str | None, typer.Option(help="fit step time on steps from then (same forms)")
     ] = None,
     fit_until: Annotated[str | None, typer.Option(help="... until then")] = None,
+    attention_source: Annotated[
+        str | None,
+        typer.Option(
+            help="fit the attention inside a chunk on this engine's steps (a chunkledger profile run), "
+            "the rest on the window's"
+        ),
+    ] = None,
     step_noise: Annotated[
         bool,
         typer.Option(
@@ -100,6 +107,7 @@ def whatif(
         "fit_source": fit_source,
         "fit_since": fit_since,
         "fit_until": fit_until,
+        "attention_source": attention_source,
         "step_noise": step_noise,
     }
 

@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from ledger.advice.advisor import AdviceError
 from ledger.advice.fit import FitError, StepTimeFit, fit_step_time
 from ledger.advice.query import read_steps
+from ledger.advice.terms import CANDIDATE_TERMS, TERMS, Term
 from ledger.refusal import Refusal
 from ledger.whatif.cost import fitted_cost
 from ledger.whatif.model import replay
@@ -197,18 +198,64 @@ class Coverage:
             self.num_decode_reqs = shape.num_decode_reqs
         return self._cost(shape)
 
-    def outside(self, fit: StepTimeFit) -> list[str]:
-        """What the replay asked of the fit beyond EXTRAPOLATION x what the fit's steps covered."""
+    def outside(self, fit: StepTimeFit, attention: StepTimeFit | None = None) -> list[str]:
+        """What the replay asked of the fit beyond EXTRAPOLATION x what the fit's steps covered (and,
+        for the prefill's size and depth, the steps ``attention``, the in-chunk term's fit, covered)."""
         r = fit.ranges
+        tokens, depth = r.prefill_tokens[1], r.max_prefill_depth[1]
+        if attention is not None:
+            tokens = max(tokens, attention.ranges.prefill_tokens[1])
+            depth = max(depth, attention.ranges.max_prefill_depth[1])
         out = []
         for name, asked, covered in (
-            ("prefill tokens per step", self.prefill_tokens, r.prefill_tokens[1]),
-            ("prefill depth", self.max_prefill_depth, r.max_prefill_depth[1]),
+            ("prefill tokens per step", self.prefill_tokens, tokens),
+            ("prefill depth", self.max_prefill_depth, depth),
             ("decoding requests per step", self.num_decode_reqs, r.num_decode_reqs[1]),
         ):
             if asked > EXTRAPOLATION * max(covered, 1):
                 out.append(f"{name} up to {asked:,} (the fit's steps: up to {int(covered):,})")
         return out
+
+
+_SQ = TERMS["prefill_tokens_sq"]
+
+
+def _attention_term(
+    engine: sa.Engine, source_id: str | None, now: float | None
+) -> tuple[StepTimeFit | None, float]:
+    """The fit of ``source_id``'s steps and its in-chunk attention coefficient (s per token²); (None,
+    0) without a source. Refused when those steps do not show it."""
+    if source_id is None:
+        return None, 0.0
+    try:
+        steps = read_steps(engine, model=None, source_id=source_id, since=None, until=None, now=now)
+        fit = fit_step_time(steps.data)
+    except AdviceError as exc:
+        raise WhatIfError(exc.reason, f"attention_source: {exc}", status=exc.status, **exc.details) from None
+    except FitError as exc:
+        raise WhatIfError(
+            exc.reason, f"attention_source: cannot fit {source_id}'s steps: {exc}", status=409
+        ) from None
+    value = {c.term: c.value_s for c in fit.coefficients}.get(_SQ.name)
+    if value is None or value <= 0:
+        raise WhatIfError(
+            "attention_not_measured",
+            f"attention_source: the steps of {source_id!r} do not show attention inside a chunk (the fit "
+            "kept no tokens² term): profile larger chunk sizes (chunkledger profile --chunk-sizes "
+            "256,1024,4096,8192,16384 --max-depth 32768)",
+            status=409,
+            terms=list(fit.terms),
+        )
+    return fit, value
+
+
+def _plus_attention(cost: StepCost, per_token2: float) -> StepCost:
+    """``cost`` plus the in-chunk attention: ``per_token2`` x tokens² per chunk."""
+
+    def with_attention(shape: StepShape) -> float:
+        return cost(shape) + per_token2 * float(shape.prefill_tokens) ** 2 / max(shape.num_prefill_reqs, 1)
+
+    return with_attention
 
 
 def _rel(predicted: Any, measured: Any) -> float | None:
@@ -252,6 +299,7 @@ def what_if(
     fit_source: str | None = None,
     fit_since: str | float | None = None,
     fit_until: str | float | None = None,
+    attention_source: str | None = None,
     step_noise: bool = True,
     now: float | None = None,
 ) -> dict[str, Any]:
@@ -261,9 +309,12 @@ def what_if(
     window's: one engine's (e.g. a ``chunkledger profile`` run sent to the ledger, which measures
     chunk sizes x depths x decode batches: a window that ran one chunk size cannot tell a per-chunk
     cost from a per-token one), over all its steps unless a fit window is given; or the window's own
-    engines over another window. ``step_noise``: each replayed decode-only step's fitted time times a
-    factor drawn from the window's own decode-only steps' ``actual / fitted`` (:mod:`ledger.whatif.noise`):
-    the ITL tail comes from the steps that ran long."""
+    engines over another window. ``attention_source``: the one cost a window of one chunk size cannot
+    show, the attention inside a chunk (tokens² per chunk), fitted on that engine's steps (a profile
+    over chunk sizes), the rest on the window's steps at the window's own level; what a one-step 16k
+    prefill costs is then known though the window never ran one. ``step_noise``: each replayed
+    decode-only step's fitted time times a factor drawn from the window's own decode-only steps'
+    ``actual / fitted`` (:mod:`ledger.whatif.noise`): the ITL tail comes from the steps that ran long."""
     t0 = time.perf_counter()
     try:
         steps = read_steps(engine, model=model, source_id=source_id, since=since, until=until, now=now)
@@ -279,8 +330,15 @@ def what_if(
             )
     except AdviceError as exc:
         raise WhatIfError(exc.reason, str(exc), status=exc.status, **exc.details) from None
+    attention, in_chunk = _attention_term(engine, attention_source, now)
+    data = fit_steps.data
+    terms: tuple[Term, ...] = CANDIDATE_TERMS
+    if attention is not None:
+        # the window's steps less the in-chunk attention the other engine measured; the rest fitted here
+        data = dataclasses.replace(data, duration_s=data.duration_s - in_chunk * _SQ.column(data))
+        terms = tuple(t for t in CANDIDATE_TERMS if t is not _SQ)
     try:
-        fit: StepTimeFit = fit_step_time(fit_steps.data)
+        fit: StepTimeFit = fit_step_time(data, candidates=terms)
     except FitError as exc:
         raise WhatIfError(exc.reason, f"cannot fit the step time: {exc}", status=409, **exc.details) from None
     with engine.connect() as conn:
@@ -306,6 +364,8 @@ def what_if(
     base_values = dataclasses.asdict(base)
     long_tokens = long_prompt_tokens if long_prompt_tokens is not None else default_long_prompt(rec)
     cost = fitted_cost(fit)
+    if attention is not None:
+        cost = _plus_attention(cost, in_chunk)
     noise = window_noise(fit, steps.data) if step_noise else None
 
     measured = rec.summary(long_tokens)
@@ -346,7 +406,7 @@ def what_if(
                 "predicted": _tails(summary),
                 "relative": {k: _rel(summary.get(k), predicted.get(k)) for k in METRICS},
                 "meets": _meets(summary, itl_target_ms, ttft_target_ms),
-                "extrapolated": coverage.outside(fit),
+                "extrapolated": coverage.outside(fit, attention),
             }
         )
     everyone: list[dict[str, Any]] = [{"name": "recorded", "predicted": _tails(predicted)}, *rows]
@@ -365,6 +425,14 @@ def what_if(
             "since": fit_steps.since,
             "until": fit_steps.until,
             "steps": len(fit_steps.data),
+            "attention": None
+            if attention is None
+            else {
+                "source_id": attention_source,
+                "ms_per_token2_per_chunk": in_chunk * 1e3,
+                "steps": attention.ranges.steps,
+                "prefill_tokens": list(attention.ranges.prefill_tokens),
+            },
         },
         "step_noise": _noise_figures(noise, step_noise),
         "long_prompt_tokens": long_tokens,

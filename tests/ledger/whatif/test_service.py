@@ -318,6 +318,63 @@ def test_the_step_time_can_be_fitted_on_another_engines_steps(runs):
     assert err.value.status == 409  # no step in that window to fit on
 
 
+class _QuadraticCost:
+    """A profile engine's step cost with attention inside the chunk (tokens²)."""
+
+    PER_TOKEN2 = 1.8e-9
+
+    def cost_s(self, tokens: float, depth: float, decodes: float) -> float:
+        return 1.5e-3 + 5e-6 * tokens + 4e-9 * tokens * depth + 4e-5 * decodes + self.PER_TOKEN2 * tokens**2
+
+
+def test_the_attention_inside_a_chunk_can_come_from_a_profile(runs, tmp_path):
+    from engine_hooks import events as ev
+    from tools.synthetic_steps import synthetic_steps
+
+    src = Path(runs["recorded"].removeprefix("duckdb:///"))
+    url = f"duckdb:///{tmp_path / 'with-profile.duckdb'}"
+    for suffix in ("", ".wal"):
+        if Path(f"{src}{suffix}").exists():
+            Path(f"{tmp_path / 'with-profile.duckdb'}{suffix}").write_bytes(
+                Path(f"{src}{suffix}").read_bytes()
+            )
+    profile = synthetic_steps(
+        _QuadraticCost(),
+        n=800,
+        chunk_sizes=tuple(size for size in (256, 1024, 4096, 8192, 16384) for _ in range(16384 // size)),
+        max_depth=32768,
+        decode_batches=(1, 4, 8),
+        t0=1_600_000_000.0,  # long before the window: only the fit reads these
+    )
+    store = open_store(url)
+    try:
+        source = ev.Source(id="profile-x", kind="engine", model="profiled")
+        for i in range(0, len(profile), 400):
+            store.write([ev.Batch(source=source, events=profile[i : i + 400])])
+    finally:
+        store.close()
+    asked = [{"max_num_batched_tokens": 8192}]
+    sid = engine_source(runs["recorded"])
+    plain = answer(url, candidates=asked, recorded=RECORDED, source_id=sid)
+    with_attention = answer(
+        url, candidates=asked, recorded=RECORDED, source_id=sid, attention_source="profile-x"
+    )
+    att = with_attention["fit"]["attention"]
+    assert att["source_id"] == "profile-x" and att["prefill_tokens"][1] == 16384
+    assert att["ms_per_token2_per_chunk"] == pytest.approx(_QuadraticCost.PER_TOKEN2 * 1e3, rel=0.15)
+    assert "prefill_tokens_sq" not in with_attention["fit"]["terms"]  # the rest from the window
+    assert plain["fit"]["attention"] is None
+    # 8k-token chunks cost more once the attention inside them is counted
+    more = with_attention["candidates"][0]["predicted"]["long_ttft_max_s"]
+    assert more > 1.05 * plain["candidates"][0]["predicted"]["long_ttft_max_s"]
+    with pytest.raises(WhatIfError) as err:  # the simulator's steps have no such cost
+        answer(url, candidates=asked, recorded=RECORDED, source_id=sid, attention_source=sid)
+    assert err.value.reason == "attention_not_measured" and err.value.status == 409
+    with pytest.raises(WhatIfError) as err:
+        answer(url, candidates=asked, recorded=RECORDED, source_id=sid, attention_source="profile-nobody")
+    assert err.value.reason == "unknown_source" and err.value.status == 404
+
+
 # -- through the API and the command line -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def api(runs) -> Iterator[TestClient]:
