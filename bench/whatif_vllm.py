@@ -25,11 +25,13 @@
    :mod:`bench.whatif_diagnose` (where the errors come from) and :mod:`bench.whatif_variants` (the
    errors under changed step costs). Exits 0 whatever the errors: it reports.
 
-With ``--fit-profile``: after each scene, ``chunkledger profile`` runs the same tiny model on this CPU
+With ``--attention-profile`` or ``--fit-profile``: after each scene, ``chunkledger profile`` runs the
+same tiny model on this CPU
 (chunk sizes 256 to 16,384 at depths to 32,768, next to 1, 4 and 8 decodes) and sends its steps to the
-run's ledger as source ``profile-scene``; the predictions then take their step time from that profile
-(``what_if(fit_source=...)``) instead of the recorded window, whose one chunk size cannot tell a
-per-chunk cost from a per-token one, nor show attention inside a chunk.
+run's ledger as source ``profile-scene``. ``--attention-profile`` takes from it the attention inside
+a chunk, which the recorded window's one chunk size cannot show, and the rest of the step time from the
+window (``what_if(attention_source=...)``); ``--fit-profile`` takes the whole step time from it
+(``what_if(fit_source=...)``).
 
 ``self`` in the table: each configuration replayed under its own setting with its own window's fit
 (its calibration), which separates the model's error from the transfer's (``-`` when its window cannot
@@ -195,6 +197,7 @@ def what_if_on(
     itl_target_ms: float | None,
     fit_source: str | None = None,
     step_noise: bool = True,
+    attention_source: str | None = None,
 ) -> dict[str, Any]:
     """:func:`ledger.whatif.service.what_if` on one configuration's window, forced past a failed
     calibration (this bench reports the error instead); ``fit_source``: the steps the step time is
@@ -214,6 +217,7 @@ def what_if_on(
         force=True,
         fit_source=fit_source,
         step_noise=step_noise,
+        attention_source=attention_source,
     )
 
 
@@ -246,6 +250,7 @@ def evaluate(engine: sa.Engine, results: list[dict[str, Any]], args: argparse.Na
         target_ms,
         PROFILE_SOURCE if args.fit_profile else None,
         args.step_noise,
+        PROFILE_SOURCE if args.attention_profile else None,
     )
     predicted = {args.recorded: answer["calibration"]["predicted"]}
     predicted.update(
@@ -382,6 +387,12 @@ def main() -> None:
         help="replay the fitted step times alone (no factor from the window's spread)",
     )
     ap.add_argument(
+        "--attention-profile",
+        action="store_true",
+        help="take the attention inside a chunk from a chunkledger profile run (made after each scene), the "
+        "rest of the step time from the window",
+    )
+    ap.add_argument(
         "--fit-profile",
         action="store_true",
         help="fit the step time on a chunkledger profile run (made after each scene) instead of the window",
@@ -393,7 +404,7 @@ def main() -> None:
         raise SystemExit(f"--configs: unknown {unknown}")
     print(f"load average (1, 5, 15 min) at the start, on {os.cpu_count()} cores: {_load()}", flush=True)
     dirs = run_dirs(args)
-    if args.fit_profile:
+    if args.fit_profile or args.attention_profile:
         profile_dirs(args, dirs)
     runs = [analyse(args, d) for d in dirs]
     if not runs:
