@@ -56,7 +56,7 @@ class StepRecord(NamedTuple):
     stalled_request_ids: list[str]
     stalled_kv_blocks: list[int]
     work: float  # attention work of the step's tokens (predict.attention_work), for the step-time fit
-    rids: list[str]  # vLLM's ids of request_ids, same order (to look up the step's new tokens)
+    rids: list[str]  # step_tokens: vLLM's ids of request_ids, same order (to find who got no token)
     outputs: list[int]  # output tokens each of them had when the step was scheduled (with async
     # scheduling the previous step's may still be due): a total for one that got none and is gone
 
@@ -211,8 +211,9 @@ class Reporter(HookState):
         blocks_of = self._cl_blocks
         chunk_rows = []
         ids = []
-        rids = []
-        outs = []
+        rids: list[str] = []  # with step_tokens only (the default path pays nothing for them)
+        outs: list[int] = []
+        in_step = self.options.step_tokens
         prefill_tokens = decode_tokens = n_prefill = n_decode = depth = max_depth = 0
         work = 0.0  # attention work, for the step-time fit
         for rid, n in scheduled.items():
@@ -222,8 +223,9 @@ class Reporter(HookState):
                 continue
             ext = st.ext
             ids.append(ext)
-            rids.append(rid)
-            outs.append(st.output)
+            if in_step:
+                rids.append(rid)
+                outs.append(st.output)
             computed = req.num_computed_tokens
             before = computed - n
             st.last_active = now  # for the policies: the KV-idle victim, slow_pool's starvation
