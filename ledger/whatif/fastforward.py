@@ -48,7 +48,7 @@ def _admission_blocked(st: State, n: int, free_after: int) -> bool:
     return False  # a chunk that does not fit now may fit under another cap later: no fast-forward
 
 
-def fast_forward(st: State, cost: StepCost, noise: Callable[[int, bool], float] | None = None) -> bool:
+def fast_forward(st: State, cost: StepCost, noise: Callable[[int], float] | None = None) -> bool:
     """Run a decode-only stretch from ``st.now`` (its first step at least, as the plain loop would);
     False (nothing done) when the state does not allow one (see the module docstring). ``noise``:
     step ``k``'s factor, as the plain loop applies it."""
@@ -75,7 +75,7 @@ def fast_forward(st: State, cost: StepCost, noise: Callable[[int, bool], float] 
     used = st.used + per_phase[0]
     shape_d = step_seconds(cost, StepShape(0, 0, 0, 0, n, used / total))  # reused while unchanged
     k0 = st.steps
-    end = t + (shape_d * noise(k0, False) if noise is not None else shape_d)
+    end = t + (shape_d * noise(k0) if noise is not None else shape_d)
     gaps, weights = st.gaps, st.gap_weights
     last = st.last_tok[run]
     cont = last == t
@@ -100,7 +100,7 @@ def fast_forward(st: State, cost: StepCost, noise: Callable[[int, bool], float] 
         if grow:
             used += grow
             shape_d = step_seconds(cost, StepShape(0, 0, 0, 0, n, used / total))
-        end = t + (shape_d * noise(k0 + j, False) if noise is not None else shape_d)
+        end = t + (shape_d * noise(k0 + j) if noise is not None else shape_d)
         gaps.append(end - t)
         weights.append(n)
         start, t = t, end

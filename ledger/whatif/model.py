@@ -60,13 +60,13 @@ def replay(
     settings: EngineSettings,
     step_cost: StepCost,
     *,
-    noise: Callable[[int, bool], float] | None = None,
+    noise: Callable[[int], float] | None = None,
     fast_forward: bool = True,
     vectorized: bool = True,
 ) -> Replay:
     """Replay ``requests`` under ``settings``, each step lasting ``step_cost(shape)`` seconds, times
-    ``noise(k, prefill)`` for the ``k``-th step (from 0; ``prefill``: it runs a chunk) when given
-    (:class:`ledger.whatif.noise.StepNoise`).
+    ``noise(k)`` for the ``k``-th step (from 0) when given and the step is decode-only
+    (:class:`ledger.whatif.noise.StepNoise`; a step with a prefill chunk keeps its fitted time).
 
     Raises ValueError naming the first request the engine could never run: one whose KV for prompt +
     output - 1 tokens exceeds the KV cache, or, with chunked prefill off, whose prompt (less its
@@ -145,7 +145,7 @@ def _run_step(
     new: np.ndarray,
     before: np.ndarray,
     cost: StepCost,
-    noise: Callable[[int, bool], float] | None,
+    noise: Callable[[int], float] | None,
 ) -> None:
     """Time the scheduled step and apply its outcome: tokens, first tokens, gaps, finishes."""
     t = st.now
@@ -165,7 +165,7 @@ def _run_step(
     else:
         shape = StepShape(0, 0, 0, 0, len(idx), usage)
     d = step_seconds(cost, shape)
-    end = t + (d * noise(st.steps, n_prefill > 0) if noise is not None else d)
+    end = t + (d * noise(st.steps) if noise is not None and not n_prefill else d)
     after = before + new
     st.comp[idx] = after
     ntok = st.ntok[idx]

@@ -29,24 +29,17 @@ _MASK = (1 << 64) - 1
 
 
 class StepNoise:
-    """``noise(k, prefill)``: the factor of step ``k`` (an index from 0): for a decode-only step, one
-    of ``decode`` chosen by a hash of ``k`` and ``seed``; for a step with a prefill chunk, one of
-    ``prefill`` likewise when given, else 1."""
+    """``noise(k)``: the factor of decode-only step ``k`` (an index from 0), one of ``ratios`` chosen by
+    a hash of ``k`` and ``seed``."""
 
-    def __init__(
-        self, decode: np.ndarray | list[float], prefill: np.ndarray | list[float] | None = None, seed: int = 0
-    ) -> None:
-        self.decode = _checked(decode)
-        self.prefill = _checked(prefill) if prefill is not None else None
+    def __init__(self, ratios: np.ndarray | list[float], seed: int = 0) -> None:
+        self.ratios = _checked(ratios)
         self._seed = int(seed) & _MASK
 
-    def __call__(self, k: int, prefill: bool = False) -> float:
-        values = self.prefill if prefill else self.decode
-        if values is None:
-            return 1.0
+    def __call__(self, k: int) -> float:
         h = ((k + 1) * _MULT ^ self._seed) & _MASK
         h = ((h ^ (h >> 31)) * _MULT) & _MASK  # splitmix-like: neighbouring steps draw unrelated factors
-        return values[(h >> 11) % len(values)]
+        return self.ratios[(h >> 11) % len(self.ratios)]
 
 
 def _checked(ratios: np.ndarray | list[float]) -> list[float]:

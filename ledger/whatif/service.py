@@ -447,7 +447,7 @@ def _noise_figures(noise: StepNoise | None, asked: bool) -> dict[str, Any]:
     """What the replay's step noise was drawn from: the window's decode-only steps' ``actual / fitted``."""
     if noise is None:
         return {"applied": False, "why": "off" if not asked else "too few steps in the window"}
-    r = np.asarray(noise.decode)
+    r = np.asarray(noise.ratios)
     return {
         "applied": True,
         "decode_steps": len(r),
