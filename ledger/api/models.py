@@ -380,7 +380,9 @@ class WhatIf(BaseModel):
     fit: dict[str, Any] = Field(description="the step-time fit the replay uses: r2, cv_rel_error, terms")
     step_noise: dict[str, Any] = Field(
         description="the factors each replayed decode-only step's fitted time is multiplied by, drawn from "
-        "the window's decode-only steps' actual / fitted: applied, decode_steps, mean, p50, p99; or why not"
+        "the window's decode-only steps' actual / fitted: applied, decode_steps, mean, p50, p99; and the "
+        "engine loop's time added before a step that follows another (loop_ms: decode, prefill: p50, "
+        "p99, mean); or why not"
     )
     long_prompt_tokens: int | None
     targets: dict[str, Any]

@@ -59,7 +59,9 @@ def whatif(
         "the window's",
     ),
     step_noise: bool = Query(
-        True, description="each replayed step's time times a factor from the window's own steps' spread"
+        True,
+        description="each replayed decode-only step's time times a factor from the window's own steps' "
+        "spread, and each step's engine-loop time before it as the window measured it",
     ),
 ) -> dict[str, Any] | JSONResponse:
     if store.dialect == "null":

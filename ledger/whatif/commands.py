@@ -77,7 +77,8 @@ def whatif(
     step_noise: Annotated[
         bool,
         typer.Option(
-            help="each replayed step's time times a factor drawn from the window's own steps' spread"
+            help="each replayed decode-only step's time times a factor drawn from the window's own "
+            "steps' spread, plus the engine loop's time between steps as the window measured it"
         ),
     ] = True,
     token: ReadTokenOpt = None,

@@ -19,10 +19,10 @@ loop, so the replay's results are the same with or without fast-forward, to the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import numpy as np
 
+from ledger.whatif.noise import StepNoise
 from ledger.whatif.state import State
 from ledger.whatif.types import StepCost, StepShape
 
@@ -48,10 +48,10 @@ def _admission_blocked(st: State, n: int, free_after: int) -> bool:
     return False  # a chunk that does not fit now may fit under another cap later: no fast-forward
 
 
-def fast_forward(st: State, cost: StepCost, noise: Callable[[int], float] | None = None) -> bool:
+def fast_forward(st: State, cost: StepCost, noise: StepNoise | None = None) -> bool:
     """Run a decode-only stretch from ``st.now`` (its first step at least, as the plain loop would);
     False (nothing done) when the state does not allow one (see the module docstring). ``noise``:
-    step ``k``'s factor, as the plain loop applies it."""
+    step ``k``'s factor and loop time, as the plain loop applies them."""
     s = st.settings
     run = st.run
     n = len(run)
@@ -75,7 +75,10 @@ def fast_forward(st: State, cost: StepCost, noise: Callable[[int], float] | None
     used = st.used + per_phase[0]
     shape_d = step_seconds(cost, StepShape(0, 0, 0, 0, n, used / total))  # reused while unchanged
     k0 = st.steps
-    end = t + (shape_d * noise(k0) if noise is not None else shape_d)
+    if noise is None:
+        end = t + shape_d
+    else:
+        end = t + (shape_d * noise(k0) + (noise.decode_gap(k0) if t == st.last_end else 0.0))
     gaps, weights = st.gaps, st.gap_weights
     last = st.last_tok[run]
     cont = last == t
@@ -100,7 +103,7 @@ def fast_forward(st: State, cost: StepCost, noise: Callable[[int], float] | None
         if grow:
             used += grow
             shape_d = step_seconds(cost, StepShape(0, 0, 0, 0, n, used / total))
-        end = t + (shape_d * noise(k0 + j) if noise is not None else shape_d)
+        end = t + (shape_d * noise(k0 + j) + noise.decode_gap(k0 + j) if noise is not None else shape_d)
         gaps.append(end - t)
         weights.append(n)
         start, t = t, end
@@ -116,7 +119,7 @@ def fast_forward(st: State, cost: StepCost, noise: Callable[[int], float] | None
         st.last_active[run] = start
     st.used = used
     st.steps += done
-    st.now = t
+    st.now = st.last_end = t
     finished = gen >= st.out[run]
     if np.count_nonzero(finished):
         fin = run[finished]

@@ -25,8 +25,9 @@ What the model assumes, and where it differs from vLLM:
   pessimistic about recomputation); a hit's blocks count as the request's own (never shared);
 * vLLM 0.32's defaults: ``scheduler_reserve_full_isl`` on (a setting), no watermark, the adaptive
   long-prefill threshold off, ``max_num_scheduled_tokens`` = ``max_num_batched_tokens``;
-* a step that schedules nothing (it only preempted) takes no time; the next one starts at once, and
-  a step's duration is all ``step_cost`` says (host overheads included only if the fit has them);
+* a step that schedules nothing (it only preempted) takes no time; the next one starts at once; a
+  step's duration is all ``step_cost`` says, and with step noise, the window's spread and the engine
+  loop's time between steps as the window measured them (:mod:`ledger.whatif.noise`);
 * the plugin's admission reserve without its depth cap, step target or arrivals-first options, and
   its queue order with ties between equal arrival times broken by trace order; ``"kv-idle"``
   preempts as FCFS does in this model (:mod:`ledger.whatif.schedule` says why);
@@ -40,12 +41,13 @@ shape (the fast-forward calls it once per distinct shape in a row).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ledger.whatif.fastforward import fast_forward as _fast_forward
 from ledger.whatif.fastforward import step_seconds
+from ledger.whatif.noise import StepNoise
 from ledger.whatif.reserve import admission_cap
 from ledger.whatif.results import Replay
 from ledger.whatif.schedule import admit_waiting, running_exact, running_vector
@@ -60,13 +62,15 @@ def replay(
     settings: EngineSettings,
     step_cost: StepCost,
     *,
-    noise: Callable[[int], float] | None = None,
+    noise: StepNoise | None = None,
     fast_forward: bool = True,
     vectorized: bool = True,
 ) -> Replay:
-    """Replay ``requests`` under ``settings``, each step lasting ``step_cost(shape)`` seconds, times
-    ``noise(k)`` for the ``k``-th step (from 0) when given and the step is decode-only
-    (:class:`ledger.whatif.noise.StepNoise`; a step with a prefill chunk keeps its fitted time).
+    """Replay ``requests`` under ``settings``, each step lasting ``step_cost(shape)`` seconds. With
+    ``noise`` (:class:`ledger.whatif.noise.StepNoise`), the ``k``-th step (from 0) lasts, if it is
+    decode-only, ``noise(k)`` times that (a step with a prefill chunk keeps its fitted time), plus, if
+    it follows the previous step directly (the engine was not idle), the engine loop's time before it
+    (``noise.decode_gap(k)`` or ``noise.prefill_gap(k)``).
 
     Raises ValueError naming the first request the engine could never run: one whose KV for prompt +
     output - 1 tokens exceeds the KV cache, or, with chunked prefill off, whose prompt (less its
@@ -145,7 +149,7 @@ def _run_step(
     new: np.ndarray,
     before: np.ndarray,
     cost: StepCost,
-    noise: Callable[[int], float] | None,
+    noise: StepNoise | None,
 ) -> None:
     """Time the scheduled step and apply its outcome: tokens, first tokens, gaps, finishes."""
     t = st.now
@@ -165,7 +169,15 @@ def _run_step(
     else:
         shape = StepShape(0, 0, 0, 0, len(idx), usage)
     d = step_seconds(cost, shape)
-    end = t + (d * noise(st.steps) if noise is not None and not n_prefill else d)
+    if noise is not None:
+        k = st.steps
+        loop = t == st.last_end  # the engine went on from the previous step, not from idle
+        if n_prefill:
+            d += noise.prefill_gap(k) if loop else 0.0
+        else:
+            d = d * noise(k) + (noise.decode_gap(k) if loop else 0.0)
+    end = t + d
+    st.last_end = end
     after = before + new
     st.comp[idx] = after
     ntok = st.ntok[idx]

@@ -1,13 +1,23 @@
-"""Step-time noise for the replay: the measured spread of decode steps around their fitted time.
+"""Step-time noise for the replay: the measured spread of decode steps around their fitted time, and
+the engine loop's time between steps.
 
 A fit predicts a step's mean time; a decode ITL p99 is made of the decode steps that ran long: a
 descheduled thread, a garbage collection, a cache-cold kernel. On this CPU a decode-only step's p99
 is about twice its fitted time, so a replay of mean times predicted ITL p99 at under half of what was
 measured. The replay therefore multiplies a decode-only step's fitted time by a factor drawn from the
-recorded window's own decode-only steps' ratios ``actual / fitted`` (:func:`ratios`). Steps that run a
+recorded window's own decode-only steps' ratios ``actual / fitted`` (:func:`decode_samples`). Steps that run a
 prefill chunk keep their fitted time: drawn from the window's prefill steps (short prompts' prefills,
 mostly), factors made a profile-fitted replay's long prompts 30-50 % slow (``bench.whatif_vllm``);
 their time is what the fit is for.
+
+A step's fitted time is its ``duration_s``: ``schedule()`` to the end of ``update_from_output()``. A
+decoding request waits longer between tokens: the ledger's ITL is the step's ``interval_s``, from the
+end of the previous step to the end of this one, which also holds the engine loop's own work between
+steps (output processing, adding the requests that came). On this CPU that is about a millisecond a
+step, a fifth of a decode step: a replay without it predicted the recorded window's own ITL p99 a third
+low. So a step that follows another directly also lasts the loop time the window measured before a
+step of its class (``interval_s - duration_s``, decode-only steps' paired with their ratio, so that a
+step drawn is one step the window ran; steps with a chunk drawn from theirs).
 
 The draw for step ``k`` is a hash of ``k`` and a seed, not a random stream, so a replay is
 deterministic and the fast-forward (:mod:`ledger.whatif.fastforward`), which times many steps in one
@@ -16,6 +26,8 @@ go, draws the same factors as the plain loop.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from ledger.advice.fit import StepTimeFit
@@ -23,49 +35,106 @@ from ledger.advice.terms import StepData
 
 RATIO_RANGE = (0.2, 10.0)  # a ratio outside this is a measurement artefact, not step noise
 MIN_STEPS = 20  # fewer steps with a usable ratio: no noise (factor 1)
+# Replays of a window with noise drawn anew, pooled, until this many requests were replayed (at most
+# MAX_DRAWS): one draw of a 160-request window gave its own ITL p99 anywhere from 6.8 to 12.6 ms.
+DRAW_REQUESTS = 5_000
+MAX_DRAWS = 32
 
 _MULT = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 
 
 class StepNoise:
-    """``noise(k)``: the factor of decode-only step ``k`` (an index from 0), one of ``ratios`` chosen by
-    a hash of ``k`` and ``seed``."""
+    """How replayed step ``k`` (an index from 0) differs from its fitted time, chosen by a hash of
+    ``k`` and ``seed``: ``noise(k)`` is a decode-only step's factor (one of ``ratios``),
+    ``noise.decode_gap(k)`` the loop time before it (``decode_gaps``, paired with ``ratios``: the
+    same recorded step's), ``noise.prefill_gap(k)`` the loop time before a step with a chunk (one of
+    ``prefill_gaps``). Without gaps, the loop takes no time."""
 
-    def __init__(self, ratios: np.ndarray | list[float], seed: int = 0) -> None:
-        self.ratios = _checked(ratios)
-        self._seed = int(seed) & _MASK
+    def __init__(
+        self,
+        ratios: np.ndarray | list[float],
+        seed: int = 0,
+        *,
+        decode_gaps: np.ndarray | list[float] | None = None,
+        prefill_gaps: np.ndarray | list[float] | None = None,
+    ) -> None:
+        self.ratios = _checked(ratios, "ratios", positive=True)
+        n = len(self.ratios)
+        self.decode_gaps = [0.0] * n if decode_gaps is None else _checked(decode_gaps, "decode_gaps")
+        if len(self.decode_gaps) != n:
+            raise ValueError(f"decode_gaps pairs with ratios: {len(self.decode_gaps)} values for {n} ratios")
+        self.prefill_gaps = (
+            [0.0] if prefill_gaps is None or not len(prefill_gaps) else _checked(prefill_gaps, "prefill_gaps")
+        )
+        self.seed = int(seed) & _MASK
+
+    def reseeded(self, seed: int) -> StepNoise:
+        """The same samples, drawn by another seed: another replay of the same window."""
+        other = copy.copy(self)
+        other.seed = int(seed) & _MASK
+        return other
+
+    def _pick(self, k: int, n: int) -> int:
+        h = ((k + 1) * _MULT ^ self.seed) & _MASK
+        h = ((h ^ (h >> 31)) * _MULT) & _MASK  # splitmix-like: neighbouring steps draw unrelated factors
+        return (h >> 11) % n
 
     def __call__(self, k: int) -> float:
-        h = ((k + 1) * _MULT ^ self._seed) & _MASK
-        h = ((h ^ (h >> 31)) * _MULT) & _MASK  # splitmix-like: neighbouring steps draw unrelated factors
-        return self.ratios[(h >> 11) % len(self.ratios)]
+        return self.ratios[self._pick(k, len(self.ratios))]
+
+    def decode_gap(self, k: int) -> float:
+        return self.decode_gaps[self._pick(k, len(self.decode_gaps))]
+
+    def prefill_gap(self, k: int) -> float:
+        return self.prefill_gaps[self._pick(k, len(self.prefill_gaps))]
 
 
-def _checked(ratios: np.ndarray | list[float]) -> list[float]:
-    values = np.asarray(ratios, dtype=np.float64)
-    if not len(values) or not np.all(np.isfinite(values)) or np.any(values <= 0):
-        raise ValueError("step noise needs one or more finite ratios > 0")
+def _checked(values_in: np.ndarray | list[float], name: str, *, positive: bool = False) -> list[float]:
+    values = np.asarray(values_in, dtype=np.float64)
+    bad = values <= 0 if positive else values < 0
+    if not len(values) or not np.all(np.isfinite(values)) or np.any(bad):
+        raise ValueError(f"step noise needs one or more finite {name} {'> 0' if positive else '>= 0'}")
     return values.tolist()
 
 
-def ratios(fit: StepTimeFit, data: StepData) -> np.ndarray:
-    """``duration / fitted`` of the decode-only steps of ``data``, within ``RATIO_RANGE``."""
-    decode_only = (data.prefill_tokens == 0) & (data.num_decode_reqs > 0)
-    if not np.any(decode_only):
-        return np.zeros(0)
-    steps = data.select(decode_only)
+def loop_gaps(data: StepData) -> np.ndarray:
+    """The engine loop's time before each step of ``data``: ``interval_s - duration_s``, 0 where the
+    interval is unknown (a source's first step) or shorter than the step (clock skew), and where the
+    loop was idle before the step (no request was decoding: the interval holds the wait for work)."""
+    with np.errstate(invalid="ignore"):
+        gap = data.interval_s - data.duration_s
+    busy = data.num_decode_reqs > 0
+    return np.where(np.isfinite(gap) & (gap > 0) & busy, gap, 0.0)
+
+
+def decode_samples(fit: StepTimeFit, data: StepData) -> tuple[np.ndarray, np.ndarray]:
+    """``duration / fitted`` of the decode-only steps of ``data`` within ``RATIO_RANGE``, and the
+    loop time before each (:func:`loop_gaps`)."""
+    steps = data.select((data.prefill_tokens == 0) & (data.num_decode_reqs > 0))
+    if not len(steps):
+        return np.zeros(0), np.zeros(0)
     with np.errstate(divide="ignore", invalid="ignore"):
         r = steps.duration_s / fit.predict(steps)
     lo, hi = RATIO_RANGE
-    return r[np.isfinite(r) & (r >= lo) & (r <= hi)]
+    keep = np.isfinite(r) & (r >= lo) & (r <= hi)
+    return r[keep], loop_gaps(steps)[keep]
+
+
+def draws_for(requests: int) -> int:
+    """How many noisy replays of a window of ``requests`` requests to pool (:data:`DRAW_REQUESTS`)."""
+    return max(1, min(MAX_DRAWS, -(-DRAW_REQUESTS // max(requests, 1))))
 
 
 def window_noise(fit: StepTimeFit, data: StepData, seed: int = 0) -> StepNoise | None:
-    """The noise of a window's decode-only steps against ``fit``; None when fewer than ``MIN_STEPS``
-    tell it."""
-    r = ratios(fit, data)
-    return StepNoise(r, seed=seed) if len(r) >= MIN_STEPS else None
+    """The noise of a window's steps against ``fit``: its decode-only steps' ratios with the loop time
+    before each, and the loop time before its steps with a chunk (those that follow a decoding step);
+    None when fewer than ``MIN_STEPS`` decode-only steps tell it."""
+    r, decode_gaps = decode_samples(fit, data)
+    if len(r) < MIN_STEPS:
+        return None
+    chunk = (data.prefill_tokens > 0) & (data.num_decode_reqs > 0)
+    return StepNoise(r, seed=seed, decode_gaps=decode_gaps, prefill_gaps=loop_gaps(data)[chunk])
 
 
-__all__ = ["StepNoise", "ratios", "window_noise"]
+__all__ = ["StepNoise", "decode_samples", "draws_for", "loop_gaps", "window_noise"]

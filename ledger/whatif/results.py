@@ -42,15 +42,20 @@ def quantile(values: Any, q: float) -> float | None:
 
 
 def ttft_tails(
-    ttft_s: np.ndarray, prompt_tokens: np.ndarray, long_prompt_tokens: int | None
+    ttft_s: np.ndarray, prompt_tokens: np.ndarray, long_prompt_tokens: int | None, draws: int = 1
 ) -> dict[str, Any]:
     """TTFT p50/p99 and, with ``long_prompt_tokens``, the TTFT of each request whose prompt has at
     least that many tokens (``long_ttft_s``, in request order, and their max) and the TTFT p99 of the
-    others (``short_ttft_p99_s``): what a replay and a measured window are compared on."""
+    others (``short_ttft_p99_s``): what a replay and a measured window are compared on.
+
+    ``draws``: the arrays hold that many replays of the same requests one after the other (step noise
+    drawn anew in each); the quantiles are those of all of them pooled, and a long request's TTFT is
+    its median over the draws."""
     out: dict[str, Any] = {"ttft_p50_s": quantile(ttft_s, 0.5), "ttft_p99_s": quantile(ttft_s, 0.99)}
     if long_prompt_tokens is not None:
         is_long = prompt_tokens >= long_prompt_tokens
-        long_ttft = ttft_s[is_long]
+        n = len(ttft_s) // draws
+        long_ttft = np.median(ttft_s.reshape(draws, n)[:, is_long[:n]], axis=0) if n else ttft_s[:0]
         out["long_ttft_s"] = [float(x) for x in long_ttft]
         out["long_ttft_max_s"] = float(long_ttft.max()) if long_ttft.size else None
         out["short_ttft_p99_s"] = quantile(ttft_s[~is_long], 0.99)
@@ -67,6 +72,10 @@ class Replay:
     step, or the token that ends a resumed request's recomputation). The gap before the first token
     (the TTFT) is not among them. ``simulated_s`` runs from the first arrival to the end of the
     last step.
+
+    ``draws`` > 1: the same requests replayed that many times with step noise drawn anew
+    (:func:`ledger.whatif.service.pooled_replay`), the per-request arrays one draw after the other;
+    ``steps`` and ``simulated_s`` are the draws' total and longest.
     """
 
     request_id: list[str]
@@ -78,6 +87,7 @@ class Replay:
     itl_count: np.ndarray
     steps: int
     simulated_s: float
+    draws: int = 1
 
     def summary(self, long_prompt_tokens: int | None = None) -> dict[str, Any]:
         """Tail latencies: TTFT p50/p99, decode ITL p99 (weighted), end-to-end p99, preemptions.
@@ -85,16 +95,19 @@ class Replay:
         With ``long_prompt_tokens``, also the TTFT of each request whose prompt has at least that
         many tokens (``long_ttft_s``, in request order, and their max) and the TTFT p99 of the others
         (``short_ttft_p99_s``). Quantiles are lower nearest-rank (:func:`weighted_quantile`); None
-        where there is nothing to take one of.
+        where there is nothing to take one of. Over several draws: quantiles of the draws pooled, a long
+        request's median TTFT, and ``requests``, ``steps`` and ``preemptions`` per draw (preemptions
+        their mean, rounded).
         """
+        k = self.draws
         return {
-            "requests": len(self.request_id),
-            "steps": self.steps,
+            "requests": len(self.request_id) // k,
+            "steps": self.steps // k,
             "simulated_s": self.simulated_s,
-            **ttft_tails(self.ttft_s, self.prompt_tokens, long_prompt_tokens),
+            **ttft_tails(self.ttft_s, self.prompt_tokens, long_prompt_tokens, k),
             "itl_p99_s": weighted_quantile(self.itl_gap_s, self.itl_count, 0.99),
             "e2e_p99_s": quantile(self.e2e_s, 0.99),
-            "preemptions": int(self.preemptions.sum()),
+            "preemptions": round(int(self.preemptions.sum()) / k),
         }
 
 

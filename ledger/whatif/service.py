@@ -34,7 +34,7 @@ from ledger.advice.terms import CANDIDATE_TERMS, TERMS, Term
 from ledger.refusal import Refusal
 from ledger.whatif.cost import fitted_cost
 from ledger.whatif.model import replay
-from ledger.whatif.noise import StepNoise, window_noise
+from ledger.whatif.noise import StepNoise, draws_for, window_noise
 from ledger.whatif.results import Replay
 from ledger.whatif.trace import Recorded, read_recorded
 from ledger.whatif.types import POLICIES, EngineSettings, StepCost, StepShape, TraceRequest
@@ -149,23 +149,32 @@ def pooled_replay(
     settings: EngineSettings,
     cost: StepCost,
     noise: StepNoise | None = None,
+    draws: int = 1,
 ) -> Replay:
     """Each engine's requests through its own scheduler model, the results pooled (engines in the
-    order of ``requests``); ``noise``: each step's factor (:mod:`ledger.whatif.noise`)."""
+    order of ``requests``); ``noise``: each step's factor and loop time (:mod:`ledger.whatif.noise`),
+    drawn anew (its seed, + 1, ...) in each of ``draws`` replays, pooled one after the other."""
+    if draws < 1 or (draws > 1 and noise is None):
+        raise ValueError(f"draws must be 1, or more with step noise (got {draws})")
     parts = []
     bs = settings.block_size
-    for sid, reqs in requests.items():
-        # a prefix hit counts in whole blocks of the replayed block size
-        reqs = [
+    # a prefix hit counts in whole blocks of the replayed block size
+    blocked = {
+        sid: [
             r
             if r.cached_tokens % bs == 0
             else replace(r, cached_tokens=r.cached_tokens - r.cached_tokens % bs)
             for r in reqs
         ]
-        try:
-            parts.append(replay(reqs, settings, cost, noise=noise))
-        except ValueError as exc:
-            raise WhatIfError("cannot_replay", f"engine {sid}: {exc}", status=422) from None
+        for sid, reqs in requests.items()
+    }
+    for draw in range(draws):
+        drawn = noise.reseeded(noise.seed + draw) if noise is not None else None
+        for sid, reqs in blocked.items():
+            try:
+                parts.append(replay(reqs, settings, cost, noise=drawn))
+            except ValueError as exc:
+                raise WhatIfError("cannot_replay", f"engine {sid}: {exc}", status=422) from None
     return Replay(
         request_id=[i for p in parts for i in p.request_id],
         prompt_tokens=np.concatenate([p.prompt_tokens for p in parts]),
@@ -176,6 +185,7 @@ def pooled_replay(
         itl_count=np.concatenate([p.itl_count for p in parts]),
         steps=sum(p.steps for p in parts),
         simulated_s=max(p.simulated_s for p in parts),
+        draws=draws,
     )
 
 
@@ -314,7 +324,10 @@ def what_if(
     over chunk sizes), the rest on the window's steps at the window's own level; what a one-step 16k
     prefill costs is then known though the window never ran one. ``step_noise``: each replayed
     decode-only step's fitted time times a factor drawn from the window's own decode-only steps'
-    ``actual / fitted`` (:mod:`ledger.whatif.noise`): the ITL tail comes from the steps that ran long."""
+    ``actual / fitted``, and each step that follows another the engine loop's time the window measured
+    before such a step (:mod:`ledger.whatif.noise`): the ITL tail comes from the steps that ran long. A
+    small window is replayed several times with the noise drawn anew and the draws pooled
+    (:func:`ledger.whatif.noise.draws_for`), so that its tails do not rest on one draw."""
     t0 = time.perf_counter()
     try:
         steps = read_steps(engine, model=model, source_id=source_id, since=since, until=until, now=now)
@@ -367,9 +380,10 @@ def what_if(
     if attention is not None:
         cost = _plus_attention(cost, in_chunk)
     noise = window_noise(fit, steps.data) if step_noise else None
+    draws = draws_for(rec.count) if noise is not None else 1
 
     measured = rec.summary(long_tokens)
-    predicted = pooled_replay(rec.requests, base, cost, noise).summary(long_tokens)
+    predicted = pooled_replay(rec.requests, base, cost, noise, draws).summary(long_tokens)
     error = {k: _rel(predicted.get(k), measured.get(k)) for k in CALIBRATED}
     worst = max((abs(v) for v in error.values() if v is not None), default=None)
     calibration = {
@@ -395,9 +409,9 @@ def what_if(
     for asked in candidates:
         values = {**base_values, **asked}
         coverage = Coverage(cost)
-        summary = pooled_replay(rec.requests, _settings(values, _name(asked)), coverage, noise).summary(
-            long_tokens
-        )
+        summary = pooled_replay(
+            rec.requests, _settings(values, _name(asked)), coverage, noise, draws
+        ).summary(long_tokens)
         rows.append(
             {
                 "name": _name(asked),
@@ -434,7 +448,7 @@ def what_if(
                 "prefill_tokens": list(attention.ranges.prefill_tokens),
             },
         },
-        "step_noise": _noise_figures(noise, step_noise),
+        "step_noise": _noise_figures(noise, step_noise, draws),
         "long_prompt_tokens": long_tokens,
         "targets": {"itl_p99_ms": itl_target_ms, "short_ttft_p99_ms": ttft_target_ms},
         "calibration": calibration,
@@ -443,17 +457,26 @@ def what_if(
     }
 
 
-def _noise_figures(noise: StepNoise | None, asked: bool) -> dict[str, Any]:
-    """What the replay's step noise was drawn from: the window's decode-only steps' ``actual / fitted``."""
+def _noise_figures(noise: StepNoise | None, asked: bool, draws: int) -> dict[str, Any]:
+    """What the replay's step noise was drawn from: the window's decode-only steps' ``actual / fitted``
+    and the engine loop's time before its steps (ms); how many replays with it were pooled."""
     if noise is None:
         return {"applied": False, "why": "off" if not asked else "too few steps in the window"}
     r = np.asarray(noise.ratios)
+
+    def ms(values: list[float]) -> dict[str, float]:
+        v = np.asarray(values) * 1e3
+        q50, q99 = np.quantile(v, [0.5, 0.99])
+        return {"p50": float(q50), "p99": float(q99), "mean": float(v.mean())}
+
     return {
         "applied": True,
+        "draws": draws,
         "decode_steps": len(r),
         "mean": float(r.mean()),
         "p50": float(np.quantile(r, 0.5)),
         "p99": float(np.quantile(r, 0.99)),
+        "loop_ms": {"decode": ms(noise.decode_gaps), "prefill": ms(noise.prefill_gaps)},
     }
 
 

@@ -9,6 +9,7 @@ which, so it takes the latter, which over-counts KV in use when running requests
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -60,6 +61,7 @@ class State:
         self.next_arrival = 0  # the next request not yet queued
         self.now = self.arrival_list[0] if n else 0.0
         self.steps = 0
+        self.last_end = -math.inf  # when the last step ended (a step starting then follows it)
         self.gaps: list[float] = []  # decode inter-token gaps (seconds) ...
         self.gap_weights: list[int] = []  # ... and how many tokens had each
 

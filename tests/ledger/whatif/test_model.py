@@ -400,6 +400,15 @@ def test_fast_forward_and_vectorized_pass_give_the_plain_loops_results(
         replay(reqs, settings, kv_cost, noise=noise, fast_forward=False)
     )
     assert _fingerprint(noisy) != _fingerprint(fast)
+    # and with the engine loop's time between steps: the fast-forward adds step k's as the plain loop does
+    looped = StepNoise(
+        [0.9, 1.0, 1.1, 2.5], seed=seed, decode_gaps=[0.001, 0.0, 0.004, 0.002], prefill_gaps=[0.003, 0.0]
+    )
+    with_loop = replay(reqs, settings, kv_cost, noise=looped)
+    assert _fingerprint(with_loop) == _fingerprint(
+        replay(reqs, settings, kv_cost, noise=looped, fast_forward=False, vectorized=False)
+    )
+    assert _fingerprint(with_loop) != _fingerprint(noisy)
 
 
 # -- step noise ------------------------------------------------------------------------------------
@@ -414,6 +423,32 @@ def test_step_noise_draws_a_deterministic_factor_per_step_from_its_class() -> No
     assert [StepNoise([1.0, 2.0, 3.0], seed=8)(k) for k in range(50)] != draws[:50]
     with pytest.raises(ValueError, match="finite ratios > 0"):
         StepNoise([1.0, 0.0])
+    with pytest.raises(ValueError, match="decode_gaps pairs with ratios"):
+        StepNoise([1.0, 2.0], decode_gaps=[0.001])
+    with pytest.raises(ValueError, match="finite prefill_gaps >= 0"):
+        StepNoise([1.0], prefill_gaps=[-0.001])
+
+
+def test_engine_loop_time_comes_before_a_step_that_follows_another_but_not_after_idle() -> None:
+    def flat(shape: StepShape) -> float:
+        return 0.010
+
+    reqs = [
+        TraceRequest("first", 0.0, 32, 0, 10),  # decodes steps 1-9 back to back
+        TraceRequest("during", 0.030, 32, 0, 2),  # arrives in step 2: its prefill follows a step
+        TraceRequest("after-idle", 1.0, 32, 0, 2),  # the engine is idle when it comes
+    ]
+    noise = StepNoise([1.0], decode_gaps=[0.002], prefill_gaps=[0.005])
+    out = replay(reqs, EngineSettings(512, 64, 2000), flat, noise=noise)
+    ttft = dict(zip(out.request_id, out.ttft_s.tolist(), strict=True))
+    assert ttft["first"] == pytest.approx(0.010)  # no loop time before the first step
+    assert ttft["after-idle"] == pytest.approx(0.010)  # nor after idle
+    # steps 1 and 2 decode (12 ms each, to 0.034); step 3 runs its prefill beside a decode: 10 + 5 ms
+    assert ttft["during"] == pytest.approx(0.034 + 0.015 - 0.030)
+    gaps = sorted({round(g, 9) for g in out.itl_gap_s.tolist()})
+    assert gaps == [0.012, 0.015]  # every inter-token gap is a step plus the loop before it
+    plain = replay(reqs, EngineSettings(512, 64, 2000), flat, noise=StepNoise([1.0]))
+    assert sorted({round(g, 9) for g in plain.itl_gap_s.tolist()}) == [0.010]
 
 
 def test_step_noise_puts_the_windows_tail_into_the_replayed_itl_p99() -> None:
@@ -455,9 +490,13 @@ def test_window_noise_takes_the_decode_only_steps_ratios_against_the_fit() -> No
     decodes = rng.integers(1, 32, n).astype(float)
     base = 0.002 + 2e-5 * prefill + 1e-9 * prefill * depth + 3e-4 * decodes
     factor = np.where(prefill > 0, 1.0, np.where(rng.random(n) < 0.05, 3.0, 1.0))  # decode-only hiccups
+    loop = np.where(prefill > 0, 0.003, 0.001)  # the engine loop before each step
+    interval = base * factor + loop
+    interval[:5] = np.nan  # unknown (the source's first steps): no loop time drawn from them
     data = StepData.from_columns(
         {
             "duration_s": base * factor,
+            "interval_s": interval,
             "prefill_tokens": prefill,
             "prefill_depth_tokens": prefill * depth,
             "max_prefill_depth": depth,
@@ -471,6 +510,15 @@ def test_window_noise_takes_the_decode_only_steps_ratios_against_the_fit() -> No
     assert noise is not None
     assert max(noise.ratios) == pytest.approx(3.0, rel=0.05)  # the decode-only hiccups
     assert len(noise.ratios) == int(np.count_nonzero(prefill == 0))  # the prefill steps are not drawn
+    # each ratio paired with the loop time before the same step; chunk steps' loop time apart
+    assert len(noise.decode_gaps) == len(noise.ratios)
+    known = np.isfinite(interval)
+    assert sorted(noise.decode_gaps) == pytest.approx(
+        sorted(np.where(known, loop, 0.0)[prefill == 0].tolist()), abs=1e-12
+    )
+    assert sorted(noise.prefill_gaps) == pytest.approx(
+        sorted(np.where(known, loop, 0.0)[prefill > 0].tolist()), abs=1e-12
+    )
     assert window_noise(fit, data.select(np.arange(n) < 10)) is None  # too few steps
 
 

@@ -30,9 +30,11 @@ from ledger.cli import app as cli_app
 from ledger.config import Settings
 from ledger.store import open_store
 from ledger.whatif.cost import fitted_cost
+from ledger.whatif.noise import StepNoise, draws_for
+from ledger.whatif.results import weighted_quantile
 from ledger.whatif.service import WhatIfError, candidates_from, parse_setting, pooled_replay, what_if
 from ledger.whatif.trace import Recorded, arrival_of, read_recorded
-from ledger.whatif.types import EngineSettings, StepShape
+from ledger.whatif.types import EngineSettings, StepShape, TraceRequest
 from tests.support.servers import LedgerServer
 
 # the simulator's long-prompts engine: budget 2048, 256 seqs, 16,384 blocks of 16 tokens; it admits a
@@ -108,8 +110,40 @@ def test_replaying_the_recorded_setting_gives_back_the_measured_tails(runs):
     noise = out["step_noise"]
     assert noise["applied"] and noise["decode_steps"] > 500
     assert noise["p50"] == pytest.approx(1.0, abs=0.01) and noise["p99"] < 1.05
+    # the simulator's engines go from step to step at once: no engine-loop time between them
+    assert noise["loop_ms"]["decode"]["p99"] < 0.01
+    # a window of a few hundred requests is replayed in several noise draws, pooled
+    assert noise["draws"] == draws_for(out["window"]["requests"]) > 1
+    assert cal["predicted"]["requests"] == out["window"]["requests"]  # per draw, not pooled
     off = answer(runs["recorded"], candidates=[], recorded=RECORDED, step_noise=False)
     assert off["step_noise"] == {"applied": False, "why": "off"}
+
+
+def test_noise_draws_are_pooled_into_the_tails_and_a_long_requests_median() -> None:
+    def cost(shape: StepShape) -> float:
+        return 0.002 + 1e-6 * shape.prefill_tokens + 1e-4 * shape.num_decode_reqs
+
+    reqs = {"e0": [TraceRequest(f"r{k}", 0.02 * k, 4000 if k == 10 else 64, 0, 40) for k in range(60)]}
+    settings = EngineSettings(512, 64, 4000)
+    noise = StepNoise([1.0] * 9 + [4.0], decode_gaps=[0.0] * 9 + [0.003])
+    one = [pooled_replay(reqs, settings, cost, noise.reseeded(d)) for d in range(4)]
+    pooled = pooled_replay(reqs, settings, cost, noise, draws=4)
+    assert [p.ttft_s.tolist() for p in one] == pooled.ttft_s.reshape(4, 60).tolist()  # seeds 0..3
+    summary = pooled.summary(long_prompt_tokens=1000)
+    assert summary["requests"] == 60 and summary["steps"] == sum(p.steps for p in one) // 4
+    # the long request's TTFT: its median over the draws, not the worst of them
+    assert summary["long_ttft_s"] == [pytest.approx(float(np.median([p.ttft_s[10] for p in one])))]
+    pooled_gaps = np.concatenate([p.itl_gap_s for p in one])
+    pooled_counts = np.concatenate([p.itl_count for p in one])
+    assert summary["itl_p99_s"] == weighted_quantile(pooled_gaps, pooled_counts, 0.99)
+    with pytest.raises(ValueError, match="draws must be 1"):
+        pooled_replay(reqs, settings, cost, None, draws=2)
+
+
+def test_a_small_window_is_replayed_in_more_draws_than_a_large_one() -> None:
+    assert draws_for(160) == 32  # at most 32
+    assert draws_for(1_000) == 5
+    assert draws_for(50_000) == draws_for(5_000) == 1
 
 
 def recorded_window(db_url: str) -> tuple[Recorded, Any]:
