@@ -78,7 +78,8 @@ def fast_forward(st: State, cost: StepCost, noise: StepNoise | None = None) -> b
     if noise is None:
         end = t + shape_d
     else:
-        end = t + (shape_d * noise(k0) + (noise.decode_gap(k0) if t == st.last_end else 0.0))
+        factor, gap = noise.decode(k0)
+        end = t + (shape_d * factor + (gap if t == st.last_end else 0.0))
     gaps, weights = st.gaps, st.gap_weights
     last = st.last_tok[run]
     cont = last == t
@@ -103,7 +104,11 @@ def fast_forward(st: State, cost: StepCost, noise: StepNoise | None = None) -> b
         if grow:
             used += grow
             shape_d = step_seconds(cost, StepShape(0, 0, 0, 0, n, used / total))
-        end = t + (shape_d * noise(k0 + j) + noise.decode_gap(k0 + j) if noise is not None else shape_d)
+        if noise is None:
+            end = t + shape_d
+        else:
+            factor, gap = noise.decode(k0 + j)
+            end = t + (shape_d * factor + gap)
         gaps.append(end - t)
         weights.append(n)
         start, t = t, end

@@ -70,7 +70,7 @@ def replay(
     ``noise`` (:class:`ledger.whatif.noise.StepNoise`), the ``k``-th step (from 0) lasts, if it is
     decode-only, ``noise(k)`` times that (a step with a prefill chunk keeps its fitted time), plus, if
     it follows the previous step directly (the engine was not idle), the engine loop's time before it
-    (``noise.decode_gap(k)`` or ``noise.prefill_gap(k)``).
+    (:meth:`~ledger.whatif.noise.StepNoise.decode`, :meth:`~ledger.whatif.noise.StepNoise.prefill_gap`).
 
     Raises ValueError naming the first request the engine could never run: one whose KV for prompt +
     output - 1 tokens exceeds the KV cache, or, with chunked prefill off, whose prompt (less its
@@ -175,7 +175,8 @@ def _run_step(
         if n_prefill:
             d += noise.prefill_gap(k) if loop else 0.0
         else:
-            d = d * noise(k) + (noise.decode_gap(k) if loop else 0.0)
+            factor, gap = noise.decode(k)
+            d = d * factor + (gap if loop else 0.0)
     end = t + d
     st.last_end = end
     after = before + new

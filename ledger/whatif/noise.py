@@ -47,9 +47,9 @@ _MASK = (1 << 64) - 1
 class StepNoise:
     """How replayed step ``k`` (an index from 0) differs from its fitted time, chosen by a hash of
     ``k`` and ``seed``: ``noise(k)`` is a decode-only step's factor (one of ``ratios``),
-    ``noise.decode_gap(k)`` the loop time before it (``decode_gaps``, paired with ``ratios``: the
-    same recorded step's), ``noise.prefill_gap(k)`` the loop time before a step with a chunk (one of
-    ``prefill_gaps``). Without gaps, the loop takes no time."""
+    ``noise.decode(k)`` that factor and the loop time before the step (``decode_gaps``, paired with
+    ``ratios``: the same recorded step's), ``noise.prefill_gap(k)`` the loop time before a step with
+    a chunk (one of ``prefill_gaps``). Without gaps, the loop takes no time."""
 
     def __init__(
         self,
@@ -83,8 +83,10 @@ class StepNoise:
     def __call__(self, k: int) -> float:
         return self.ratios[self._pick(k, len(self.ratios))]
 
-    def decode_gap(self, k: int) -> float:
-        return self.decode_gaps[self._pick(k, len(self.decode_gaps))]
+    def decode(self, k: int) -> tuple[float, float]:
+        """Decode-only step ``k``'s factor and the loop time before it (one recorded step's pair)."""
+        i = self._pick(k, len(self.ratios))
+        return self.ratios[i], self.decode_gaps[i]
 
     def prefill_gap(self, k: int) -> float:
         return self.prefill_gaps[self._pick(k, len(self.prefill_gaps))]
