@@ -44,6 +44,21 @@ def _fit_from(fit: dict[str, Any], window: dict[str, Any]) -> str:
     return "" if same or not ids else f", on {fit.get('steps', 0):,} steps of {', '.join(ids)}"
 
 
+def _noise(noise: dict[str, Any] | None) -> str:
+    """What the replay's step noise was drawn from, in a line."""
+    if not noise or not noise.get("applied"):
+        why = (noise or {}).get("why", "off")
+        return f"step noise: none ({why}): every step at its fitted time, back to back"
+    loop = noise["loop_ms"]
+    draws = noise["draws"]
+    return (
+        f"step noise: decode steps x {noise['p50']:.2f} (p50) to {noise['p99']:.2f} (p99) of their fitted "
+        f"time ({noise['decode_steps']:,} steps); engine loop before a step {loop['decode']['p50']:.2f} "
+        f"(p50) to {loop['decode']['p99']:.2f} ms (p99); "
+        + ("one draw" if draws == 1 else f"{draws} draws pooled")
+    )
+
+
 def render_whatif(body: dict[str, Any]) -> str:
     w, cal = body["window"], body["calibration"]
     settings = cal["settings"]
@@ -70,6 +85,7 @@ def render_whatif(body: dict[str, Any]) -> str:
         f"{len(w['source_ids'])} engine(s){skipped}",
         f"step time fit: R² {body['fit']['r2']:.3f}, cross-validated error {body['fit']['cv_rel_error']:.1%}"
         f"{_fit_from(body['fit'], w)}",
+        _noise(body.get("step_noise")),
         f"recorded setting: {shown}  (* inferred from the steps)",
         f"long prompts: >= {long} tokens" if long else "long prompts: none in the window",
         "",

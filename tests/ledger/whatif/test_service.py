@@ -468,6 +468,10 @@ def test_the_command_prints_measured_replayed_and_asked_side_by_side(runs):
     assert any(line.startswith("measured ") for line in lines)
     assert any(line.startswith("recorded, replayed (error)") for line in lines)
     assert any(line.startswith("max_num_batched_tokens=512 ") and "itl" in line for line in lines)
+    noise = next(line for line in lines if line.startswith("step noise: "))
+    assert "engine loop before a step" in noise and "draws pooled" in noise  # a small window: draws
+    quiet = runner.invoke(cli_app, [*args, "--set", "max_num_seqs=64", "--no-step-noise"])
+    assert quiet.exit_code == 0 and "step noise: none (off)" in quiet.output
     fitted = runner.invoke(cli_app, [*args, "--set", "max_num_seqs=64", "--fit-since", "0"])
     assert fitted.exit_code == 0 and " steps of sim-" in fitted.output  # the fit's steps, named
     js = runner.invoke(cli_app, [*args, "--set", "max_num_seqs=64", "--format", "json"])
