@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import sqlalchemy as sa
 
 from ledger import schema
@@ -29,6 +30,8 @@ class StepWindow:
     first_ts: float | None  # oldest and newest step read
     last_ts: float | None
     truncated: bool  # the window held more than max_steps steps: only the newest were read
+    # with ``previous_prefills``: each step's engine's previous step's prefill requests (0 for the first)
+    prev_prefill_reqs: np.ndarray | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -103,8 +106,11 @@ def read_steps(
     until: str | float | None = None,
     max_steps: int = DEFAULT_MAX_STEPS,
     now: float | None = None,
+    previous_prefills: bool = False,
 ) -> StepWindow:
-    """The newest ``max_steps`` steps of one model (or source) in [since, until)."""
+    """The newest ``max_steps`` steps of one model (or source) in [since, until); with
+    ``previous_prefills``, also the prefill requests of each step's predecessor on its engine (in the
+    window), whose first tokens the engine loop processes before the step (:mod:`ledger.whatif.noise`)."""
     try:
         window = Window.parse(since, until, now=now)
     except BadTime as exc:
@@ -112,7 +118,11 @@ def read_steps(
     st = schema.steps
     with engine.connect() as conn:
         model_name, ids = _sources(conn, model=model, source_id=source_id, since=window.since)
-        q = sa.select(*(st.c[c] for c in COLUMNS), st.c.ts).where(st.c.source_id.in_(ids))
+        extra: list[Any] = []
+        if previous_prefills:
+            prev = sa.func.lag(st.c.num_prefill_reqs).over(partition_by=st.c.source_id, order_by=st.c.step)
+            extra.append(sa.func.coalesce(prev, 0))
+        q = sa.select(*(st.c[c] for c in COLUMNS), *extra, st.c.ts).where(st.c.source_id.in_(ids))
         if window.since is not None:
             q = q.where(st.c.ts >= window.since)
         if window.until is not None:
@@ -121,6 +131,7 @@ def read_steps(
     truncated = len(rows) > max_steps
     rows = rows[:max_steps]
     data = StepData.from_rows([r[: len(COLUMNS)] for r in rows])
+    prev_prefills = np.array([float(r[len(COLUMNS)]) for r in rows]) if previous_prefills else None
     return StepWindow(
         data=data,
         model=model_name,
@@ -130,4 +141,5 @@ def read_steps(
         first_ts=float(rows[-1][-1]) if rows else None,
         last_ts=float(rows[0][-1]) if rows else None,
         truncated=truncated,
+        prev_prefill_reqs=prev_prefills,
     )

@@ -79,7 +79,8 @@ def fast_forward(st: State, cost: StepCost, noise: StepNoise | None = None) -> b
         end = t + shape_d
     else:
         factor, gap = noise.decode(k0)
-        end = t + (shape_d * factor + (gap if t == st.last_end else 0.0))
+        loop = gap + noise.per_first_token * st.last_first if t == st.last_end else 0.0
+        end = t + (shape_d * factor + loop)
     gaps, weights = st.gaps, st.gap_weights
     last = st.last_tok[run]
     cont = last == t
@@ -125,6 +126,7 @@ def fast_forward(st: State, cost: StepCost, noise: StepNoise | None = None) -> b
     st.used = used
     st.steps += done
     st.now = st.last_end = t
+    st.last_first = 0  # decode-only steps emit no first token
     finished = gen >= st.out[run]
     if np.count_nonzero(finished):
         fin = run[finished]

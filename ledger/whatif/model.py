@@ -70,7 +70,8 @@ def replay(
     ``noise`` (:class:`ledger.whatif.noise.StepNoise`), the ``k``-th step (from 0) lasts, if it is
     decode-only, ``noise(k)`` times that (a step with a prefill chunk keeps its fitted time), plus, if
     it follows the previous step directly (the engine was not idle), the engine loop's time before it
-    (:meth:`~ledger.whatif.noise.StepNoise.decode`, :meth:`~ledger.whatif.noise.StepNoise.prefill_gap`).
+    (:meth:`~ledger.whatif.noise.StepNoise.decode`, :meth:`~ledger.whatif.noise.StepNoise.prefill_gap`,
+    and ``noise.per_first_token`` for each first token the step before emitted).
 
     Raises ValueError naming the first request the engine could never run: one whose KV for prompt +
     output - 1 tokens exceeds the KV cache, or, with chunked prefill off, whose prompt (less its
@@ -173,12 +174,13 @@ def _run_step(
         k = st.steps
         loop = t == st.last_end  # the engine went on from the previous step, not from idle
         if n_prefill:
-            d += noise.prefill_gap(k) if loop else 0.0
+            d += noise.prefill_gap(k) + noise.per_first_token * st.last_first if loop else 0.0
         else:
             factor, gap = noise.decode(k)
-            d = d * factor + (gap if loop else 0.0)
+            d = d * factor + (gap + noise.per_first_token * st.last_first if loop else 0.0)
     end = t + d
     st.last_end = end
+    st.last_first = 0
     after = before + new
     st.comp[idx] = after
     ntok = st.ntok[idx]
@@ -196,6 +198,7 @@ def _run_step(
     n_first = int(np.count_nonzero(first))
     if n_first:
         st.first_tok[e[first]] = end
+        st.last_first = n_first
     if n_first < len(e):
         last = st.last_tok[e[~first]]
         cont = last == t  # decoded in the previous step too: the gap is this step

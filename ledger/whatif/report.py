@@ -54,8 +54,8 @@ def _noise(noise: dict[str, Any] | None) -> str:
     return (
         f"step noise: decode steps x {noise['p50']:.2f} (p50) to {noise['p99']:.2f} (p99) of their fitted "
         f"time ({noise['decode_steps']:,} steps); engine loop before a step {loop['decode']['p50']:.2f} "
-        f"(p50) to {loop['decode']['p99']:.2f} ms (p99); "
-        + ("one draw" if draws == 1 else f"{draws} draws pooled")
+        f"(p50) to {loop['decode']['p99']:.2f} ms (p99) + {loop['per_first_token']:.3f} ms per first "
+        "token of the step before; " + ("one draw" if draws == 1 else f"{draws} draws pooled")
     )
 
 

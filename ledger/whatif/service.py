@@ -330,7 +330,15 @@ def what_if(
     (:func:`ledger.whatif.noise.draws_for`), so that its tails do not rest on one draw."""
     t0 = time.perf_counter()
     try:
-        steps = read_steps(engine, model=model, source_id=source_id, since=since, until=until, now=now)
+        steps = read_steps(
+            engine,
+            model=model,
+            source_id=source_id,
+            since=since,
+            until=until,
+            now=now,
+            previous_prefills=True,
+        )
         fit_steps = steps
         if fit_source is not None or fit_since is not None or fit_until is not None:
             fit_steps = read_steps(
@@ -379,7 +387,7 @@ def what_if(
     cost = fitted_cost(fit)
     if attention is not None:
         cost = _plus_attention(cost, in_chunk)
-    noise = window_noise(fit, steps.data) if step_noise else None
+    noise = window_noise(fit, steps.data, prev_prefills=steps.prev_prefill_reqs) if step_noise else None
     draws = draws_for(rec.count) if noise is not None else 1
 
     measured = rec.summary(long_tokens)
@@ -476,7 +484,11 @@ def _noise_figures(noise: StepNoise | None, asked: bool, draws: int) -> dict[str
         "mean": float(r.mean()),
         "p50": float(np.quantile(r, 0.5)),
         "p99": float(np.quantile(r, 0.99)),
-        "loop_ms": {"decode": ms(noise.decode_gaps), "prefill": ms(noise.prefill_gaps)},
+        "loop_ms": {
+            "decode": ms(noise.decode_gaps),
+            "prefill": ms(noise.prefill_gaps),
+            "per_first_token": noise.per_first_token * 1e3,
+        },
     }
 
 

@@ -62,6 +62,7 @@ class State:
         self.now = self.arrival_list[0] if n else 0.0
         self.steps = 0
         self.last_end = -math.inf  # when the last step ended (a step starting then follows it)
+        self.last_first = 0  # first tokens the last step emitted (the loop processes them before the next)
         self.gaps: list[float] = []  # decode inter-token gaps (seconds) ...
         self.gap_weights: list[int] = []  # ... and how many tokens had each
 

@@ -478,6 +478,58 @@ def test_step_noise_leaves_the_steps_with_a_prefill_chunk_at_their_fitted_time()
     assert plain.ttft_s.tolist() == noisy.ttft_s.tolist() and plain.steps == noisy.steps > 40
 
 
+def test_the_loop_after_a_step_is_charged_per_first_token_it_emitted() -> None:
+    def flat(shape: StepShape) -> float:
+        return 0.010
+
+    # three prompts prefilled in one step (3 first tokens), then decode-only steps
+    reqs = [TraceRequest(f"r{k}", 0.0, 32, 0, 4) for k in range(3)]
+    noise = StepNoise([1.0], decode_gaps=[0.002], per_first_token=0.001)
+    settings = EngineSettings(512, 64, 2000)
+    out = replay(reqs, settings, flat, noise=noise)
+    assert out.ttft_s.tolist() == [pytest.approx(0.010)] * 3
+    # the first decode waits the loop (2 ms) and 1 ms for each of the 3 first tokens; the next ones 2 ms
+    assert sorted({round(g, 9) for g in out.itl_gap_s.tolist()}) == [0.012, 0.015]
+    assert out.e2e_s.tolist() == [pytest.approx(0.010 + 0.015 + 0.012 + 0.012)] * 3
+    plain = replay(reqs, settings, flat, noise=noise, fast_forward=False, vectorized=False)
+    assert _fingerprint(plain) == _fingerprint(out)  # the fast-forward charges it as the plain loop does
+    with pytest.raises(ValueError, match="per_first_token >= 0"):
+        StepNoise([1.0], per_first_token=-1e-3)
+
+
+def test_first_token_cost_is_the_loop_times_slope_on_the_previous_steps_prefills() -> None:
+    from ledger.advice.terms import StepData
+    from ledger.whatif.noise import first_token_cost, window_noise
+
+    rng = np.random.default_rng(1)
+    n = 800
+    prev = np.where(rng.random(n) < 0.1, rng.integers(1, 40, n), 0).astype(float)
+    prefill = np.where(rng.random(n) < 0.2, rng.integers(32, 512, n), 0).astype(float)
+    depth = np.where(prefill > 0, rng.integers(0, 8, n) * 512, 0).astype(float)
+    decodes = rng.integers(1, 20, n).astype(float)
+    duration = 0.002 + 1e-5 * prefill + 1e-9 * prefill * depth + 1e-4 * decodes
+    loop = 0.0001 + 0.00014 * prev + rng.exponential(0.00005, n)  # 0.14 ms per first token
+    cols = {
+        "duration_s": duration,
+        "interval_s": duration + loop,
+        "prefill_tokens": prefill,
+        "prefill_depth_tokens": prefill * depth,
+        "max_prefill_depth": depth,
+        "num_prefill_reqs": (prefill > 0).astype(float),
+        "num_decode_reqs": decodes,
+        "kv_usage": np.full(n, 0.3),
+    }
+    data = StepData.from_columns(cols)
+    assert first_token_cost(data, prev) == pytest.approx(0.00014, rel=0.05)
+    assert first_token_cost(data, np.zeros(n)) == 0.0  # nothing to tell it by
+    # the drawn loop times no longer hold what the first tokens cost
+    from ledger.advice.fit import fit_step_time
+
+    noise = window_noise(fit_step_time(data), data, prev_prefills=prev)
+    assert noise is not None and noise.per_first_token == pytest.approx(0.00014, rel=0.05)
+    assert max(noise.decode_gaps + noise.prefill_gaps) < 0.001 < float(loop.max())
+
+
 def test_window_noise_takes_the_decode_only_steps_ratios_against_the_fit() -> None:
     from ledger.advice.fit import fit_step_time
     from ledger.advice.terms import StepData

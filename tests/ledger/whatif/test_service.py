@@ -111,7 +111,7 @@ def test_replaying_the_recorded_setting_gives_back_the_measured_tails(runs):
     assert noise["applied"] and noise["decode_steps"] > 500
     assert noise["p50"] == pytest.approx(1.0, abs=0.01) and noise["p99"] < 1.05
     # the simulator's engines go from step to step at once: no engine-loop time between them
-    assert noise["loop_ms"]["decode"]["p99"] < 0.01
+    assert noise["loop_ms"]["decode"]["p99"] < 0.01 and noise["loop_ms"]["per_first_token"] < 0.001
     # a window of a few hundred requests is replayed in several noise draws, pooled
     assert noise["draws"] == draws_for(out["window"]["requests"]) > 1
     assert cal["predicted"]["requests"] == out["window"]["requests"]  # per draw, not pooled
@@ -237,6 +237,22 @@ def test_too_few_requests_are_refused(runs):
     with pytest.raises(WhatIfError) as err:
         answer(runs["recorded"], candidates=[{"max_num_batched_tokens": 512}], min_requests=100_000)
     assert err.value.reason == "too_little_data" and err.value.status == 409
+
+
+def test_read_steps_gives_each_steps_predecessors_prefill_requests_on_request(runs):
+    engine = sa.create_engine(runs["recorded"], connect_args={"read_only": True})
+    try:
+        window = read_steps(engine, previous_prefills=True)
+        assert read_steps(engine).prev_prefill_reqs is None  # the advice's read is unchanged
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT num_prefill_reqs FROM steps ORDER BY step")).all()
+    finally:
+        engine.dispose()
+    prefills = [float(r[0]) for r in rows]
+    previous = [0.0, *prefills[:-1]]  # one engine: newest first, as read_steps reads
+    assert window.prev_prefill_reqs is not None and len(window.prev_prefill_reqs) == len(rows) > 1000
+    assert window.prev_prefill_reqs.tolist() == previous[::-1]
+    assert sum(previous) > 100  # the scene has prefills to lag
 
 
 def test_the_fitted_cost_is_the_fits_prediction(runs):
