@@ -68,7 +68,7 @@ def replay(
 ) -> Replay:
     """Replay ``requests`` under ``settings``, each step lasting ``step_cost(shape)`` seconds. With
     ``noise`` (:class:`ledger.whatif.noise.StepNoise`), the ``k``-th step (from 0) lasts, if it is
-    decode-only, ``noise(k)`` times that (a step with a prefill chunk keeps its fitted time), plus, if
+    decode-only, its drawn factor times that (a step with a prefill chunk keeps its fitted time), plus, if
     it follows the previous step directly (the engine was not idle), the engine loop's time before it
     (:meth:`~ledger.whatif.noise.StepNoise.decode`, :meth:`~ledger.whatif.noise.StepNoise.prefill_gap`,
     and ``noise.per_first_token`` for each first token the step before emitted).

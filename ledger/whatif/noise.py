@@ -50,9 +50,9 @@ _MASK = (1 << 64) - 1
 
 class StepNoise:
     """How replayed step ``k`` (an index from 0) differs from its fitted time, chosen by a hash of
-    ``k`` and ``seed``: ``noise(k)`` is a decode-only step's factor (one of ``ratios``),
-    ``noise.decode(k)`` that factor and the loop time before the step (``decode_gaps``, paired with
-    ``ratios``: the same recorded step's), ``noise.prefill_gap(k)`` the loop time before a step with
+    ``k`` and ``seed``: ``noise.decode(k)`` is a decode-only step's factor (one of ``ratios``) and
+    the loop time before the step (``decode_gaps``, paired with ``ratios``: the same recorded
+    step's), ``noise.prefill_gap(k)`` the loop time before a step with
     a chunk (one of ``prefill_gaps``), to which the replay adds ``per_first_token`` seconds per first
     token the step before emitted. Without gaps, the loop takes no time."""
 
@@ -88,9 +88,6 @@ class StepNoise:
         h = ((k + 1) * _MULT ^ self.seed) & _MASK
         h = ((h ^ (h >> 31)) * _MULT) & _MASK  # splitmix-like: neighbouring steps draw unrelated factors
         return (h >> 11) % n
-
-    def __call__(self, k: int) -> float:
-        return self.ratios[self._pick(k, len(self.ratios))]
 
     def decode(self, k: int) -> tuple[float, float]:
         """Decode-only step ``k``'s factor and the loop time before it (one recorded step's pair)."""
@@ -133,14 +130,15 @@ def decode_samples(fit: StepTimeFit, data: StepData, gaps: np.ndarray) -> tuple[
     return r[keep], gaps[decode_only][keep]
 
 
-def first_token_cost(data: StepData, prev_prefills: np.ndarray) -> float:
+def first_token_cost(data: StepData, prev_prefills: np.ndarray, gaps: np.ndarray) -> float:
     """Seconds of engine loop per first token the previous step emitted: the least-squares slope of
-    the loop time before a busy step (:func:`loop_gaps`) on its predecessor's prefill requests, at
+    the loop time before a busy step (``gaps``: :func:`loop_gaps` of ``data``) on its predecessor's
+    prefill requests, at
     least 0 (0 when they never vary). After a step that completed 32-44 prompts at once, the loop took
     3.2-5.4 ms on this CPU against 0.1-0.2 ms after a step with none: output processing per new
     request."""
     known = (data.num_decode_reqs > 0) & np.isfinite(data.interval_s)
-    f, g = prev_prefills[known], loop_gaps(data)[known]
+    f, g = prev_prefills[known], gaps[known]
     if len(f) < 2 or np.ptp(f) == 0:
         return 0.0
     slope = float(np.cov(f, g, bias=True)[0, 1] / np.var(f))
@@ -163,7 +161,7 @@ def window_noise(
     gaps = loop_gaps(data)
     per_first = 0.0
     if prev_prefills is not None:
-        per_first = first_token_cost(data, prev_prefills)
+        per_first = first_token_cost(data, prev_prefills, gaps)
         gaps = np.maximum(gaps - per_first * prev_prefills, 0.0)
     r, decode_gaps = decode_samples(fit, data, gaps)
     if len(r) < MIN_STEPS:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ledger.advice.terms import StepData
 from ledger.whatif.model import replay
 from ledger.whatif.noise import StepNoise
 from ledger.whatif.queues import ReserveQueue
@@ -416,11 +417,11 @@ def test_fast_forward_and_vectorized_pass_give_the_plain_loops_results(
 
 def test_step_noise_draws_a_deterministic_factor_per_step_from_its_class() -> None:
     noise = StepNoise([1.0, 2.0, 3.0], seed=7)
-    draws = [noise(k) for k in range(3000)]
-    assert draws == [noise(k) for k in range(3000)]  # a function of the step, not a stream
+    draws = [noise.decode(k)[0] for k in range(3000)]
+    assert draws == [noise.decode(k)[0] for k in range(3000)]  # a function of the step, not a stream
     assert collections.Counter(draws).keys() == {1.0, 2.0, 3.0}
     assert all(400 < c < 1600 for c in collections.Counter(draws).values())  # spread, not stuck
-    assert [StepNoise([1.0, 2.0, 3.0], seed=8)(k) for k in range(50)] != draws[:50]
+    assert [StepNoise([1.0, 2.0, 3.0], seed=8).decode(k)[0] for k in range(50)] != draws[:50]
     with pytest.raises(ValueError, match="finite ratios > 0"):
         StepNoise([1.0, 0.0])
     with pytest.raises(ValueError, match="decode_gaps pairs with ratios"):
@@ -497,9 +498,26 @@ def test_the_loop_after_a_step_is_charged_per_first_token_it_emitted() -> None:
         StepNoise([1.0], per_first_token=-1e-3)
 
 
+def _steps(
+    duration: np.ndarray, interval: np.ndarray, prefill: np.ndarray, depth: np.ndarray, decodes: np.ndarray
+) -> StepData:
+    """Synthetic ``steps`` columns: one prefill request per step with ``prefill`` tokens at ``depth``."""
+    return StepData.from_columns(
+        {
+            "duration_s": duration,
+            "interval_s": interval,
+            "prefill_tokens": prefill,
+            "prefill_depth_tokens": prefill * depth,
+            "max_prefill_depth": depth,
+            "num_prefill_reqs": (prefill > 0).astype(float),
+            "num_decode_reqs": decodes,
+            "kv_usage": np.full(len(duration), 0.3),
+        }
+    )
+
+
 def test_first_token_cost_is_the_loop_times_slope_on_the_previous_steps_prefills() -> None:
-    from ledger.advice.terms import StepData
-    from ledger.whatif.noise import first_token_cost, window_noise
+    from ledger.whatif.noise import first_token_cost, loop_gaps, window_noise
 
     rng = np.random.default_rng(1)
     n = 800
@@ -509,19 +527,10 @@ def test_first_token_cost_is_the_loop_times_slope_on_the_previous_steps_prefills
     decodes = rng.integers(1, 20, n).astype(float)
     duration = 0.002 + 1e-5 * prefill + 1e-9 * prefill * depth + 1e-4 * decodes
     loop = 0.0001 + 0.00014 * prev + rng.exponential(0.00005, n)  # 0.14 ms per first token
-    cols = {
-        "duration_s": duration,
-        "interval_s": duration + loop,
-        "prefill_tokens": prefill,
-        "prefill_depth_tokens": prefill * depth,
-        "max_prefill_depth": depth,
-        "num_prefill_reqs": (prefill > 0).astype(float),
-        "num_decode_reqs": decodes,
-        "kv_usage": np.full(n, 0.3),
-    }
-    data = StepData.from_columns(cols)
-    assert first_token_cost(data, prev) == pytest.approx(0.00014, rel=0.05)
-    assert first_token_cost(data, np.zeros(n)) == 0.0  # nothing to tell it by
+    data = _steps(duration, duration + loop, prefill, depth, decodes)
+    gaps = loop_gaps(data)
+    assert first_token_cost(data, prev, gaps) == pytest.approx(0.00014, rel=0.05)
+    assert first_token_cost(data, np.zeros(n), gaps) == 0.0  # nothing to tell it by
     # the drawn loop times no longer hold what the first tokens cost
     from ledger.advice.fit import fit_step_time
 
@@ -532,7 +541,6 @@ def test_first_token_cost_is_the_loop_times_slope_on_the_previous_steps_prefills
 
 def test_window_noise_takes_the_decode_only_steps_ratios_against_the_fit() -> None:
     from ledger.advice.fit import fit_step_time
-    from ledger.advice.terms import StepData
     from ledger.whatif.noise import window_noise
 
     rng = np.random.default_rng(0)
@@ -545,18 +553,7 @@ def test_window_noise_takes_the_decode_only_steps_ratios_against_the_fit() -> No
     loop = np.where(prefill > 0, 0.003, 0.001)  # the engine loop before each step
     interval = base * factor + loop
     interval[:5] = np.nan  # unknown (the source's first steps): no loop time drawn from them
-    data = StepData.from_columns(
-        {
-            "duration_s": base * factor,
-            "interval_s": interval,
-            "prefill_tokens": prefill,
-            "prefill_depth_tokens": prefill * depth,
-            "max_prefill_depth": depth,
-            "num_prefill_reqs": (prefill > 0).astype(float),
-            "num_decode_reqs": decodes,
-            "kv_usage": np.full(n, 0.3),
-        }
-    )
+    data = _steps(base * factor, interval, prefill, depth, decodes)
     fit = fit_step_time(data)
     noise = window_noise(fit, data)
     assert noise is not None
