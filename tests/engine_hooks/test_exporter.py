@@ -111,8 +111,8 @@ def test_ledger_down_spools_then_replays_in_order_when_it_is_back(make_exporter,
     assert not exporter.force_flush(0.5)
     assert exporter.stats().spooled == 300
     assert any(p.suffix == ".seg" for p in (spool_dir / "engine-0").iterdir())
+    restarted = len(fake_ledger.posts)  # taken while it is down: a replay may come the moment it starts
     fake_ledger.start()
-    restarted = len(fake_ledger.posts)
     for i in range(400, 500):
         tokens(1.7e9, "r", 1, i + 1)
     assert exporter.force_flush(5)
@@ -137,8 +137,8 @@ def test_a_backlog_is_replayed_in_merged_posts_with_several_in_flight(make_expor
     assert not exporter.force_flush(0.5)
     assert exporter.stats().spool_pending == 3000  # 60 spooled batches of 50
     fake_ledger.delay_s = 0.05  # each POST takes a while: the window fills up
+    restarted = len(fake_ledger.posts)  # taken while it is down: a replay may come the moment it starts
     fake_ledger.start()
-    restarted = len(fake_ledger.posts)
     assert exporter.force_flush(10)
     replays = [p for p in fake_ledger.posts[restarted:] if p.status == 200]
     sizes = [p.last_seq - p.first_seq + 1 for p in replays]

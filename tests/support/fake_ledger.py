@@ -197,31 +197,31 @@ class FakeLedger:
                 try:
                     if delay:
                         threading.Event().wait(delay)
-                    post.status = self._ingest(body, batch, forced)
+                    status, reply = self._ingest(body, batch, forced)
+                    post.status = status
                 finally:
+                    # recorded before the client can read the answer: a test that sees its flush
+                    # acknowledged sees the POST answered too
                     post.answered = time.monotonic()
                     with ledger._lock:
                         ledger.in_flight -= 1
+                self._answer(status, reply)
 
-            def _ingest(self, body: bytes, batch: Any, forced: int | None) -> int:
+            def _ingest(self, body: bytes, batch: Any, forced: int | None) -> tuple[int, bytes]:
                 if forced is not None:
-                    self._answer(forced, b'{"detail":"forced by the test"}')
-                    return forced
+                    return forced, b'{"detail":"forced by the test"}'
                 if ledger.token and self.headers.get("authorization") != f"Bearer {ledger.token}":
-                    self._answer(401, b'{"detail":"bad token"}')
-                    return 401
+                    return 401, b'{"detail":"bad token"}'
                 if batch is None:
                     try:
                         batch_decoder.decode(body)
                     except msgspec.DecodeError as exc:
-                        self._answer(422, _response_encoder.encode({"detail": str(exc)}))
-                        return 422
+                        return 422, _response_encoder.encode({"detail": str(exc)})
                 accepted, duplicates = ledger.store.add(batch.source.id, batch.events)
                 answer = IngestResponse(
                     accepted=accepted, duplicates=duplicates, commands=list(ledger.commands)
                 )
-                self._answer(200, _response_encoder.encode(answer))
-                return 200
+                return 200, _response_encoder.encode(answer)
 
             def _answer(self, status: int, body: bytes) -> None:
                 self.send_response(status)
