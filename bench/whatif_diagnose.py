@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from ledger.advice.fit import StepTimeFit, fit_step_time
 from ledger.advice.query import read_steps
 from ledger.advice.terms import COLUMNS, StepData
+from ledger.schema import step_request_ids_sql
 from ledger.whatif.results import weighted_quantile
 
 STALL_FACTOR, STALL_EXTRA_S = 2.0, 0.005
@@ -41,7 +42,8 @@ def _steps(
     long prompt (a request id ending in ``-long``, head_of_line's naming)."""
     cols = ", ".join(COLUMNS)
     sql = sa.text(
-        f"SELECT {cols}, ts, request_ids FROM steps WHERE source_id = :s AND ts >= :a AND ts < :b ORDER BY ts"
+        f"SELECT {cols}, ts, {step_request_ids_sql()} FROM steps "
+        "WHERE source_id = :s AND ts >= :a AND ts < :b ORDER BY ts"
     )
     with engine.connect() as conn:
         rows = conn.execute(sql, {"s": sid, "a": since, "b": until}).all()

@@ -28,10 +28,18 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ledger import schema
+
 TABLES = ("requests", "steps", "events", "sources")
 WINDOW_COLUMN = {"requests": "start_ts", "steps": "ts", "events": "ts", "sources": None}
 BATCH_ROWS = 65_536
 
+# Steps go out with their requests' ids (``request_ids``, as the engine sent them), not the ledger's
+# internal keys, so an export stands on its own.
+_COLUMNS = {
+    "steps": ", ".join(c.name for c in schema.steps.columns if c.name != "request_keys")
+    + f", {schema.step_request_ids_sql()} AS request_ids"
+}
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -94,7 +102,9 @@ def table_sql(table: str, window: Window, *, style: str) -> tuple[str, dict[str,
             where.append(f"{col} {op} " + (f"${name}" if style == "duckdb" else f"%({name})s"))
             params[name] = value
     order = " ORDER BY source_id" if table == "sources" else ""
-    return f"SELECT * FROM {table}" + (" WHERE " + " AND ".join(where) if where else "") + order, params
+    return f"SELECT {_COLUMNS.get(table, '*')} FROM {table}" + (
+        " WHERE " + " AND ".join(where) if where else ""
+    ) + order, params
 
 
 # -- Arrow batches from each backend -------------------------------------------------------------

@@ -4,7 +4,11 @@
 * ``events``   every accepted event, append-only; ``(source_id, seq)`` is unique. ``data`` holds the
   event's fields as JSON (output token ids removed unless configured). ``step`` events are stored
   here by identity only (``data`` NULL); their fields live in ``steps``.
-* ``steps``    one row per engine step.
+* ``steps``    one row per engine step. The requests it ran are ``request_keys``, integer keys into
+  ``request_keys`` (migration 0007): a step of a busy engine names hundreds of requests, and storing
+  their ids as text cost the write path more than the rest of the step (docs/benchmarks.md).
+* ``request_keys`` one row per request a step named: its id and the key steps store for it, assigned
+  from the sequence ``request_key_seq`` the first time a step names it (so keys rise with time).
 * ``request_rows`` one row per request, the merge of its events (see ``ledger.fold``); only the
   write path touches it.
 * ``request_parts`` partial request rows not merged into ``request_rows`` yet: the DuckDB write path
@@ -65,14 +69,32 @@ steps = sa.Table(
     sa.Column("running", sa.BigInteger, nullable=False),
     sa.Column("waiting", sa.BigInteger, nullable=False),
     sa.Column("kv_usage", sa.Double, nullable=False),
-    sa.Column("request_ids", sa.ARRAY(sa.Text), nullable=False),
     sa.Column("prefill_depth_tokens", sa.BigInteger, nullable=False, server_default=sa.text("0")),
     sa.Column("max_prefill_depth", sa.BigInteger, nullable=False, server_default=sa.text("0")),
     sa.Column("stalled_request_ids", sa.ARRAY(sa.Text)),
     # End of the previous step of the same source -> end of this one: the gap a request decoding in
     # both steps saw between its tokens. Set at ingest when the previous step is known (NULL otherwise).
     sa.Column("interval_s", sa.Double),
+    # The requests the step ran (``request_keys.request_key``), in the engine's order.
+    sa.Column("request_keys", sa.ARRAY(sa.BigInteger), nullable=False),
 )
+
+request_keys = sa.Table(
+    "request_keys",
+    metadata,
+    sa.Column("request_id", sa.Text, primary_key=True),
+    sa.Column("request_key", sa.BigInteger, nullable=False),
+)
+
+
+def step_request_ids_sql(steps: str = "steps") -> str:
+    """SQL (DuckDB and PostgreSQL) for the ids of the requests a row of ``steps`` (a table name or
+    alias) ran, in order: its ``request_keys`` named. For one request, compare keys instead:
+    ``(SELECT request_key FROM request_keys WHERE request_id = '...') = ANY(request_keys)``."""
+    return (
+        f"ARRAY(SELECT k.request_id FROM unnest({steps}.request_keys) WITH ORDINALITY AS u(key, n) "
+        "JOIN request_keys k ON k.request_key = u.key ORDER BY u.n)"
+    )
 
 
 def _aggregate_columns(*, comments: bool = True) -> list[sa.Column[object]]:
@@ -151,6 +173,8 @@ PG_ONLY_INDEXES = (
     sa.Index("events_request_id_idx", events.c.request_id),
     sa.Index("steps_source_step_idx", steps.c.source_id, steps.c.step),
     sa.Index("steps_ts_idx", steps.c.ts),  # windows over steps (ITL, the chunk-size fit); migration 0002
+    # key -> id for the steps a read names; DuckDB's zone maps do it there (keys rise with time)
+    sa.Index("request_keys_key_idx", request_keys.c.request_key, unique=True),
 )
 
 # -- Runaway rules, commands and webhooks (migration 0003) ------------------------------------------

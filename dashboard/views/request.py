@@ -21,12 +21,13 @@ def step_bars(data: LedgerData, request: dict[str, Any], t0: float) -> pd.DataFr
     if not src or lo is None or hi is None:
         return None
     rid = ui.sql_literal(request["request_id"])
+    ran = f"coalesce((SELECT request_key FROM request_keys WHERE request_id = {rid}) = ANY(request_keys), false)"
     try:
         df = data.sql(
             "SELECT step, ts, duration_s, prefill_tokens, num_decode_reqs, "
-            f"{rid} = ANY(request_ids) AS ran FROM steps WHERE source_id = {ui.sql_literal(src)} "
+            f"{ran} AS ran FROM steps WHERE source_id = {ui.sql_literal(src)} "
             f"AND ts >= {lo - 1e-6!r} AND ts <= {hi!r} "
-            f"AND ({rid} = ANY(request_ids) OR {rid} = ANY(stalled_request_ids)) ORDER BY step",
+            f"AND ({ran} OR {rid} = ANY(stalled_request_ids)) ORDER BY step",
             max_rows=5000,
         )
     except (Unavailable, LedgerError, Exception):

@@ -4,7 +4,8 @@ request's row, events and steps."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import types
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -16,6 +17,7 @@ from ledger.analytics.window import Window
 R = schema.requests
 S = schema.steps
 E = schema.events
+K = schema.request_keys
 
 
 QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
@@ -71,8 +73,37 @@ def event_data(conn: sa.Connection, request_id: str, kinds: Sequence[str]) -> li
 def engine_steps(
     conn: sa.Connection, source_id: str, lo: float, hi: float, *cols: sa.ColumnElement[Any]
 ) -> list[Any]:
-    return list(
-        conn.execute(
-            sa.select(*cols).where(S.c.source_id == source_id, S.c.ts >= lo, S.c.ts <= hi).order_by(S.c.step)
-        ).all()
-    )
+    """The source's steps in [lo, hi] by step number; ``request_keys`` among ``cols`` comes back as
+    ``request_ids`` (``steps_with_ids``)."""
+    stmt = sa.select(*cols).where(S.c.source_id == source_id, S.c.ts >= lo, S.c.ts <= hi).order_by(S.c.step)
+    if any(c is S.c.request_keys for c in cols):
+        return steps_with_ids(conn, stmt)
+    return list(conn.execute(stmt).all())
+
+
+def request_key_of(request_id: str) -> sa.ScalarSelect[Any]:
+    """The key steps store for ``request_id`` (NULL when no step named it), as a scalar subquery."""
+    return sa.select(K.c.request_key).where(K.c.request_id == request_id).scalar_subquery()
+
+
+def request_names(conn: sa.Connection, keys: Iterable[int]) -> dict[int, str]:
+    """key -> request id for ``keys`` (the range bound lets DuckDB's zone maps skip the rest)."""
+    wanted = sorted(set(keys))
+    if not wanted:
+        return {}
+    rows = conn.execute(
+        sa.select(K.c.request_key, K.c.request_id).where(
+            K.c.request_key.between(wanted[0], wanted[-1]), K.c.request_key.in_(wanted)
+        )
+    ).all()
+    return {key: rid for key, rid in rows}
+
+
+def steps_with_ids(conn: sa.Connection, stmt: sa.Select[Any]) -> list[Any]:
+    """Step rows of ``stmt`` (which selects ``request_keys``) with ``request_ids`` in its place: the
+    requests' ids in the engine's order."""
+    rows = [r._asdict() for r in conn.execute(stmt)]
+    names = request_names(conn, (k for r in rows for k in r["request_keys"]))
+    for r in rows:
+        r["request_ids"] = [names[k] for k in r.pop("request_keys")]
+    return [types.SimpleNamespace(**r) for r in rows]

@@ -15,6 +15,7 @@ from ledger.analytics.common import (
     event_data,
     in_window,
     percentile,
+    request_key_of,
     request_row,
 )
 from ledger.analytics.window import Window
@@ -159,7 +160,7 @@ def request_itl(conn: sa.Connection, request_id: str) -> dict[str, Any] | None:
             S.c.source_id == src,
             S.c.ts + S.c.duration_s > first + 1e-6,
             S.c.ts <= last,
-            sa.literal(request_id) == sa.any_(S.c.request_ids),
+            request_key_of(request_id) == sa.any_(S.c.request_keys),
         )
         .order_by(S.c.step)
     ).all()

@@ -17,6 +17,7 @@ from ledger.analytics.common import (
     event_data,
     percentile,
     request_row,
+    steps_with_ids,
 )
 
 
@@ -105,7 +106,7 @@ def why(conn: sa.Connection, request_id: str, *, top: int = 5) -> dict[str, Any]
             S.c.ts,
             S.c.duration_s,
             S.c.prefill_tokens,
-            S.c.request_ids,
+            S.c.request_keys,
             S.c.stalled_request_ids,
         )
         sat_out = [s for s in steps if s.stalled_request_ids and request_id in s.stalled_request_ids]
@@ -199,11 +200,12 @@ def _engine_holders(
     only be ahead because this one's own front end was slower (``frontend_s``). Without step rows the
     prefill chunks scheduled in the window stand in."""
     request_id = row["request_id"]
-    steps = conn.execute(
-        sa.select(S.c.step, S.c.ts, S.c.duration_s, S.c.prefill_tokens, S.c.request_ids)
+    steps = steps_with_ids(
+        conn,
+        sa.select(S.c.step, S.c.ts, S.c.duration_s, S.c.prefill_tokens, S.c.request_keys)
         .where(S.c.source_id == source_id, S.c.ts < hi, S.c.ts + S.c.duration_s > lo + 1e-9)
-        .order_by(S.c.step)
-    ).all()
+        .order_by(S.c.step),
+    )
     if not steps:
         return _prefills_between(conn, source_id, lo, hi - 1e-9, request_id, top)
     chunks = conn.execute(

@@ -30,11 +30,13 @@ import sqlalchemy as sa
 from engine_hooks import events as ev
 from ledger import schema
 from ledger.fold import AGGREGATES, SUM_COLUMNS, Row, fold_into, fold_steps
+from ledger.store.request_keys import KeyCache, keys_for
 from ledger.store.step_memory import MAX_STEP_GAP_S, _follows, _StepEnd, _StepMemory
 
 EVENT_COLUMNS = [c.name for c in schema.events.columns]
 STEP_COLUMNS = [c.name for c in schema.steps.columns]
-STEP_FIELDS = [c for c in STEP_COLUMNS if c not in ("source_id", "interval_s")]  # copied from the Step as is
+# Copied from the Step as is (``request_keys`` are its ``request_ids`` as keys, resolved per group).
+STEP_FIELDS = [c for c in STEP_COLUMNS if c not in ("source_id", "interval_s", "request_keys")]
 
 
 @dataclass
@@ -66,6 +68,10 @@ class Prepared:
     requests: dict[str, Row] = field(default_factory=dict)
     # Accepted steps naming requests, folded into ``requests`` for the whole group at once (``fold``).
     step_events: list[ev.Step] = field(default_factory=list)
+    # Each row of ``steps``' request ids, turned into its ``request_keys`` once the group is in.
+    step_ids: list[list[str]] = field(default_factory=list)
+    # The keys the group's transaction resolved (remembered after the commit).
+    new_keys: dict[str, int] = field(default_factory=dict)
 
     def fold(self) -> None:
         """Fold the group's steps into the partial rows (in Arrow, cheaper the bigger the group)."""
@@ -136,6 +142,7 @@ class Store:
         self._step_memory: dict[str, _StepMemory] = {}
         # Seconds per phase of the last write (the writer logs them for a slow group).
         self.last_write_phases: dict[str, float] = {}
+        self._keys = KeyCache()  # request id -> request_keys.request_key, for the ids met lately
 
     # -- backend hooks -------------------------------------------------------------------------
     def _connect(self) -> Any:
@@ -165,6 +172,14 @@ class Store:
     )
 
     def _append(self, conn: Any, prepared: Prepared) -> None:
+        raise NotImplementedError
+
+    def _insert_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:
+        """Draw keys for those of ``ids`` (distinct) not in ``request_keys`` yet; the keys drawn."""
+        raise NotImplementedError
+
+    def _lookup_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:
+        """The stored keys of ``ids``."""
         raise NotImplementedError
 
     def _save_sources(self, conn: Any, states: list[_SourceState], now: float) -> None:
@@ -203,6 +218,9 @@ class Store:
             results = [self._accept(conn, b, states[b.source.id], prepared, now) for b in batches]
             prepared.fold()
             if prepared.steps["seq"]:
+                prepared.steps["request_keys"], prepared.new_keys = keys_for(
+                    self._keys, conn, prepared.step_ids, self._insert_keys, self._lookup_keys
+                )
                 self._link_steps(conn, prepared, states)
             t2 = clock()
             if any(r.accepted for r in results):
@@ -218,6 +236,8 @@ class Store:
         finally:
             conn.close()
         self._remember_steps(prepared, states)
+        if prepared.new_keys:
+            self._keys.learn(prepared.new_keys)
         self._after_commit(list(states.values()))
         self.last_write_phases = {
             "lock": t1 - t0,
@@ -295,6 +315,7 @@ class Store:
             s[col] += [getattr(e, col) for e in steps]
         s["source_id"] += [sid] * len(steps)
         s["interval_s"] += [None] * len(steps)  # set by _link_steps once the whole group is in
+        prepared.step_ids += [e.request_ids for e in steps]
         state.step_rows += range(first, first + len(steps))
         prepared.step_events += [e for e in steps if e.request_ids or e.stalled_request_ids]
 

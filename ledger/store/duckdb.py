@@ -36,14 +36,16 @@ EVENTS_SCHEMA = pa.schema(
         ("ingested_ts", pa.float64()),
     ]
 )
-STEPS_SCHEMA = pa.schema(
-    [(c, pa.string() if c == "source_id" else pa.int64()) for c in STEP_COLUMNS[:3]]
-    + [("ts", pa.float64()), ("duration_s", pa.float64())]
-    + [(c, pa.int64()) for c in STEP_COLUMNS[5:11]]
-    + [("kv_usage", pa.float64()), ("request_ids", pa.list_(pa.string()))]
-    + [("prefill_depth_tokens", pa.int64()), ("max_prefill_depth", pa.int64())]
-    + [("stalled_request_ids", pa.list_(pa.string())), ("interval_s", pa.float64())]
-)
+_STEP_TYPES = {
+    "source_id": pa.string(),
+    "ts": pa.float64(),
+    "duration_s": pa.float64(),
+    "kv_usage": pa.float64(),
+    "interval_s": pa.float64(),
+    "stalled_request_ids": pa.list_(pa.string()),
+    "request_keys": pa.list_(pa.int64()),
+}
+STEPS_SCHEMA = pa.schema([(c, _STEP_TYPES.get(c, pa.int64())) for c in STEP_COLUMNS])
 REQUESTS_SCHEMA = pa.schema(
     [("request_id", pa.string())] + [(c, _ARROW[a.type]) for c, a in AGGREGATES.items()]
 )
@@ -53,6 +55,16 @@ log = logging.getLogger(__name__)
 
 _REQUEST_COLUMNS = ", ".join(REQUESTS_SCHEMA.names)
 _APPEND_PARTS = f"INSERT INTO request_parts ({_REQUEST_COLUMNS}) SELECT {_REQUEST_COLUMNS} FROM _req_stage"
+_STEP_COLUMNS = ", ".join(STEP_COLUMNS)
+_APPEND_STEPS = f"INSERT INTO steps ({_STEP_COLUMNS}) SELECT {_STEP_COLUMNS} FROM _step_stage"
+_KEY_STAGE = pa.schema([("request_id", pa.string())])
+_INSERT_KEYS = (
+    "INSERT INTO request_keys (request_id) SELECT request_id FROM _key_stage "
+    "ON CONFLICT DO NOTHING RETURNING request_id, request_key"
+)
+_LOOKUP_KEYS = (
+    "SELECT request_id, request_key FROM request_keys WHERE request_id IN (SELECT request_id FROM _key_stage)"
+)
 
 
 def _aggregate(col: str) -> str:
@@ -208,13 +220,26 @@ class DuckDBStore(Store):
             duck.unregister("_ev_stage")
         if prepared.steps["seq"]:
             duck.register("_step_stage", pa.table(prepared.steps, schema=STEPS_SCHEMA))
-            duck.execute("INSERT INTO steps SELECT * FROM _step_stage")
+            duck.execute(_APPEND_STEPS)
             duck.unregister("_step_stage")
         if prepared.requests:
             duck.register("_req_stage", pa.table(request_columns(prepared.requests), schema=REQUESTS_SCHEMA))
             duck.execute(_APPEND_PARTS)
             duck.unregister("_req_stage")
             self._staged_parts = len(prepared.requests)
+
+    def _insert_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:
+        return self._keys_sql(_INSERT_KEYS, ids)
+
+    def _lookup_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:
+        return self._keys_sql(_LOOKUP_KEYS, ids)
+
+    def _keys_sql(self, sql: str, ids: list[str]) -> dict[str, int]:
+        self._duck.register("_key_stage", pa.table([ids], schema=_KEY_STAGE))
+        try:
+            return dict(self._duck.execute(sql).fetchall())
+        finally:
+            self._duck.unregister("_key_stage")
 
     def _link_successors(self, conn: Any, links: list[tuple[float, str, int, int, float, float]]) -> None:
         if len(links) == 1:

@@ -18,7 +18,11 @@ from ledger.store.base import (
 
 _MERGE = merge_sql("request_rows", "_req_stage", wide_int="NUMERIC")
 _REQ_COLS = ["request_id", *AGGREGATES]
-_ARRAY_COLUMNS = ("request_ids", "stalled_request_ids")
+_INSERT_KEYS = (
+    "INSERT INTO request_keys (request_id) SELECT unnest(%s::text[]) ON CONFLICT DO NOTHING "
+    "RETURNING request_id, request_key"
+)
+_LOOKUP_KEYS = "SELECT request_id, request_key FROM request_keys WHERE request_id = ANY(%s)"
 
 
 class _Tx:
@@ -58,6 +62,11 @@ def text_array(items: list[str] | None) -> str | None:
     return '{"' + joined + '"}'
 
 
+def int_array(items: list[int]) -> str:
+    """A bigint[] value as PostgreSQL's array input text, e.g. ``{1,2}``."""
+    return "{" + ",".join(map(str, items)) + "}"
+
+
 def _copy(pg: Any, table: str, columns: list[str], cols: dict[str, list[Any]]) -> None:
     with pg.cursor() as cur, cur.copy(f"COPY {table} ({', '.join(columns)}) FROM STDIN") as copy:
         for row in zip(*(cols[c] for c in columns), strict=True):
@@ -93,8 +102,8 @@ class PostgresStore(Store):
             _copy(pg, "events", EVENT_COLUMNS, prepared.events)
         if prepared.steps["seq"]:
             steps = dict(prepared.steps)
-            for col in _ARRAY_COLUMNS:
-                steps[col] = [text_array(v) for v in steps[col]]
+            steps["stalled_request_ids"] = [text_array(v) for v in steps["stalled_request_ids"]]
+            steps["request_keys"] = [int_array(v) for v in steps["request_keys"]]
             _copy(pg, "steps", STEP_COLUMNS, steps)
         if prepared.requests:
             pg.execute(
@@ -103,6 +112,13 @@ class PostgresStore(Store):
             )
             _copy(pg, "_req_stage", _REQ_COLS, request_columns(prepared.requests))
             pg.execute(_MERGE)
+
+    def _insert_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:
+        # Ids another replica is inserting wait for its commit here, then come back from _lookup_keys.
+        return dict(conn.execute(_INSERT_KEYS, (ids,)).fetchall())
+
+    def _lookup_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:
+        return dict(conn.execute(_LOOKUP_KEYS, (ids,)).fetchall())
 
     def _save_sources(self, conn: Any, states: list[_SourceState], now: float) -> None:
         with conn.pg.cursor() as cur:

@@ -101,7 +101,9 @@ def test_window_end_is_exclusive_and_both_backends_give_the_same_schema(db_url, 
 def _expected_schema(table: str) -> list[tuple[str, pa.DataType]]:
     arrow = {"BigInteger": pa.int64(), "Double": pa.float64(), "Text": pa.string(), "ARRAY": LIST}
     cols = getattr(schema, table).columns
-    return [(c.name, arrow[type(c.type).__name__]) for c in cols]
+    out = [(c.name, arrow[type(c.type).__name__]) for c in cols]
+    # steps go out with their requests' ids, not the ledger's keys for them
+    return [("request_ids", LIST) if name == "request_keys" else (name, t) for name, t in out]
 
 
 def test_export_through_the_service_streams_parquet_for_the_window(db_url, tmp_path):

@@ -20,6 +20,7 @@ from ledger import sql
 from ledger.app import create_app
 from ledger.cli import app as cli_app
 from ledger.config import Settings
+from ledger.schema import step_request_ids_sql
 from ledger.store import open_store
 from tests.support.factories import ENGINE, GATEWAY, body, lifecycle, numbered
 from tests.support.servers import LedgerServer
@@ -134,9 +135,9 @@ def test_select_on_the_requests_view_returns_columns_portable_types_and_rows(ro)
 
 
 def test_list_columns_come_back_as_json_lists(ro):
-    out = _sql(ro, "SELECT step, request_ids FROM steps").json()
-    assert out["types"] == ["integer", "list<string>"]
-    assert out["rows"] == [[1, ["r1"]]]
+    out = _sql(ro, f"SELECT step, {step_request_ids_sql()} AS request_ids, request_keys FROM steps").json()
+    assert out["types"] == ["integer", "list<string>", "list<integer>"]
+    assert out["rows"] == [[1, ["r1"], [1]]]
 
 
 def test_values_are_json_safe_nan_infinity_timestamps_decimals(ro):
@@ -371,11 +372,12 @@ def test_everyday_duckdb_sql_passes_the_syntax_tree_check(ro):
     for query in [
         "SELECT kind, count(*) FILTER (WHERE seq > 1), quantile_cont(ts, [0.5, 0.99]) FROM events "
         "GROUP BY ALL",
-        "SELECT r.request_id FROM requests r JOIN steps s ON list_contains(s.request_ids, r.request_id) "
+        "SELECT r.request_id FROM requests r JOIN request_keys k USING (request_id) "
+        "JOIN steps s ON list_contains(s.request_keys, k.request_key) "
         "QUALIFY row_number() OVER (PARTITION BY r.request_id ORDER BY s.ts) = 1",
         "SELECT [x FOR x IN [1, 2, 3] IF x > 1] AS l, {'a': 1}.a AS a",
         "SELECT * FROM range(3)",
-        "SELECT unnest(request_ids) FROM steps",
+        "SELECT unnest(request_keys) FROM steps",
         "SELECT table_name FROM duckdb_tables() ORDER BY 1",
         "SELECT * FROM information_schema.columns WHERE table_name = 'requests'",
         "DESCRIBE requests",

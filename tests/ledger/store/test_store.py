@@ -10,6 +10,7 @@ import pytest
 
 from engine_hooks import events as ev
 from ledger.fold import AGGREGATES, fold
+from ledger.schema import step_request_ids_sql
 from ledger.store import open_store
 from tests.support.factories import ENGINE, GATEWAY, batch, lifecycle, numbered
 
@@ -125,7 +126,8 @@ def test_steps_are_stored_with_their_participants(store):
     store.write([batch(ENGINE, steps)])
     with store.engine.connect() as conn:
         rows = conn.exec_driver_sql(
-            "SELECT step, duration_s, prefill_tokens, request_ids, kv_usage FROM steps ORDER BY step"
+            f"SELECT step, duration_s, prefill_tokens, {step_request_ids_sql()}, kv_usage FROM steps "
+            "ORDER BY step"
         ).all()
         kinds = conn.exec_driver_sql("SELECT kind, data FROM events ORDER BY seq").all()
     assert rows[0][:3] == (0, 0.012, 128) and list(rows[0][3]) == ["a", "b", "c", "d"]
@@ -143,7 +145,9 @@ def test_step_participant_ids_with_quotes_backslashes_and_separators_round_trip(
     )
     store.write([batch(ENGINE, steps)])
     with store.engine.connect() as conn:
-        rows = conn.exec_driver_sql("SELECT request_ids, stalled_request_ids FROM steps ORDER BY step").all()
+        rows = conn.exec_driver_sql(
+            f"SELECT {step_request_ids_sql()}, stalled_request_ids FROM steps ORDER BY step"
+        ).all()
     assert list(rows[0][0]) == odd and list(rows[0][1]) == odd[::-1]
     assert list(rows[1][0]) == [] and list(rows[1][1] or []) == []
     assert store.get_request("NULL")["step_count"] == 1 and store.get_request('a"b')["stalled_steps"] == 1

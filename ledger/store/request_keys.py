@@ -1,0 +1,87 @@
+"""The integer keys steps store for the requests they ran (``request_keys``, migration 0007).
+
+A group's steps name a few hundred distinct requests, each in many steps. The writer turns each
+step's ids into keys with one dictionary lookup per entry: the keys of the ids it met lately are in
+``KeyCache``; the rest are resolved once per group by the backend (``resolve``), in the group's
+transaction: an insert that draws new keys from the sequence for ids never named before (the usual
+case: requests whose first step this is), then a lookup for those another writer or an earlier run
+named. What was resolved enters the cache only after the commit (``learn``), so a rolled-back group
+leaves no key behind that the database does not hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+# ids -> their keys, for the ids a transaction resolves; a backend's insert or lookup
+Resolver = Callable[[Any, list[str]], dict[str, int]]
+
+
+class KeyCache:
+    """The keys of the ids met lately, in two generations of at most ``size`` ids each.
+
+    A lookup that finds an id in the old generation moves it to the young one; when the young one is
+    full it becomes the old one (the old one is dropped). So a request named in every step stays,
+    and memory is bounded by ``2 * size`` ids whatever the traffic (about 150 bytes each).
+    """
+
+    def __init__(self, size: int = 1 << 18) -> None:
+        self.size = size
+        self._young: dict[str, int] = {}
+        self._old: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+    def known(self, ids: Iterable[str]) -> tuple[dict[str, int], list[str]]:
+        """The keys of ``ids`` (distinct) found here, and the ids not found."""
+        young, old = self._young, self._old
+        found: dict[str, int] = {}
+        missing: list[str] = []
+        promoted: dict[str, int] = {}
+        for rid in ids:
+            key = young.get(rid)
+            if key is None:
+                key = old.get(rid)
+                if key is None:
+                    missing.append(rid)
+                    continue
+                promoted[rid] = key
+            found[rid] = key
+        if promoted:
+            self.learn(promoted)
+        return found, missing
+
+    def learn(self, keys: dict[str, int]) -> None:
+        """Remember ``keys`` (after the transaction that resolved them committed)."""
+        if len(self._young) + len(keys) > self.size:
+            self._old, self._young = self._young, {}
+        self._young.update(keys)
+
+    def clear(self) -> None:
+        self._young, self._old = {}, {}
+
+
+def keys_for(
+    cache: KeyCache,
+    conn: Any,
+    id_lists: Sequence[list[str]],
+    insert: Resolver,
+    lookup: Resolver,
+) -> tuple[list[list[int]], dict[str, int]]:
+    """Each list of ids as keys, and the keys resolved in ``conn`` (for ``KeyCache.learn`` after the
+    commit). ``insert`` draws keys for the ids not stored yet; ``lookup`` finds the others'."""
+    wanted = set().union(*id_lists)
+    table, missing = cache.known(wanted)
+    resolved: dict[str, int] = {}
+    if missing:
+        resolved = insert(conn, missing)
+        if len(resolved) < len(missing):
+            resolved.update(lookup(conn, [rid for rid in missing if rid not in resolved]))
+        absent = [rid for rid in missing if rid not in resolved]
+        if absent:  # the insert and the lookup together must account for every id
+            raise RuntimeError(f"no request key for {len(absent)} ids, e.g. {absent[0]!r}")
+        table.update(resolved)
+    get = table.__getitem__
+    return [list(map(get, ids)) for ids in id_lists], resolved
