@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any, cast
 
+import duckdb
 import pyarrow as pa
 import sqlalchemy as sa
 
@@ -57,11 +58,15 @@ _REQUEST_COLUMNS = ", ".join(REQUESTS_SCHEMA.names)
 _APPEND_PARTS = f"INSERT INTO request_parts ({_REQUEST_COLUMNS}) SELECT {_REQUEST_COLUMNS} FROM _req_stage"
 _STEP_COLUMNS = ", ".join(STEP_COLUMNS)
 _APPEND_STEPS = f"INSERT INTO steps ({_STEP_COLUMNS}) SELECT {_STEP_COLUMNS} FROM _step_stage"
-_KEY_STAGE = pa.schema([("request_id", pa.string())])
-_INSERT_KEYS = (
-    "INSERT INTO request_keys (request_id) SELECT request_id FROM _key_stage "
-    "ON CONFLICT DO NOTHING RETURNING request_id, request_key"
+_KEY_STAGE = pa.schema([("request_id", pa.string()), ("request_key", pa.int64())])
+# Keys come from the writer's counter (the file's one writer), not the sequence. The plain insert is
+# the usual path: ids the cache does not know are nearly always new (a request's first step), and it
+# costs a third of DuckDB's ON CONFLICT (1.3 against 3.1 ms for 170 ids); an id that was stored
+# after all fails it, and the group is written again with ON CONFLICT (``write``).
+_INSERT_NEW_KEYS = (
+    "INSERT INTO request_keys (request_id, request_key) SELECT request_id, request_key FROM _key_stage"
 )
+_INSERT_KEYS = _INSERT_NEW_KEYS + " ON CONFLICT DO NOTHING RETURNING request_id, request_key"
 _LOOKUP_KEYS = (
     "SELECT request_id, request_key FROM request_keys WHERE request_id IN (SELECT request_id FROM _key_stage)"
 )
@@ -109,6 +114,10 @@ _SOURCES_STAGE = pa.schema(
         ("model", pa.string()),
     ]
 )
+
+
+class _KeyTaken(Exception):
+    """A group's plain insert of new request keys met an id already stored."""
 
 
 class _Tx:
@@ -178,11 +187,24 @@ class DuckDBStore(Store):
         self._parts = int(self._duck.execute("SELECT count(*) FROM request_parts").fetchall()[0][0])
         self._parts_since: float | None = time.monotonic() if self._parts else None
         self._staged_parts = 0
+        # The next request key to draw, and whether ids the key cache does not know are taken as new.
+        self._next_key = int(
+            self._duck.execute("SELECT coalesce(max(request_key), 0) + 1 FROM request_keys").fetchall()[0][0]
+        )
+        self._keys_new = True
 
     def write(self, batches: Any) -> list[WriteResult]:
         with self._lock:
             self._staged_parts = 0
-            return super().write(batches)
+            try:
+                return super().write(batches)
+            except _KeyTaken:  # rolled back: an id the cache did not know was stored (a restart)
+                self._staged_parts = 0
+                self._keys_new = False
+                try:
+                    return super().write(batches)
+                finally:
+                    self._keys_new = True
 
     def compact_due(self) -> bool:
         since = self._parts_since
@@ -229,15 +251,26 @@ class DuckDBStore(Store):
             self._staged_parts = len(prepared.requests)
 
     def _insert_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:
-        return self._keys_sql(_INSERT_KEYS, ids)
+        first = self._next_key
+        keys = list(range(first, first + len(ids)))
+        self._next_key = first + len(ids)  # a rolled-back group leaves a gap, never a key used twice
+        duck = self._duck
+        duck.register("_key_stage", pa.table([ids, keys], schema=_KEY_STAGE))
+        try:
+            if not self._keys_new:
+                return dict(duck.execute(_INSERT_KEYS).fetchall())
+            duck.execute(_INSERT_NEW_KEYS)
+            return dict(zip(ids, keys, strict=True))
+        except duckdb.ConstraintException:
+            duck.execute("ROLLBACK")  # the transaction is aborted; nothing else runs in it
+            raise _KeyTaken from None
+        finally:
+            duck.unregister("_key_stage")
 
     def _lookup_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:
-        return self._keys_sql(_LOOKUP_KEYS, ids)
-
-    def _keys_sql(self, sql: str, ids: list[str]) -> dict[str, int]:
-        self._duck.register("_key_stage", pa.table([ids], schema=_KEY_STAGE))
+        self._duck.register("_key_stage", pa.table([ids, [0] * len(ids)], schema=_KEY_STAGE))
         try:
-            return dict(self._duck.execute(sql).fetchall())
+            return dict(self._duck.execute(_LOOKUP_KEYS).fetchall())
         finally:
             self._duck.unregister("_key_stage")
 

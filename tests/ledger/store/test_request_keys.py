@@ -40,7 +40,8 @@ def test_a_request_keeps_one_key_across_groups_and_restarts(db_url):
     store.write([batch(ENGINE, evs[1:2])])
     store.close()
     store = open_store(db_url)  # a new writer: an empty cache, the keys come from the table
-    store.write([batch(ENGINE, evs[2:])])
+    (res,) = store.write([batch(ENGINE, evs[2:])])
+    assert (res.accepted, res.duplicates) == (1, 0)
     rows = _stored(store)
     keys = _key_table(store)
     store.close()
@@ -126,7 +127,9 @@ def test_migration_turns_stored_ids_into_keys_and_back(db_url):
     assert [list(ids) for _, ids in after] == [["b", "a"], ["a"], [], ["c", "b", "a"]]
     assert keys["a"] < keys["b"] < keys["c"]  # numbered by first appearance (step time)
     store = open_store(db_url)  # the writer goes on from the migrated keys
-    store.write([batch(ENGINE, numbered([_step(9, ["a", "d"], ts=9.0)]))])
+    (res,) = store.write([batch(ENGINE, numbered([_step(9, ["a", "d"], ts=9.0)]))])
+    assert (res.accepted, _stored(store)[-1][2]) == (1, ["a", "d"])
+    assert len(set(_key_table(store).values())) == 4
     store.close()
     migrate.downgrade(engine, "0006")
     with engine.connect() as conn:
