@@ -21,7 +21,8 @@ def step_bars(data: LedgerData, request: dict[str, Any], t0: float) -> pd.DataFr
     if not src or lo is None or hi is None:
         return None
     rid = ui.sql_literal(request["request_id"])
-    ran = f"coalesce((SELECT request_key FROM request_keys WHERE request_id = {rid}) = ANY(request_keys), false)"
+    key = f"(SELECT request_key FROM request_keys WHERE request_id = {rid})"
+    ran = f"coalesce({key} = ANY(request_keys), false)"
     try:
         df = data.sql(
             "SELECT step, ts, duration_s, prefill_tokens, num_decode_reqs, "
