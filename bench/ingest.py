@@ -11,8 +11,12 @@ process for a fixed time, then stops the server and counts what the store holds.
   batch), the output tokens on the step events, as the vLLM plugin sends them;
 * ``fleet-tokens``: the same stream with a ``tokens`` event per request every 16 tokens (before).
 
-Prints one table (tokens/s, steps/s, events/s, ack latency, server CPU per 1k output tokens, peak RSS,
-and whether the store holds exactly what was acknowledged); ``--json`` adds a JSON line per run.
+Prints one table (tokens/s, steps/s, events/s, ack latency, the rule engine's intake p99, server CPU
+per 1k output tokens, the load generator's CPU per 1k output tokens (``client``), the cores busy on
+the whole machine over the load (``busy``), peak RSS, and whether the store holds exactly what was
+acknowledged); ``--json`` adds a JSON line per run. The intake p99 is arrival -> observed by the rule
+engine, its counter rules decided (a cutoff a batch calls for is decided by then): the bucket of
+``chunkledger_rule_intake_seconds`` that holds it, an upper bound.
 
     python -m bench.ingest --duration 10 --clients 16 --workloads fleet-steps,fleet-tokens
 """
@@ -38,6 +42,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.fleet_workload import Cycle, build_cycle, render
 from engine_hooks import events as ev
@@ -123,8 +128,12 @@ def _client_proc(
         ]
     for t in threads:
         t.start()
+    while time.time() < start_at:
+        time.sleep(0.001)
+    cpu0 = time.process_time()
     for t in threads:
         t.join()
+    out.put({"client_cpu_s": time.process_time() - cpu0})  # this process, over the load
 
 
 def _client(url: str, source_id: str, duration: float, start_at: float, out: mp.Queue) -> None:
@@ -196,6 +205,25 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _histogram_p99(metrics_text: str, name: str) -> float:
+    """The upper bound of the bucket holding the 99th percentile of histogram ``name`` (inf if none)."""
+    buckets = []
+    for fam in text_string_to_metric_families(metrics_text):
+        if fam.name == name:
+            buckets = sorted(
+                (float(s.labels["le"]), s.value) for s in fam.samples if s.name == f"{name}_bucket"
+            )
+    total = buckets[-1][1] if buckets else 0
+    return next((le for le, n in buckets if total and n >= 0.99 * total), float("inf"))
+
+
+def _machine_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores since boot (``/proc/stat``)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -253,12 +281,17 @@ def run_backend(
             p.start()
         while time.time() < start_at:
             time.sleep(0.01)
-        cpu0 = _cpu_s(server.pid)
-        results = [q.get(timeout=duration + 300) for _ in ids]
-        cpu = _cpu_s(server.pid) - cpu0
+        cpu0, busy0 = _cpu_s(server.pid), _machine_busy()
+        got = [q.get(timeout=duration + 300) for _ in range(len(ids) + n_procs)]
+        cpu, busy = _cpu_s(server.pid) - cpu0, _machine_busy()
+        results = [r for r in got if "client_cpu_s" not in r]
+        client_cpu = sum(r["client_cpu_s"] for r in got if "client_cpu_s" in r)
         for p in procs:
             p.join()
         rss = _rss_peak_mb(server.pid)
+        intake_p99 = _histogram_p99(
+            httpx.get(f"{url}/metrics", timeout=10).text, "chunkledger_rule_intake_seconds"
+        )
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
@@ -276,10 +309,16 @@ def run_backend(
         "steps_per_s": sum(r.get("steps", 0) for r in results) / duration,
         "server_cpu_s": cpu,
         "cpu_ms_per_1k_tokens": 1e3 * cpu / tokens * 1e3 if tokens else float("nan"),
+        "client_cpu_ms_per_1k_tokens": 1e3 * client_cpu / tokens * 1e3 if tokens else float("nan"),
+        # Cores busy on the whole machine over the load (server, clients, the database, the rest).
+        "cores_busy": (busy[0] - busy0[0]) / max(busy[1] - busy0[1], 1) * (os.cpu_count() or 1),
         "p50_ms": statistics.median(lat) * 1e3,
         "p99_ms": lat[int(0.99 * (len(lat) - 1))] * 1e3,
         "batches": len(lat),
         "server_rss_peak_mb": rss,
+        # Arrival -> observed by the rule engine (a cutoff a batch calls for is decided by then): the
+        # histogram bucket that holds the 99th percentile, as an upper bound.
+        "rule_intake_p99_ms": intake_p99 * 1e3,
     }
 
 
@@ -329,13 +368,16 @@ def main() -> None:
     )
     print(
         f"{'workload':<14}{'backend':<20}{'tokens/s':>11}{'steps/s':>9}{'durable ev/s':>14}{'p50 ms':>8}"
-        f"{'p99 ms':>8}{'CPU ms/1k tok':>15}{'RSS MB':>8}{'stored=acked':>14}"
+        f"{'p99 ms':>8}{'rules p99':>10}{'CPU ms/1k tok':>15}{'client':>8}{'busy':>6}{'RSS MB':>8}"
+        f"{'stored=acked':>14}"
     )
     for r in rows:
         print(
             f"{r['workload']:<14}{r['backend']:<20}{r['tokens_per_s']:>11,.0f}{r['steps_per_s']:>9,.0f}"
             f"{r['events_per_s']:>14,.0f}{r['p50_ms']:>8.1f}{r['p99_ms']:>8.1f}"
-            f"{r['cpu_ms_per_1k_tokens']:>15.2f}{r['server_rss_peak_mb']:>8.0f}"
+            f"{'<=' + format(r['rule_intake_p99_ms'], '.0f'):>10}"
+            f"{r['cpu_ms_per_1k_tokens']:>15.2f}{r['client_cpu_ms_per_1k_tokens']:>8.2f}"
+            f"{r['cores_busy']:>6.2f}{r['server_rss_peak_mb']:>8.0f}"
             f"{r['stored'] == r['acked']!s:>14}"
         )
         if args.json:

@@ -196,6 +196,13 @@ class LedgerMetrics:
             buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
             registry=r,
         )
+        self.rule_intake_seconds = Histogram(
+            "chunkledger_rule_intake_seconds",
+            "Batch read by the ingest endpoint -> observed by the rule engine, its counter rules decided "
+            "(a cutoff that a batch's tokens call for is decided within this time of its arrival)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
         self.ingest_group_events = Histogram(
             "chunkledger_ingest_group_events",
             "Events per group commit",

@@ -58,6 +58,7 @@ async def ingest_events(request: Request, settings: SettingsDep, writer: WriterD
             "body: the client disconnected before sending all of it; nothing stored",
             reason="disconnected",
         )
+    received = time.monotonic()
     runaway = getattr(request.app.state, "runaway", None)
     if body is None:
         if runaway is not None:
@@ -89,7 +90,7 @@ async def ingest_events(request: Request, settings: SettingsDep, writer: WriterD
         )
         request.app.state.metrics.ingest_future_timestamps.labels(batch.source.id).inc(ahead)
     # The rule engine sees the batch now, beside the store's write: cutoffs never wait for a commit.
-    observed = runaway.observe_arrival(batch) if runaway is not None else None
+    observed = runaway.observe_arrival(batch, received) if runaway is not None else None
     try:
         result = await writer.submit(batch)
     except WriterUnavailable as exc:

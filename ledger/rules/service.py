@@ -80,7 +80,7 @@ class RunawayService:
         self.slo = SloMonitor()
         self._marks: dict[str, int] = {}  # per source, the highest seq the rule engine has seen
         self._intake: queue.Queue[
-            tuple[ev.Batch, list[Any] | None, concurrent.futures.Future[list[Any]]] | None
+            tuple[ev.Batch, list[Any] | None, concurrent.futures.Future[list[Any]], float | None] | None
         ] = queue.Queue()
         self._intake_thread: threading.Thread | None = None
         self._to_observe: deque[tuple[float, str]] = deque()
@@ -151,17 +151,20 @@ class RunawayService:
             self.policies.refresh()
 
     # -- ingest hooks -------------------------------------------------------------------------------------
-    def observe_arrival(self, batch: ev.Batch) -> concurrent.futures.Future[list[Any]]:
+    def observe_arrival(
+        self, batch: ev.Batch, received: float | None = None
+    ) -> concurrent.futures.Future[list[Any]]:
         """Queue a decoded batch for the rule engine; the future gives the events it skipped as at or
-        below the source's mark (for ``observe_late`` once the store has said whether they were new)."""
+        below the source's mark (for ``observe_late`` once the store has said whether they were new).
+        ``received``: when the batch was read (``time.monotonic()``), for ``rule_intake_seconds``."""
         fut: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
-        self._intake.put((batch, None, fut))
+        self._intake.put((batch, None, fut, received))
         return fut
 
     def observe_late(self, batch: ev.Batch, events: list[Any]) -> concurrent.futures.Future[list[Any]]:
         """Observe events that arrived at or below the mark and that the store accepted as new."""
         fut: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
-        self._intake.put((batch, events, fut))
+        self._intake.put((batch, events, fut, None))
         return fut
 
     def _run_intake(self) -> None:
@@ -169,7 +172,7 @@ class RunawayService:
             item = self._intake.get()
             if item is None:
                 return
-            batch, late, fut = item
+            batch, late, fut, received = item
             skipped: list[Any] = []
             try:
                 if late is None:
@@ -178,6 +181,8 @@ class RunawayService:
                     self.rules.observe(batch.source, late, self.clock())
             except Exception:
                 log.exception("the rule engine failed on a batch from %s", batch.source.id)
+            if received is not None:
+                self.metrics.rule_intake_seconds.observe(time.monotonic() - received)
             fut.set_result(skipped)
 
     def _arrived(self, batch: ev.Batch) -> list[Any]:

@@ -59,6 +59,7 @@ EXPECTED = {
     "chunkledger_kv_stalled_requests": ("gauge", {"model"}),
     "chunkledger_kv_stall_max_seconds": ("gauge", {"model"}),
     "chunkledger_webhook_outbox_pending": ("gauge", set()),
+    "chunkledger_rule_intake_seconds": ("histogram", set()),
 }
 
 
@@ -194,6 +195,9 @@ def test_traffic_moves_ingest_counters_and_finished_requests_fill_the_histograms
     assert value("chunkledger_ingest_duplicates_total", source="e0") == 5
     assert value("chunkledger_ingest_batches_total", source="e0") == 2
     assert value("chunkledger_ingest_rejections_total", reason="invalid") == 1
+    # both stored batches reached the rule engine, each within the 5 s bucket; the rejected one did not
+    assert value("chunkledger_rule_intake_seconds_count") == 2
+    assert value("chunkledger_rule_intake_seconds_bucket", le="5.0") == 2
     assert value("chunkledger_requests_finished_total", model="m") == 1
     assert value("chunkledger_ttft_seconds_count", model="m") == 1
     assert abs(value("chunkledger_ttft_seconds_sum", model="m") - 1.0) < 1e-6
