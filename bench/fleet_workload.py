@@ -38,6 +38,11 @@ BUDGET = 8192
 FLUSH = 16  # tokens per tokens event in the "tokens" form (the plugin's tokens_flush)
 PREEMPT_EVERY = 100  # steps
 _VOCAB = 32_000
+# With ``loops``: every LOOP_EVERY-th request falls into a loop after LOOP_AFTER output tokens, a block
+# of LOOP_BLOCK tokens repeated to its end (the default policy cuts it once the loop spans 72 tokens).
+LOOP_EVERY = 50
+LOOP_AFTER = 32
+LOOP_BLOCK = 12
 
 
 @dataclass
@@ -64,11 +69,15 @@ class Cycle:
     events: list[int]  # events per batch
     tokens: list[int]  # output tokens per batch
     steps: int
+    loops: list[int] = field(default_factory=list)  # per batch: loops that reach the policy's span in it
 
 
-def build_cycle(form: str, *, steps: int, steps_per_batch: int, seed: int = 0, warmup: int = 400) -> Cycle:
+def build_cycle(
+    form: str, *, steps: int, steps_per_batch: int, seed: int = 0, warmup: int = 400, loops: bool = False
+) -> Cycle:
     """``steps`` engine steps as batches of ``steps_per_batch`` steps with their lifecycle events, after
-    ``warmup`` steps that are not kept (the start, where all 256 requests prefill at once)."""
+    ``warmup`` steps that are not kept (the start, where all 256 requests prefill at once); ``loops``:
+    one request in ``LOOP_EVERY`` loops (``Cycle.loops`` counts them per batch)."""
     if form not in ("steps", "tokens"):
         raise ValueError(f"form must be 'steps' or 'tokens', not {form!r}")
     rnd = random.Random(seed)
@@ -80,9 +89,10 @@ def build_cycle(form: str, *, steps: int, steps_per_batch: int, seed: int = 0, w
     preempted: list[_Req] = []
     counter = 0
     t0 = 1.7e9
-    batches, n_events, n_tokens = [], [], []
+    batches, n_events, n_tokens, loops_in = [], [], [], []
     pending: list[Any] = []
     tokens_in_batch = 0
+    n_loops = 0
 
     def rid(r: _Req) -> str:
         return f"@@-{r.n:07d}-{r.n * 2654435761 % 2**32:08x}"  # vLLM-like length
@@ -150,6 +160,10 @@ def build_cycle(form: str, *, steps: int, steps_per_batch: int, seed: int = 0, w
                 if not draws:
                     draws = rnd.choices(vocab, weights, k=65_536)
                 tok = draws.pop()
+                if loops and r.n % LOOP_EVERY == 0 and r.out >= LOOP_AFTER:
+                    tok = _VOCAB + (r.out - LOOP_AFTER) % LOOP_BLOCK  # ids no text draw gives
+                    if r.out == LOOP_AFTER + 72 and k >= warmup:  # its loop now spans 72 tokens
+                        n_loops += 1
                 r.out += 1
                 counts.append(1)
                 new_ids.append(tok)
@@ -206,8 +220,9 @@ def build_cycle(form: str, *, steps: int, steps_per_batch: int, seed: int = 0, w
             batches.append(_template(src, pending, schema_version=2 if form == "steps" else 1))
             n_events.append(len(pending))
             n_tokens.append(tokens_in_batch)
-            pending, tokens_in_batch = [], 0
-    return Cycle(batches, n_events, n_tokens, steps)
+            loops_in.append(n_loops)
+            pending, tokens_in_batch, n_loops = [], 0, 0
+    return Cycle(batches, n_events, n_tokens, steps, loops_in)
 
 
 def _template(src: ev.Source, events: list[Any], schema_version: int) -> str:

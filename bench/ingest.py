@@ -111,7 +111,13 @@ def batch_template(source: ev.Source) -> str:
 
 
 def _client_proc(
-    url: str, source_ids: list[str], duration: float, start_at: float, out: mp.Queue, workload: str
+    url: str,
+    source_ids: list[str],
+    duration: float,
+    start_at: float,
+    out: mp.Queue,
+    workload: str,
+    loops: bool = False,
 ) -> None:
     """One client process running one thread per source (an engine's exporter: one batch in flight)."""
     if workload == "mix":
@@ -120,7 +126,7 @@ def _client_proc(
         ]
     else:
         cycle = build_cycle(
-            workload.removeprefix("fleet-"), steps=FLEET_STEPS, steps_per_batch=STEPS_PER_BATCH
+            workload.removeprefix("fleet-"), steps=FLEET_STEPS, steps_per_batch=STEPS_PER_BATCH, loops=loops
         )
         threads = [
             threading.Thread(target=_fleet_client, args=(url, sid, cycle, duration, start_at, out))
@@ -181,7 +187,7 @@ def _fleet_client(
 ) -> None:
     """One GPU-shaped engine (``bench.fleet_workload``), sending its batches back to back."""
     lat: list[float] = []
-    acked = tokens = steps = 0
+    acked = tokens = steps = loops = 0
     seq = 1
     k = 0
     with httpx.Client(base_url=url, timeout=30.0) as http:
@@ -194,10 +200,11 @@ def _fleet_client(
             body = render(cycle.batches[i], source_id, f"{source_id}-c{k // len(cycle.batches)}", seq, n)
             acked += _send(http, body, lat)
             tokens += cycle.tokens[i]
+            loops += cycle.loops[i]
             steps += STEPS_PER_BATCH
             seq += n
             k += 1
-    out.put({"acked": acked, "lat": lat, "tokens": tokens, "steps": steps})
+    out.put({"acked": acked, "lat": lat, "tokens": tokens, "steps": steps, "loops": loops})
 
 
 def _cpu_s(pid: int) -> float:
@@ -246,6 +253,7 @@ def run_backend(
     env: dict | None = None,
     server_root: str | None = None,
     workload: str = "mix",
+    loops: bool = False,
 ) -> dict:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -274,7 +282,9 @@ def run_backend(
         n_procs = min(clients, 2)
         ids = [f"bench-{name}-{i}" for i in range(clients)]
         procs = [
-            ctx.Process(target=_client_proc, args=(url, ids[k::n_procs], duration, start_at, q, workload))
+            ctx.Process(
+                target=_client_proc, args=(url, ids[k::n_procs], duration, start_at, q, workload, loops)
+            )
             for k in range(n_procs)
         ]
         for p in procs:
@@ -289,8 +299,14 @@ def run_backend(
         for p in procs:
             p.join()
         rss = _rss_peak_mb(server.pid)
-        intake_p99 = _histogram_p99(
-            httpx.get(f"{url}/metrics", timeout=10).text, "chunkledger_rule_intake_seconds"
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        intake_p99 = _histogram_p99(metrics, "chunkledger_rule_intake_seconds")
+        cutoffs = sum(
+            s.value
+            for fam in text_string_to_metric_families(metrics)
+            if fam.name == "chunkledger_cutoffs"
+            for s in fam.samples
+            if s.name == "chunkledger_cutoffs_total"
         )
     finally:
         server.send_signal(signal.SIGTERM)
@@ -319,6 +335,8 @@ def run_backend(
         # Arrival -> observed by the rule engine (a cutoff a batch calls for is decided by then): the
         # histogram bucket that holds the 99th percentile, as an upper bound.
         "rule_intake_p99_ms": intake_p99 * 1e3,
+        "loops_sent": sum(r.get("loops", 0) for r in results),  # fleet workloads with --loops
+        "cutoffs": int(cutoffs),
     }
 
 
@@ -353,6 +371,12 @@ def main() -> None:
         help="comma list: mix (500-event batches of the old per-event mix), fleet-steps (GPU-shaped "
         "engines, output tokens on the step events), fleet-tokens (the same stream with tokens events)",
     )
+    ap.add_argument(
+        "--loops",
+        action="store_true",
+        help="fleet workloads: one request in 50 falls into a loop (the rules cut it; the clients do not "
+        "confirm, so the answers keep carrying the commands); prints the cutoffs decided",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = []
@@ -380,6 +404,8 @@ def main() -> None:
             f"{r['cores_busy']:>6.2f}{r['server_rss_peak_mb']:>8.0f}"
             f"{r['stored'] == r['acked']!s:>14}"
         )
+        if args.loops:
+            print(f"{'':<14}{'':<20}loops sent: {r['loops_sent']:,}, cutoffs decided: {r['cutoffs']:,}")
         if args.json:
             print(json.dumps(r))
 
@@ -390,7 +416,12 @@ def _run_spec(spec: str, workload: str, args: argparse.Namespace, workdir: Path)
     label = ("ceiling(null)" if name == "null" else name) + suffix
     root_arg = str(Path(root).resolve()) if root else None
     run = functools.partial(
-        run_backend, duration=args.duration, clients=args.clients, workdir=workdir, workload=workload
+        run_backend,
+        duration=args.duration,
+        clients=args.clients,
+        workdir=workdir,
+        workload=workload,
+        loops=args.loops,
     )
     if name == "null":
         return run(label, "null://", server_root=root_arg)
