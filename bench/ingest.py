@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -49,7 +50,14 @@ from engine_hooks import events as ev
 
 BATCH = 500
 FLEET_STEPS = 2400  # one pass over a fleet engine's stream: 72 s of engine time, new ids every pass
-STEPS_PER_BATCH = 8  # a fleet engine's batch: 8 steps (240 ms) with their lifecycle events
+
+
+@dataclass
+class FleetOptions:
+    loops: bool = False  # one request in 50 loops (bench.fleet_workload.LOOP_EVERY)
+    steps_per_batch: int = 8  # a fleet engine's batch: 8 steps (240 ms) with their lifecycle events
+
+
 PG_ADMIN = os.environ.get("CHUNKLEDGER_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
@@ -117,7 +125,7 @@ def _client_proc(
     start_at: float,
     out: mp.Queue,
     workload: str,
-    loops: bool = False,
+    fleet: FleetOptions | None = None,
 ) -> None:
     """One client process running one thread per source (an engine's exporter: one batch in flight)."""
     if workload == "mix":
@@ -126,7 +134,10 @@ def _client_proc(
         ]
     else:
         cycle = build_cycle(
-            workload.removeprefix("fleet-"), steps=FLEET_STEPS, steps_per_batch=STEPS_PER_BATCH, loops=loops
+            workload.removeprefix("fleet-"),
+            steps=FLEET_STEPS,
+            steps_per_batch=(fleet or FleetOptions()).steps_per_batch,
+            loops=(fleet or FleetOptions()).loops,
         )
         threads = [
             threading.Thread(target=_fleet_client, args=(url, sid, cycle, duration, start_at, out))
@@ -201,7 +212,7 @@ def _fleet_client(
             acked += _send(http, body, lat)
             tokens += cycle.tokens[i]
             loops += cycle.loops[i]
-            steps += STEPS_PER_BATCH
+            steps += cycle.steps // len(cycle.batches)
             seq += n
             k += 1
     out.put({"acked": acked, "lat": lat, "tokens": tokens, "steps": steps, "loops": loops})
@@ -253,7 +264,7 @@ def run_backend(
     env: dict | None = None,
     server_root: str | None = None,
     workload: str = "mix",
-    loops: bool = False,
+    fleet: FleetOptions | None = None,
 ) -> dict:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -283,7 +294,7 @@ def run_backend(
         ids = [f"bench-{name}-{i}" for i in range(clients)]
         procs = [
             ctx.Process(
-                target=_client_proc, args=(url, ids[k::n_procs], duration, start_at, q, workload, loops)
+                target=_client_proc, args=(url, ids[k::n_procs], duration, start_at, q, workload, fleet)
             )
             for k in range(n_procs)
         ]
@@ -372,6 +383,13 @@ def main() -> None:
         "engines, output tokens on the step events), fleet-tokens (the same stream with tokens events)",
     )
     ap.add_argument(
+        "--steps-per-batch",
+        type=int,
+        default=8,
+        help="fleet workloads: engine steps per batch (8: 240 ms of engine time; an exporter whose "
+        "ledger answers slowly sends larger batches, up to its batch_size)",
+    )
+    ap.add_argument(
         "--loops",
         action="store_true",
         help="fleet workloads: one request in 50 falls into a loop (the rules cut it; the clients do not "
@@ -388,7 +406,7 @@ def main() -> None:
     print(
         f"\ningest: {args.clients} clients, {args.duration:.0f} s per backend and workload, "
         f"{os.cpu_count()} cores (mix: batches of {BATCH} events; "
-        f"fleet: {STEPS_PER_BATCH} steps of 256 requests per batch)"
+        f"fleet: {args.steps_per_batch} steps of 256 requests per batch)"
     )
     print(
         f"{'workload':<14}{'backend':<20}{'tokens/s':>11}{'steps/s':>9}{'durable ev/s':>14}{'p50 ms':>8}"
@@ -421,7 +439,7 @@ def _run_spec(spec: str, workload: str, args: argparse.Namespace, workdir: Path)
         clients=args.clients,
         workdir=workdir,
         workload=workload,
-        loops=args.loops,
+        fleet=FleetOptions(loops=args.loops, steps_per_batch=args.steps_per_batch),
     )
     if name == "null":
         return run(label, "null://", server_root=root_arg)
