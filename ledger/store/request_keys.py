@@ -76,6 +76,9 @@ def keys_for(
     table, missing = cache.known(wanted)
     resolved: dict[str, int] = {}
     if missing:
+        # In one order for every writer: two PostgreSQL replicas inserting the same new ids wait on
+        # each other's rows in the same order, so they cannot deadlock.
+        missing.sort()
         resolved = insert(conn, missing)
         if len(resolved) < len(missing):
             resolved.update(lookup(conn, [rid for rid in missing if rid not in resolved]))

@@ -3,6 +3,9 @@ group, the writer, its cache or a failed transaction; old databases migrate with
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import sqlalchemy as sa
 
@@ -10,7 +13,7 @@ from engine_hooks import events as ev
 from ledger import migrate
 from ledger.schema import step_request_ids_sql
 from ledger.store import make_engine, open_store
-from ledger.store.request_keys import KeyCache
+from ledger.store.request_keys import KeyCache, keys_for
 from tests.support.factories import ENGINE, batch, numbered
 
 
@@ -140,3 +143,56 @@ def test_migration_turns_stored_ids_into_keys_and_back(db_url):
     migrate.upgrade(engine)
     engine.dispose()
     assert [list(ids) for _, ids in back] == [["b", "a"], ["a"], [], ["c", "b", "a"]]
+
+
+def test_replicas_drawing_keys_for_the_same_new_ids_at_once_do_not_deadlock(db_url):
+    """Replica A holds a new id "x" in its open transaction; replica B draws keys for "y" and "x" (named
+    in that order) and waits on A's "x"; A then draws a key for "y". Taken in the order named, B would
+    hold "y" while waiting for "x", and A would wait on B: a deadlock. In one order for everyone, B
+    holds nothing while it waits."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("replicas write to PostgreSQL; a DuckDB file has one writer")
+    one, two = open_store(db_url), open_store(db_url)
+    tx_one, tx_two = one._connect(), two._connect()
+    got: dict[str, object] = {}
+
+    def draw(store, tx, names, into):
+        try:
+            got[into] = keys_for(KeyCache(), tx, names, store._insert_keys, store._lookup_keys)[0]
+            tx.commit()
+        except BaseException as exc:
+            got[into] = exc
+            tx.rollback()
+
+    try:
+        keys_for(KeyCache(), tx_one, [["x"]], one._insert_keys, one._lookup_keys)
+        other = threading.Thread(target=draw, args=(two, tx_two, [["y", "x"]], "two"))
+        other.start()
+        time.sleep(0.5)  # B is waiting on "x" now
+        draw(one, tx_one, [["y"]], "one")
+        other.join(10)
+    finally:
+        tx_one.close()
+        tx_two.close()
+    keys = _key_table(one)
+    one.close()
+    two.close()
+    assert not isinstance(got["one"], BaseException), got["one"]
+    assert not isinstance(got["two"], BaseException), got["two"]
+    assert got["two"] == [[keys["y"], keys["x"]]] and got["one"] == [[keys["y"]]]
+
+
+def test_new_ids_are_drawn_in_one_order_whatever_the_order_named():
+    seen: list[list[str]] = []
+
+    def insert(conn, ids):
+        seen.append(list(ids))
+        return {rid: 100 + i for i, rid in enumerate(ids)}
+
+    names = [f"id-{i:02d}" for i in range(20)]
+    cache = KeyCache()
+    cache.learn({"id-07": 7})
+    keys, new = keys_for(cache, None, [names[::-1], names[5:12]], insert, lambda conn, ids: {})
+    assert seen == [sorted(set(names) - {"id-07"})]
+    assert keys[0][::-1][7] == 7 and len(new) == 19
+    assert keys[1] == [new.get(r, 7) for r in names[5:12]]
