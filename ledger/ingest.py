@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import operator
 import queue
 import re
 import threading
@@ -139,13 +140,9 @@ def _step_errors(i: int, e: ev.Step) -> list[FieldError]:
                 f"{len(totals)} totals for {len(counts)} counts: one per request_ids entry",
             )
         )
-    else:
-        for j, (c, t) in enumerate(zip(counts, totals, strict=True)):
-            if t < c:
-                errors.append(
-                    FieldError(i, f"token_totals[{j}]", f"{t} is less than this step's {c} new tokens")
-                )
-                break
+    elif any(map(operator.lt, totals, counts)):  # one pass in C; the index only for the error
+        j, c, t = next((j, c, t) for j, (c, t) in enumerate(zip(counts, totals, strict=True)) if t < c)
+        errors.append(FieldError(i, f"token_totals[{j}]", f"{t} is less than this step's {c} new tokens"))
     if ids and len(ids) != sum(counts):
         errors.append(
             FieldError(

@@ -138,6 +138,7 @@ def test_stalled_lists_of_different_lengths_are_a_422(client):
         ({"token_counts": [1], "token_totals": [1]}, "token_counts", "1 counts for 2 requests"),
         ({"token_counts": [1, 1], "token_totals": [1]}, "token_totals", "1 totals for 2 counts"),
         ({"token_counts": [2, 1], "token_totals": [1, 9]}, "token_totals[0]", "less than this step's 2"),
+        ({"token_counts": [1, 3], "token_totals": [4, 2]}, "token_totals[1]", "2 is less than this step's 3"),
         (
             {"token_counts": [2, 1], "token_totals": [2, 9], "token_ids": [4, 5]},
             "token_ids",
