@@ -119,7 +119,7 @@ def batch_template(source: ev.Source) -> str:
 
 
 def _client_proc(
-    url: str,
+    urls: list[str],
     source_ids: list[str],
     duration: float,
     start_at: float,
@@ -127,10 +127,12 @@ def _client_proc(
     workload: str,
     fleet: FleetOptions | None = None,
 ) -> None:
-    """One client process running one thread per source (an engine's exporter: one batch in flight)."""
+    """One client process running one thread per source (an engine's exporter: one batch in flight),
+    each sending to its ledger (``urls``, aligned with ``source_ids``: sources pinned to replicas)."""
     if workload == "mix":
         threads = [
-            threading.Thread(target=_client, args=(url, sid, duration, start_at, out)) for sid in source_ids
+            threading.Thread(target=_client, args=(url, sid, duration, start_at, out))
+            for url, sid in zip(urls, source_ids, strict=True)
         ]
     else:
         cycle = build_cycle(
@@ -141,7 +143,7 @@ def _client_proc(
         )
         threads = [
             threading.Thread(target=_fleet_client, args=(url, sid, cycle, duration, start_at, out))
-            for sid in source_ids
+            for url, sid in zip(urls, source_ids, strict=True)
         ]
     for t in threads:
         t.start()
@@ -265,36 +267,46 @@ def run_backend(
     server_root: str | None = None,
     workload: str = "mix",
     fleet: FleetOptions | None = None,
+    replicas: int = 1,
 ) -> dict:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(workdir / f"{name.replace('/', '_')}.log", "wb")  # noqa: SIM115
-    # server_root: run the server from another checkout (e.g. a git worktree of an older commit), so
-    # old and new code are measured side by side in one run under the same load and workload.
-    server = subprocess.Popen(
-        [sys.executable, "-m", "ledger.cli", "serve", "--db", db_url, "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {}), **({"PYTHONPATH": server_root} if server_root else {})},
-        cwd=server_root,
-    )
+    # replicas: ledger processes on one PostgreSQL database, the sources pinned to them in turn.
+    urls, servers = [], []
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            raise SystemExit(f"{name}: server did not get ready; see {workdir / (name + '.log')}")
+        # One after the other: each migrates the database at start.
+        # server_root: run the server from another checkout (e.g. a git worktree of an older commit),
+        # so old and new code are measured side by side in one run under the same load and workload.
+        for i in range(replicas):
+            port = _free_port()
+            url = f"http://127.0.0.1:{port}"
+            log = open(workdir / f"{name.replace('/', '_')}-{i}.log", "wb")  # noqa: SIM115
+            servers.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "ledger.cli", "serve", "--db", db_url, "--port", str(port)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **(env or {}), **({"PYTHONPATH": server_root} if server_root else {})},
+                    cwd=server_root,
+                )
+            )
+            urls.append(url)
+            for _ in range(300):
+                try:
+                    if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+            else:
+                raise SystemExit(f"{name}: server did not get ready; see {workdir / f'{name}-{i}.log'}")
         ctx = mp.get_context("spawn")
         q: mp.Queue = ctx.Queue()
         start_at = time.time() + (3.0 if workload == "mix" else 8.0)  # fleet: clients build their cycle
         n_procs = min(clients, 2)
         ids = [f"bench-{name}-{i}" for i in range(clients)]
+        pinned = [urls[i % replicas] for i in range(clients)]
         procs = [
             ctx.Process(
-                target=_client_proc, args=(url, ids[k::n_procs], duration, start_at, q, workload, fleet)
+                target=_client_proc,
+                args=(pinned[k::n_procs], ids[k::n_procs], duration, start_at, q, workload, fleet),
             )
             for k in range(n_procs)
         ]
@@ -302,26 +314,29 @@ def run_backend(
             p.start()
         while time.time() < start_at:
             time.sleep(0.01)
-        cpu0, busy0 = _cpu_s(server.pid), _machine_busy()
+        cpu0, busy0 = sum(_cpu_s(s.pid) for s in servers), _machine_busy()
         got = [q.get(timeout=duration + 300) for _ in range(len(ids) + n_procs)]
-        cpu, busy = _cpu_s(server.pid) - cpu0, _machine_busy()
+        cpu, busy = sum(_cpu_s(s.pid) for s in servers) - cpu0, _machine_busy()
         results = [r for r in got if "client_cpu_s" not in r]
         client_cpu = sum(r["client_cpu_s"] for r in got if "client_cpu_s" in r)
         for p in procs:
             p.join()
-        rss = _rss_peak_mb(server.pid)
-        metrics = httpx.get(f"{url}/metrics", timeout=10).text
-        intake_p99 = _histogram_p99(metrics, "chunkledger_rule_intake_seconds")
+        rss = max(_rss_peak_mb(s.pid) for s in servers)
+        texts = [httpx.get(f"{url}/metrics", timeout=10).text for url in urls]
+        intake_p99 = max(_histogram_p99(t, "chunkledger_rule_intake_seconds") for t in texts)
         cutoffs = sum(
             s.value
-            for fam in text_string_to_metric_families(metrics)
+            for t in texts
+            for fam in text_string_to_metric_families(t)
             if fam.name == "chunkledger_cutoffs"
             for s in fam.samples
             if s.name == "chunkledger_cutoffs_total"
         )
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
+        for server in servers:
+            server.send_signal(signal.SIGTERM)
+        for server in servers:
+            server.wait(60)
     acked = sum(r["acked"] for r in results)
     lat = sorted(x for r in results for x in r["lat"])
     stored = _count_stored(db_url) if not db_url.startswith("null") else acked
@@ -373,7 +388,8 @@ def main() -> None:
     ap.add_argument(
         "--backends",
         default="null,duckdb,postgres",
-        help="also: duckdb-gc-default (no GC tuning); NAME@DIR runs that server from the checkout in DIR "
+        help="also: duckdb-gc-default (no GC tuning), postgres-x2 (two ledger processes on one database, "
+        "the sources pinned to them in turn); NAME@DIR runs that server from the checkout in DIR "
         "(e.g. a git worktree of an older commit: null@/tmp/old,null compares old and new in one run)",
     )
     ap.add_argument(
@@ -448,7 +464,7 @@ def _run_spec(spec: str, workload: str, args: argparse.Namespace, workdir: Path)
         env = {"CHUNKLEDGER_GC_TUNING": "0"} if name != "duckdb" else None
         path = f"duckdb:///{workdir}/bench-{name}-{uuid.uuid4().hex[:6]}.duckdb"
         return run(label, path, env=env, server_root=root_arg)
-    if name != "postgres":
+    if name not in ("postgres", "postgres-x2"):
         raise SystemExit(f"unknown backend {name!r}")
     import sqlalchemy as sa
 
@@ -457,7 +473,8 @@ def _run_spec(spec: str, workload: str, args: argparse.Namespace, workdir: Path)
     with admin.connect() as c:
         c.exec_driver_sql(f'CREATE DATABASE "{db}"')
     try:
-        return run(label, PG_ADMIN.rsplit("/", 1)[0] + f"/{db}", server_root=root_arg)
+        replicas = 2 if name == "postgres-x2" else 1
+        return run(label, PG_ADMIN.rsplit("/", 1)[0] + f"/{db}", server_root=root_arg, replicas=replicas)
     finally:
         with admin.connect() as c:
             c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
