@@ -9,7 +9,11 @@ process for a fixed time, then stops the server and counts what the store holds.
   ``tokens`` events of 4 ids (the per-event unit of the first benchmarks);
 * ``fleet-steps``: GPU-shaped engines (``bench.fleet_workload``: 256 running requests, 8 steps per
   batch), the output tokens on the step events, as the vLLM plugin sends them;
-* ``fleet-tokens``: the same stream with a ``tokens`` event per request every 16 tokens (before).
+* ``fleet-tokens``: the same stream with a ``tokens`` event per request every 16 tokens (before);
+* ``fleet-paced``: ``fleet-steps`` in real time, each engine a step every 30 ms, its exporter sending
+  what was emitted since its last batch (at most 512 events, at most every 50 ms: the plugin's
+  defaults), so a ledger that falls behind gets larger batches; reports how far behind the engines
+  were at the end (``--clients`` engines; 118 offer about 1M output tokens a second).
 
 Prints one table (tokens/s, steps/s, events/s, ack latency, the rule engine's intake p99, server CPU
 per 1k output tokens, the load generator's CPU per 1k output tokens (``client``), the cores busy on
@@ -45,8 +49,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.fleet_workload import Cycle, build_cycle, render
+from bench.fleet_workload import STEP_S, Cycle, build_cycle, render
 from engine_hooks import events as ev
+from engine_hooks.config import ExporterConfig
 
 BATCH = 500
 FLEET_STEPS = 2400  # one pass over a fleet engine's stream: 72 s of engine time, new ids every pass
@@ -134,6 +139,14 @@ def _client_proc(
             threading.Thread(target=_client, args=(url, sid, duration, start_at, out))
             for url, sid in zip(urls, source_ids, strict=True)
         ]
+    elif workload == "fleet-paced":
+        steps = build_cycle(
+            "steps", steps=FLEET_STEPS, steps_per_batch=1, loops=(fleet or FleetOptions()).loops
+        )
+        threads = [
+            threading.Thread(target=_paced_client, args=(url, sid, steps, duration, start_at, out))
+            for url, sid in zip(urls, source_ids, strict=True)
+        ]
     else:
         cycle = build_cycle(
             workload.removeprefix("fleet-"),
@@ -218,6 +231,72 @@ def _fleet_client(
             seq += n
             k += 1
     out.put({"acked": acked, "lat": lat, "tokens": tokens, "steps": steps, "loops": loops})
+
+
+def _paced_client(
+    url: str, source_id: str, steps: Cycle, duration: float, start_at: float, out: mp.Queue
+) -> None:
+    """One GPU-shaped engine in real time (a step every ``STEP_S``) with the plugin's exporter: one
+    batch in flight; each sends the steps emitted since the last (their lifecycle events with them),
+    at most ``batch_size`` events, at most every ``flush_interval_s``. A ledger that keeps up gets
+    small batches; one that falls behind gets larger ones, as from real engines. ``steps``: the cycle
+    with one step per template."""
+    cfg = ExporterConfig(url=url, source_id="bench")  # the plugin's defaults
+    head, _, _ = steps.batches[0].partition('"events":[')
+    head = head.replace("@SRC@", source_id) + '"events":['
+    parts = [t.partition('"events":[')[2].rpartition("]")[0] for t in steps.batches]
+    tail = '],"schema_version":2}'
+    n_steps = len(parts)
+    lat: list[float] = []
+    acked = tokens = sent = loops = batches = 0
+    seq = 1
+    with httpx.Client(base_url=url, timeout=30.0) as http:
+        while time.time() < start_at:
+            time.sleep(0.001)
+        t0 = time.time()
+        end = t0 + duration
+        while True:
+            now = time.time()
+            if now >= end:
+                break
+            ready = int((now - t0) / STEP_S)
+            if ready <= sent:
+                time.sleep(min(STEP_S, end - now))
+                continue
+            events: list[str] = []
+            n_events = 0
+            k = sent
+            while k < ready:
+                i = k % n_steps
+                n = steps.events[i]
+                if events and n_events + n > cfg.batch_size:
+                    break
+                body = parts[i] % tuple(range(seq, seq + n))
+                events.append(body.replace("@@", f"{source_id}-c{k // n_steps}"))
+                seq += n
+                n_events += n
+                tokens += steps.tokens[i]
+                loops += steps.loops[i]
+                k += 1
+            began = time.time()
+            acked += _send(http, (head + ",".join(events) + tail).encode(), lat)
+            batches += 1
+            sent = k
+            wait = cfg.flush_interval_s - (time.time() - began)
+            if wait > 0 and int((time.time() - t0) / STEP_S) - sent < 4:  # the worker's timer
+                time.sleep(wait)
+        behind_s = (int((time.time() - t0) / STEP_S) - sent) * STEP_S
+    out.put(
+        {
+            "acked": acked,
+            "lat": lat,
+            "tokens": tokens,
+            "steps": sent,
+            "loops": loops,
+            "behind_s": behind_s,
+            "batches": batches,
+        }
+    )
 
 
 def _cpu_s(pid: int) -> float:
@@ -362,6 +441,11 @@ def run_backend(
         # histogram bucket that holds the 99th percentile, as an upper bound.
         "rule_intake_p99_ms": intake_p99 * 1e3,
         "loops_sent": sum(r.get("loops", 0) for r in results),  # fleet workloads with --loops
+        # fleet-paced: how far the engine furthest behind was at the end (seconds of its steps not
+        # sent yet: about 0 when the ledger keeps up), and the steps per batch its exporters sent
+        "behind_s_max": max((r.get("behind_s", 0.0) for r in results), default=0.0),
+        "steps_per_batch": sum(r.get("steps", 0) for r in results)
+        / max(sum(r.get("batches", 0) for r in results), 1),
         "cutoffs": int(cutoffs),
     }
 
@@ -396,7 +480,9 @@ def main() -> None:
         "--workloads",
         default="mix",
         help="comma list: mix (500-event batches of the old per-event mix), fleet-steps (GPU-shaped "
-        "engines, output tokens on the step events), fleet-tokens (the same stream with tokens events)",
+        "engines, output tokens on the step events), fleet-tokens (the same stream with tokens events), "
+        "fleet-paced (fleet-steps in real time, 33 steps/s per engine, batched as the plugin's exporter "
+        "does: --clients engines)",
     )
     ap.add_argument(
         "--steps-per-batch",
@@ -438,6 +524,13 @@ def main() -> None:
             f"{r['cores_busy']:>6.2f}{r['server_rss_peak_mb']:>8.0f}"
             f"{r['stored'] == r['acked']!s:>14}"
         )
+        if r["workload"] == "fleet-paced":
+            offered = args.clients / STEP_S * r["tokens_per_s"] / max(r["steps_per_s"], 1e-9)
+            print(
+                f"{'':<14}{'':<20}{args.clients} engines in real time offer about {offered:,.0f} "
+                f"tokens/s; their exporters sent {r['steps_per_batch']:.1f} steps per batch; the engine "
+                f"furthest behind was {r['behind_s_max']:.1f} s behind at the end"
+            )
         if args.loops:
             print(f"{'':<14}{'':<20}loops sent: {r['loops_sent']:,}, cutoffs decided: {r['cutoffs']:,}")
         if args.json:
