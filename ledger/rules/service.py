@@ -7,7 +7,9 @@
 * ``on_commit(batch, result)`` is the ingest writer's hook (writer thread, after a group commit): it
   counts what was stored.
 * Decisions are stored (``cutoffs``), queued for delivery (``CommandBook``), counted and sent to the
-  ``cutoff`` webhook subscribers.
+  ``cutoff`` webhook subscribers. The intake's decisions are stored on a recorder thread of their own:
+  the intake goes on with the next batches while a commit waits behind the ingest writer's (on DuckDB
+  one commit at a time), and only the batch that made them waits for them to be stored.
 * A ticker thread runs the time rules, expires stale commands, observes finished requests' latencies
   (one query per tick for all of them), watches the SLO and picks up policy versions from other replicas.
 
@@ -50,6 +52,13 @@ _VIEW_COLUMNS = (
 )
 
 
+def _answer(
+    fut: concurrent.futures.Future[list[Any]], skipped: list[Any]
+) -> Callable[[concurrent.futures.Future[None]], None]:
+    """A done-callback that answers a batch's intake future once its decisions are stored."""
+    return lambda _: fut.set_result(skipped)
+
+
 class RunawayService:
     def __init__(
         self,
@@ -83,6 +92,13 @@ class RunawayService:
             tuple[ev.Batch, list[Any] | None, concurrent.futures.Future[list[Any]], float | None] | None
         ] = queue.Queue()
         self._intake_thread: threading.Thread | None = None
+        # Decisions the intake made, stored (and their webhooks queued) on a thread of their own, so
+        # that the intake never waits on a database commit; each with the future its batch waits on.
+        self._recorder: queue.Queue[tuple[list[Decision], concurrent.futures.Future[None]] | None] = (
+            queue.Queue()
+        )
+        self._recorder_thread: threading.Thread | None = None
+        self._recording: list[concurrent.futures.Future[None]] = []  # the intake's current batch's
         self._to_observe: deque[tuple[float, str]] = deque()
         self._observed: dict[str, None] = {}
         self._stop = threading.Event()
@@ -105,6 +121,10 @@ class RunawayService:
             self.webhooks.start()
         self._thread = threading.Thread(target=self._run, name="chunkledger-rules", daemon=True)
         self._thread.start()
+        self._recorder_thread = threading.Thread(
+            target=self._run_recorder, name="chunkledger-cutoffs", daemon=True
+        )
+        self._recorder_thread.start()
         self._intake_thread = threading.Thread(
             target=self._run_intake, name="chunkledger-rules-intake", daemon=True
         )
@@ -115,6 +135,9 @@ class RunawayService:
         if self._intake_thread is not None:
             self._intake.put(None)
             self._intake_thread.join(10)
+        if self._recorder_thread is not None:
+            self._recorder.put(None)
+            self._recorder_thread.join(10)
         if self._thread is not None:
             self._thread.join(10)
         try:
@@ -174,6 +197,7 @@ class RunawayService:
                 return
             batch, late, fut, received = item
             skipped: list[Any] = []
+            self._recording = []
             try:
                 if late is None:
                     skipped = self._arrived(batch)
@@ -183,7 +207,25 @@ class RunawayService:
                 log.exception("the rule engine failed on a batch from %s", batch.source.id)
             if received is not None:
                 self.metrics.rule_intake_seconds.observe(time.monotonic() - received)
-            fut.set_result(skipped)
+            if self._recording:
+                # The batch's answer waits until its decisions are stored, so their commands ride on
+                # it; the intake goes on with the next batch meanwhile.
+                self._recording[-1].add_done_callback(_answer(fut, skipped))
+            else:
+                fut.set_result(skipped)
+
+    def _run_recorder(self) -> None:
+        while True:
+            item = self._recorder.get()
+            if item is None:
+                return
+            decisions, done = item
+            try:
+                self._record(decisions)
+            except Exception:
+                log.exception("storing %d cutoff decisions failed", len(decisions))
+            finally:
+                done.set_result(None)
 
     def _arrived(self, batch: ev.Batch) -> list[Any]:
         source, events = batch.source, batch.events
@@ -211,6 +253,16 @@ class RunawayService:
 
     # -- rule engine hooks ---------------------------------------------------------------------------
     def decided(self, decisions: list[Decision]) -> None:
+        if threading.current_thread() is self._intake_thread:  # stored beside the intake, in order
+            done: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self._recorder.put((decisions, done))
+            self._recording.append(done)
+            return
+        self._record(decisions)
+
+    def _record(self, decisions: list[Decision]) -> None:
+        """Store decisions and queue their commands (``CommandBook.record``), count them, queue their
+        webhooks."""
         alerts = []
         for d, p in self.book.record(decisions):
             self.metrics.cutoffs.labels(d.rule, d.action).inc()

@@ -349,6 +349,40 @@ def test_a_cutoff_is_decided_and_polled_while_the_store_is_still_committing(db_u
         store.close()
 
 
+def test_the_rules_go_on_with_other_batches_while_a_decision_waits_to_be_stored(db_url):
+    """Storing a cutoff waits on a database commit (behind the ingest writer's, on DuckDB). The intake
+    must not: another source's batch is observed and answered meanwhile; the batch that made the
+    decision is answered once it is stored, with the command on it."""
+    with TestClient(create_app(settings(db_url))) as c:
+        book = c.app.state.runaway.book
+        real_record = book.record
+        release = threading.Event()
+
+        def slow_record(decisions):
+            release.wait(10)
+            return real_record(decisions)
+
+        book.record = slow_record
+        eng, other = Src(c, ENGINE), Src(c, ev.Source(id="e1", kind="engine", model="m"))
+        eng.send(ev.Queued(seq=0, ts=time.time(), request_id="r1", prompt_tokens=9))
+        posted = {}
+
+        def post():
+            posted["answer"] = eng.send(*looping_tokens("r1"))
+
+        th = threading.Thread(target=post)
+        th.start()
+        time.sleep(0.5)  # the loop is decided; storing it waits
+        t0 = time.monotonic()
+        other.send(ev.Queued(seq=0, ts=time.time(), request_id="r2", prompt_tokens=9))
+        took = time.monotonic() - t0
+        waiting = th.is_alive()
+        release.set()
+        th.join(15)
+    assert took < 2.0 and waiting  # answered while the decision's batch still waited
+    assert [x["rule"] for x in posted["answer"]["commands"]] == ["loop"]
+
+
 def test_an_older_batch_replayed_after_newer_ones_is_still_seen_by_the_rules(db_url):
     with TestClient(create_app(settings(db_url))) as c:
         eng = Src(c, ENGINE, seq=100)
