@@ -7,9 +7,11 @@
 * ``on_commit(batch, result)`` is the ingest writer's hook (writer thread, after a group commit): it
   counts what was stored.
 * Decisions are stored (``cutoffs``), queued for delivery (``CommandBook``), counted and sent to the
-  ``cutoff`` webhook subscribers. The intake's decisions are stored on a recorder thread of their own:
-  the intake goes on with the next batches while a commit waits behind the ingest writer's (on DuckDB
-  one commit at a time), and only the batch that made them waits for them to be stored.
+  ``cutoff`` webhook subscribers. What the intake reports that writes to the database (decisions,
+  confirmations, finished requests' moot commands, gateways joining, data-loss alerts) is stored on a
+  recorder thread of its own, in order: the intake goes on with the next batches while a commit waits
+  behind the ingest writer's (on DuckDB one commit at a time). Only the batch that made decisions
+  waits for them to be stored, so their commands still ride on its answer.
 * A ticker thread runs the time rules, expires stale commands, observes finished requests' latencies
   (one query per tick for all of them), watches the SLO and picks up policy versions from other replicas.
 
@@ -22,6 +24,7 @@ the rare mixed case they are not (the store reports counts per batch, not which 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
@@ -94,7 +97,7 @@ class RunawayService:
         self._intake_thread: threading.Thread | None = None
         # Decisions the intake made, stored (and their webhooks queued) on a thread of their own, so
         # that the intake never waits on a database commit; each with the future its batch waits on.
-        self._recorder: queue.Queue[tuple[list[Decision], concurrent.futures.Future[None]] | None] = (
+        self._recorder: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future[None]] | None] = (
             queue.Queue()
         )
         self._recorder_thread: threading.Thread | None = None
@@ -219,11 +222,11 @@ class RunawayService:
             item = self._recorder.get()
             if item is None:
                 return
-            decisions, done = item
+            work, done = item
             try:
-                self._record(decisions)
+                work()
             except Exception:
-                log.exception("storing %d cutoff decisions failed", len(decisions))
+                log.exception("storing what the rule engine reported failed (%s)", work)
             finally:
                 done.set_result(None)
 
@@ -252,13 +255,20 @@ class RunawayService:
             m.ingest_duplicates.labels(sid).inc(duplicates)
 
     # -- rule engine hooks ---------------------------------------------------------------------------
-    def decided(self, decisions: list[Decision]) -> None:
-        if threading.current_thread() is self._intake_thread:  # stored beside the intake, in order
+    def _beside_intake(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[None] | None:
+        """``fn(*args)`` (a database write) on the recorder thread, in order, when called from the
+        intake thread; its future. Now, from any other thread (the ticker, tests)."""
+        if threading.current_thread() is self._intake_thread:
             done: concurrent.futures.Future[None] = concurrent.futures.Future()
-            self._recorder.put((decisions, done))
+            self._recorder.put((functools.partial(fn, *args), done))
+            return done
+        fn(*args)
+        return None
+
+    def decided(self, decisions: list[Decision]) -> None:
+        done = self._beside_intake(self._record, decisions)
+        if done is not None:  # the batch that made them is answered once they are stored
             self._recording.append(done)
-            return
-        self._record(decisions)
 
     def _record(self, decisions: list[Decision]) -> None:
         """Store decisions and queue their commands (``CommandBook.record``), count them, queue their
@@ -287,10 +297,10 @@ class RunawayService:
                 log.exception("could not queue the cutoff webhooks")
 
     def confirmed(self, source_id: str, command_id: str, ts: float) -> None:
-        self.book.confirm(source_id, command_id, ts)
+        self._beside_intake(self.book.confirm, source_id, command_id, ts)
 
     def request_done(self, request_id: str, source_id: str, kind: str) -> None:
-        self.book.request_done(request_id, source_id)
+        self._beside_intake(self.book.request_done, request_id, source_id)
         if kind == "finished" and request_id not in self._observed:
             self._observed[request_id] = None
             if len(self._observed) > 100_000:
@@ -298,11 +308,12 @@ class RunawayService:
             self._to_observe.append((self.clock() + OBSERVE_DELAY_S, request_id))
 
     def gateway_joined(self, request_id: str, source_id: str) -> None:
-        self.book.add_gateway(request_id, source_id)
+        self._beside_intake(self.book.add_gateway, request_id, source_id)
 
     def dropped(self, source: ev.Source, count: int, reason: str, ts: float) -> None:
         self.metrics.source_dropped.labels(source.id, reason).inc(count)
-        self._alert(
+        self._beside_intake(
+            self._alert,
             "data_loss",
             {"source_id": source.id, "model": source.model, "count": count, "reason": reason, "ts": ts},
         )

@@ -383,6 +383,36 @@ def test_the_rules_go_on_with_other_batches_while_a_decision_waits_to_be_stored(
     assert [x["rule"] for x in posted["answer"]["commands"]] == ["loop"]
 
 
+def test_a_finished_request_whose_command_turns_moot_does_not_hold_up_other_batches(db_url):
+    with TestClient(create_app(settings(db_url))) as c:
+        book = c.app.state.runaway.book
+        eng, other = Src(c, ENGINE), Src(c, ev.Source(id="e1", kind="engine", model="m"))
+        eng.send(ev.Queued(seq=0, ts=time.time(), request_id="r1", prompt_tokens=9))
+        assert [x["rule"] for x in eng.send(*looping_tokens("r1"))["commands"]] == ["loop"]
+        real_done = book.request_done
+        release = threading.Event()
+
+        def slow_done(request_id, source_id):
+            release.wait(10)
+            return real_done(request_id, source_id)
+
+        book.request_done = slow_done
+        posted = {}
+        finished = ev.Finished(seq=0, ts=time.time(), request_id="r1", reason="stop", output_tokens=200)
+        th = threading.Thread(target=lambda: posted.update(answer=eng.send(finished)))
+        th.start()
+        time.sleep(0.5)  # r1's end is observed; marking its command moot waits
+        t0 = time.monotonic()
+        other.send(ev.Queued(seq=0, ts=time.time(), request_id="r2", prompt_tokens=9))
+        took = time.monotonic() - t0
+        release.set()
+        th.join(15)
+        time.sleep(0.2)
+        rows = {r["request_id"]: r["state"] for r in cutoff_rows(db_url)}
+    assert took < 2.0
+    assert "answer" in posted and rows == {"r1": "moot"}
+
+
 def test_an_older_batch_replayed_after_newer_ones_is_still_seen_by_the_rules(db_url):
     with TestClient(create_app(settings(db_url))) as c:
         eng = Src(c, ENGINE, seq=100)
