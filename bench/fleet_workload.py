@@ -54,6 +54,7 @@ class _Req:
     computed: int = 0
     out: int = 0
     chunks: int = 0
+    looped: int = 0  # loop tokens in the kept steps
     pending: list[int] = field(default_factory=list)
 
 
@@ -162,8 +163,10 @@ def build_cycle(
                 tok = draws.pop()
                 if loops and r.n % LOOP_EVERY == 0 and r.out >= LOOP_AFTER:
                     tok = _VOCAB + (r.out - LOOP_AFTER) % LOOP_BLOCK  # ids no text draw gives
-                    if r.out == LOOP_AFTER + 72 and k >= warmup:  # its loop now spans 72 tokens
-                        n_loops += 1
+                    if k >= warmup:
+                        r.looped += 1
+                        if r.looped == 72:  # the loop spans 72 tokens of the kept stream (the policy's)
+                            n_loops += 1
                 r.out += 1
                 counts.append(1)
                 new_ids.append(tok)

@@ -403,14 +403,15 @@ def run_backend(
         rss = max(_rss_peak_mb(s.pid) for s in servers)
         texts = [httpx.get(f"{url}/metrics", timeout=10).text for url in urls]
         intake_p99 = max(_histogram_p99(t, "chunkledger_rule_intake_seconds") for t in texts)
-        cutoffs = sum(
-            s.value
-            for t in texts
-            for fam in text_string_to_metric_families(t)
-            if fam.name == "chunkledger_cutoffs"
-            for s in fam.samples
-            if s.name == "chunkledger_cutoffs_total"
-        )
+        by_rule: dict[str, float] = {}
+        for t in texts:
+            for fam in text_string_to_metric_families(t):
+                if fam.name == "chunkledger_cutoffs":
+                    for smp in fam.samples:
+                        if smp.name == "chunkledger_cutoffs_total":
+                            rule = smp.labels["rule"]
+                            by_rule[rule] = by_rule.get(rule, 0) + smp.value
+        cutoffs = sum(by_rule.values())
     finally:
         for server in servers:
             server.send_signal(signal.SIGTERM)
@@ -447,6 +448,7 @@ def run_backend(
         "steps_per_batch": sum(r.get("steps", 0) for r in results)
         / max(sum(r.get("batches", 0) for r in results), 1),
         "cutoffs": int(cutoffs),
+        "cutoffs_by_rule": {k: int(v) for k, v in sorted(by_rule.items())},
     }
 
 
@@ -532,7 +534,8 @@ def main() -> None:
                 f"furthest behind was {r['behind_s_max']:.1f} s behind at the end"
             )
         if args.loops:
-            print(f"{'':<14}{'':<20}loops sent: {r['loops_sent']:,}, cutoffs decided: {r['cutoffs']:,}")
+            rules = ", ".join(f"{k} {v:,}" for k, v in r["cutoffs_by_rule"].items())
+            print(f"{'':<14}{'':<20}loops sent: {r['loops_sent']:,}, cutoffs decided: {rules or 0}")
         if args.json:
             print(json.dumps(r))
 
