@@ -23,6 +23,19 @@ branch_labels = None
 depends_on = None
 
 
+def _mapped(pg: bool, new: str, old: str, match: str, take: str, sql_type: str) -> None:
+    """Add ``steps.<new>`` holding ``steps.<old>`` mapped element by element through ``request_keys``
+    (each element matched on column ``match``, replaced by column ``take``), in order; drop ``old``."""
+    op.execute(f"ALTER TABLE steps ADD COLUMN {new} {sql_type}[]")
+    empty = f"'{{}}'::{sql_type}[]" if pg else f"[]::{sql_type}[]"
+    op.execute(
+        f"UPDATE steps SET {new} = coalesce((SELECT array_agg(k.{take} ORDER BY u.n) FROM unnest(steps.{old}) "
+        f"WITH ORDINALITY AS u(x, n) JOIN request_keys k ON k.{match} = u.x), {empty})"
+    )
+    op.execute(f"ALTER TABLE steps ALTER COLUMN {new} SET NOT NULL")
+    op.execute(f"ALTER TABLE steps DROP COLUMN {old}")
+
+
 def upgrade() -> None:
     pg = op.get_bind().dialect.name == "postgresql"
     op.execute("CREATE SEQUENCE request_key_seq START 1")
@@ -36,27 +49,10 @@ def upgrade() -> None:
     )
     if pg:
         op.execute("CREATE UNIQUE INDEX request_keys_key_idx ON request_keys (request_key)")
-    op.execute("ALTER TABLE steps ADD COLUMN request_keys BIGINT[]")
-    keys = "array_agg(k.request_key ORDER BY u.n)"
-    empty = "'{}'::BIGINT[]" if pg else "[]::BIGINT[]"
-    op.execute(
-        f"UPDATE steps SET request_keys = coalesce((SELECT {keys} FROM unnest(steps.request_ids) "
-        f"WITH ORDINALITY AS u(rid, n) JOIN request_keys k ON k.request_id = u.rid), {empty})"
-    )
-    op.execute("ALTER TABLE steps ALTER COLUMN request_keys SET NOT NULL")
-    op.execute("ALTER TABLE steps DROP COLUMN request_ids")
+    _mapped(pg, "request_keys", "request_ids", "request_id", "request_key", "BIGINT")
 
 
 def downgrade() -> None:
-    pg = op.get_bind().dialect.name == "postgresql"
-    op.execute("ALTER TABLE steps ADD COLUMN request_ids TEXT[]")
-    ids = "array_agg(k.request_id ORDER BY u.n)"
-    empty = "'{}'::TEXT[]" if pg else "[]::TEXT[]"
-    op.execute(
-        f"UPDATE steps SET request_ids = coalesce((SELECT {ids} FROM unnest(steps.request_keys) "
-        f"WITH ORDINALITY AS u(key, n) JOIN request_keys k ON k.request_key = u.key), {empty})"
-    )
-    op.execute("ALTER TABLE steps ALTER COLUMN request_ids SET NOT NULL")
-    op.execute("ALTER TABLE steps DROP COLUMN request_keys")
+    _mapped(op.get_bind().dialect.name == "postgresql", "request_ids", "request_keys", "request_key", "request_id", "TEXT")
     op.execute("DROP TABLE request_keys")
     op.execute("DROP SEQUENCE request_key_seq")
