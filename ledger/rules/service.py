@@ -95,13 +95,14 @@ class RunawayService:
             tuple[ev.Batch, list[Any] | None, concurrent.futures.Future[list[Any]], float | None] | None
         ] = queue.Queue()
         self._intake_thread: threading.Thread | None = None
-        # Decisions the intake made, stored (and their webhooks queued) on a thread of their own, so
-        # that the intake never waits on a database commit; each with the future its batch waits on.
+        # The database writes the intake's hooks ask for (``_beside_intake``), run in order on a thread
+        # of their own so that the intake never waits on a commit; each with its future.
         self._recorder: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future[None]] | None] = (
             queue.Queue()
         )
         self._recorder_thread: threading.Thread | None = None
-        self._recording: list[concurrent.futures.Future[None]] = []  # the intake's current batch's
+        # The intake's current batch: the future of storing its last decisions (FIFO: all before too).
+        self._decisions_stored: concurrent.futures.Future[None] | None = None
         self._to_observe: deque[tuple[float, str]] = deque()
         self._observed: dict[str, None] = {}
         self._stop = threading.Event()
@@ -200,7 +201,7 @@ class RunawayService:
                 return
             batch, late, fut, received = item
             skipped: list[Any] = []
-            self._recording = []
+            self._decisions_stored = None
             try:
                 if late is None:
                     skipped = self._arrived(batch)
@@ -210,10 +211,10 @@ class RunawayService:
                 log.exception("the rule engine failed on a batch from %s", batch.source.id)
             if received is not None:
                 self.metrics.rule_intake_seconds.observe(time.monotonic() - received)
-            if self._recording:
+            if self._decisions_stored is not None:
                 # The batch's answer waits until its decisions are stored, so their commands ride on
                 # it; the intake goes on with the next batch meanwhile.
-                self._recording[-1].add_done_callback(_answer(fut, skipped))
+                self._decisions_stored.add_done_callback(_answer(fut, skipped))
             else:
                 fut.set_result(skipped)
 
@@ -268,7 +269,7 @@ class RunawayService:
     def decided(self, decisions: list[Decision]) -> None:
         done = self._beside_intake(self._record, decisions)
         if done is not None:  # the batch that made them is answered once they are stored
-            self._recording.append(done)
+            self._decisions_stored = done
 
     def _record(self, decisions: list[Decision]) -> None:
         """Store decisions and queue their commands (``CommandBook.record``), count them, queue their
