@@ -6,6 +6,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, cast
 
 import duckdb
@@ -199,7 +200,6 @@ class DuckDBStore(Store):
             try:
                 return super().write(batches)
             except _KeyTaken:  # rolled back: an id the cache did not know was stored (a restart)
-                self._staged_parts = 0
                 self._keys_new = False
                 try:
                     return super().write(batches)
@@ -234,54 +234,59 @@ class DuckDBStore(Store):
     def _lock_sources(self, conn: Any, sources: list[ev.Source], now: float) -> dict[str, int]:
         return {s.id: self._marks[s.id] for s in sources if s.id in self._marks}
 
-    def _append(self, conn: Any, prepared: Prepared) -> None:
+    @contextlib.contextmanager
+    def _staged(self, name: str, table: pa.Table) -> Iterator[Any]:
+        """``table`` readable as ``name`` by the writer connection's statements in the block. After a
+        failed statement the transaction is aborted and DuckDB refuses the unregister; the statement's
+        own error is the one raised (the next registration under the name replaces it)."""
         duck = self._duck
+        duck.register(name, table)
+        try:
+            yield duck
+        except BaseException:
+            with contextlib.suppress(Exception):
+                duck.unregister(name)
+            raise
+        duck.unregister(name)
+
+    def _append(self, conn: Any, prepared: Prepared) -> None:
         if prepared.events["seq"]:
-            duck.register("_ev_stage", pa.table(prepared.events, schema=EVENTS_SCHEMA))
-            duck.execute("INSERT INTO events SELECT * FROM _ev_stage")
-            duck.unregister("_ev_stage")
+            with self._staged("_ev_stage", pa.table(prepared.events, schema=EVENTS_SCHEMA)) as duck:
+                duck.execute("INSERT INTO events SELECT * FROM _ev_stage")
         if prepared.steps["seq"]:
-            duck.register("_step_stage", pa.table(prepared.steps, schema=STEPS_SCHEMA))
-            duck.execute(_APPEND_STEPS)
-            duck.unregister("_step_stage")
+            with self._staged("_step_stage", pa.table(prepared.steps, schema=STEPS_SCHEMA)) as duck:
+                duck.execute(_APPEND_STEPS)
         if prepared.requests:
-            duck.register("_req_stage", pa.table(request_columns(prepared.requests), schema=REQUESTS_SCHEMA))
-            duck.execute(_APPEND_PARTS)
-            duck.unregister("_req_stage")
+            table = pa.table(request_columns(prepared.requests), schema=REQUESTS_SCHEMA)
+            with self._staged("_req_stage", table) as duck:
+                duck.execute(_APPEND_PARTS)
             self._staged_parts = len(prepared.requests)
 
     def _insert_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:
         first = self._next_key
         keys = list(range(first, first + len(ids)))
         self._next_key = first + len(ids)  # a rolled-back group leaves a gap, never a key used twice
-        duck = self._duck
-        duck.register("_key_stage", pa.table([ids, keys], schema=_KEY_STAGE))
-        try:
+        with self._staged("_key_stage", pa.table([ids, keys], schema=_KEY_STAGE)) as duck:
             if not self._keys_new:
                 return dict(duck.execute(_INSERT_KEYS).fetchall())
-            duck.execute(_INSERT_NEW_KEYS)
+            try:
+                duck.execute(_INSERT_NEW_KEYS)
+            except duckdb.ConstraintException:
+                duck.execute("ROLLBACK")  # the transaction is aborted; nothing else runs in it
+                raise _KeyTaken from None
             return dict(zip(ids, keys, strict=True))
-        except duckdb.ConstraintException:
-            duck.execute("ROLLBACK")  # the transaction is aborted; nothing else runs in it
-            raise _KeyTaken from None
-        finally:
-            duck.unregister("_key_stage")
 
     def _lookup_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:
-        self._duck.register("_key_stage", pa.table([ids, [0] * len(ids)], schema=_KEY_STAGE))
-        try:
-            return dict(self._duck.execute(_LOOKUP_KEYS).fetchall())
-        finally:
-            self._duck.unregister("_key_stage")
+        with self._staged("_key_stage", pa.table([ids], names=["request_id"])) as duck:
+            return dict(duck.execute(_LOOKUP_KEYS).fetchall())
 
     def _link_successors(self, conn: Any, links: list[tuple[float, str, int, int, float, float]]) -> None:
         if len(links) == 1:
             super()._link_successors(conn, links)
             return
         cols = list(zip(*links, strict=True))
-        self._duck.register("_link_stage", pa.table(cols, schema=_LINK_STAGE))
-        conn.execute(_LINK_SUCCESSORS, (min(cols[4]), max(cols[5])))
-        self._duck.unregister("_link_stage")
+        with self._staged("_link_stage", pa.table(cols, schema=_LINK_STAGE)):
+            conn.execute(_LINK_SUCCESSORS, (min(cols[4]), max(cols[5])))
 
     def _save_sources(self, conn: Any, states: list[_SourceState], now: float) -> None:
         # One statement per kind of change: DuckDB's per-statement cost is ~1 ms, and a group holds
@@ -298,15 +303,14 @@ class DuckDBStore(Store):
                 },
                 schema=_SOURCES_STAGE,
             )
-            self._duck.register("_src_stage", stage)
-            conn.execute(
-                "UPDATE sources SET last_seq = s.last_seq, events_total = events_total + s.accepted, "
-                "dropped_total = dropped_total + s.dropped, last_seen_ts = ?, "
-                "model = coalesce(s.model, sources.model) FROM _src_stage s "
-                "WHERE sources.source_id = s.source_id",
-                (now,),
-            )
-            self._duck.unregister("_src_stage")
+            with self._staged("_src_stage", stage):
+                conn.execute(
+                    "UPDATE sources SET last_seq = s.last_seq, events_total = events_total + s.accepted, "
+                    "dropped_total = dropped_total + s.dropped, last_seen_ts = ?, "
+                    "model = coalesce(s.model, sources.model) FROM _src_stage s "
+                    "WHERE sources.source_id = s.source_id",
+                    (now,),
+                )
         for st in states:
             if not st.exists:
                 last = max(st.last_seq, st.new_last_seq)
