@@ -2,11 +2,12 @@
 
 A group's steps name a few hundred distinct requests, each in many steps. The writer turns each
 step's ids into keys with one dictionary lookup per entry: the keys of the ids it met lately are in
-``KeyCache``; the rest are resolved once per group by the backend (``resolve``), in the group's
-transaction: an insert that draws new keys from the sequence for ids never named before (the usual
-case: requests whose first step this is), then a lookup for those another writer or an earlier run
-named. What was resolved enters the cache only after the commit (``learn``), so a rolled-back group
-leaves no key behind that the database does not hold.
+``KeyCache``; the rest are resolved once per group (``keys_for``), in the group's transaction, by the
+backend's ``insert`` (new keys for ids never named before: the usual case, requests whose first step
+this is; DuckDB draws them from its writer's counter, PostgreSQL from ``request_key_seq``) and then
+its ``lookup`` for the ids another writer or an earlier run named. What was resolved enters the cache
+only after the commit (``learn``), so a rolled-back group leaves no key behind that the database does
+not hold.
 """
 
 from __future__ import annotations
@@ -58,9 +59,6 @@ class KeyCache:
         if len(self._young) + len(keys) > self.size:
             self._old, self._young = self._young, {}
         self._young.update(keys)
-
-    def clear(self) -> None:
-        self._young, self._old = {}, {}
 
 
 def keys_for(
