@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.fleet_workload import STEP_S, Cycle, build_cycle, render
@@ -134,15 +135,14 @@ def _client_proc(
 ) -> None:
     """One client process running one thread per source (an engine's exporter: one batch in flight),
     each sending to its ledger (``urls``, aligned with ``source_ids``: sources pinned to replicas)."""
+    fleet = fleet or FleetOptions()
     if workload == "mix":
         threads = [
             threading.Thread(target=_client, args=(url, sid, duration, start_at, out))
             for url, sid in zip(urls, source_ids, strict=True)
         ]
     elif workload == "fleet-paced":
-        steps = build_cycle(
-            "steps", steps=FLEET_STEPS, steps_per_batch=1, loops=(fleet or FleetOptions()).loops
-        )
+        steps = build_cycle("steps", steps=FLEET_STEPS, steps_per_batch=1, loops=fleet.loops)
         threads = [
             threading.Thread(target=_paced_client, args=(url, sid, steps, duration, start_at, out))
             for url, sid in zip(urls, source_ids, strict=True)
@@ -151,8 +151,8 @@ def _client_proc(
         cycle = build_cycle(
             workload.removeprefix("fleet-"),
             steps=FLEET_STEPS,
-            steps_per_batch=(fleet or FleetOptions()).steps_per_batch,
-            loops=(fleet or FleetOptions()).loops,
+            steps_per_batch=fleet.steps_per_batch,
+            loops=fleet.loops,
         )
         threads = [
             threading.Thread(target=_fleet_client, args=(url, sid, cycle, duration, start_at, out))
@@ -304,14 +304,13 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _histogram_p99(metrics_text: str, name: str) -> float:
-    """The upper bound of the bucket holding the 99th percentile of histogram ``name`` (inf if none)."""
-    buckets = []
-    for fam in text_string_to_metric_families(metrics_text):
-        if fam.name == name:
-            buckets = sorted(
-                (float(s.labels["le"]), s.value) for s in fam.samples if s.name == f"{name}_bucket"
-            )
+def _histogram_p99(fam: Metric | None) -> float:
+    """The upper bound of the bucket holding the 99th percentile of a histogram family (inf if none)."""
+    buckets = (
+        sorted((float(s.labels["le"]), s.value) for s in fam.samples if s.name.endswith("_bucket"))
+        if fam is not None
+        else []
+    )
     total = buckets[-1][1] if buckets else 0
     return next((le for le, n in buckets if total and n >= 0.99 * total), float("inf"))
 
@@ -401,17 +400,16 @@ def run_backend(
         for p in procs:
             p.join()
         rss = max(_rss_peak_mb(s.pid) for s in servers)
-        texts = [httpx.get(f"{url}/metrics", timeout=10).text for url in urls]
-        intake_p99 = max(_histogram_p99(t, "chunkledger_rule_intake_seconds") for t in texts)
-        by_rule: dict[str, float] = {}
-        for t in texts:
-            for fam in text_string_to_metric_families(t):
-                if fam.name == "chunkledger_cutoffs":
-                    for smp in fam.samples:
-                        if smp.name == "chunkledger_cutoffs_total":
-                            rule = smp.labels["rule"]
-                            by_rule[rule] = by_rule.get(rule, 0) + smp.value
-        cutoffs = sum(by_rule.values())
+        scraped = [
+            {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)}
+            for url in urls
+        ]
+        intake_p99 = max(_histogram_p99(m.get("chunkledger_rule_intake_seconds")) for m in scraped)
+        by_rule: dict[str, int] = {}
+        for m in scraped:
+            for smp in m["chunkledger_cutoffs"].samples if "chunkledger_cutoffs" in m else ():
+                if smp.name == "chunkledger_cutoffs_total":
+                    by_rule[smp.labels["rule"]] = by_rule.get(smp.labels["rule"], 0) + int(smp.value)
     finally:
         for server in servers:
             server.send_signal(signal.SIGTERM)
@@ -447,8 +445,8 @@ def run_backend(
         "behind_s_max": max((r.get("behind_s", 0.0) for r in results), default=0.0),
         "steps_per_batch": sum(r.get("steps", 0) for r in results)
         / max(sum(r.get("batches", 0) for r in results), 1),
-        "cutoffs": int(cutoffs),
-        "cutoffs_by_rule": {k: int(v) for k, v in sorted(by_rule.items())},
+        "cutoffs": sum(by_rule.values()),
+        "cutoffs_by_rule": dict(sorted(by_rule.items())),
     }
 
 
