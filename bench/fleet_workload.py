@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from engine_hooks import events as ev
+from ledger.rules.policy import LoopSettings
 
 RUNNING = 256
 STEP_S = 0.03
@@ -39,7 +40,8 @@ FLUSH = 16  # tokens per tokens event in the "tokens" form (the plugin's tokens_
 PREEMPT_EVERY = 100  # steps
 _VOCAB = 32_000
 # With ``loops``: every LOOP_EVERY-th request falls into a loop after LOOP_AFTER output tokens, a block
-# of LOOP_BLOCK tokens repeated to its end (the default policy cuts it once the loop spans 72 tokens).
+# of LOOP_BLOCK tokens repeated to its end; the default policy cuts it once the loop spans LOOP_SPAN.
+LOOP_SPAN = LoopSettings().min_span_tokens
 LOOP_EVERY = 50
 LOOP_AFTER = 32
 LOOP_BLOCK = 12
@@ -165,7 +167,7 @@ def build_cycle(
                     tok = _VOCAB + (r.out - LOOP_AFTER) % LOOP_BLOCK  # ids no text draw gives
                     if k >= warmup:
                         r.looped += 1
-                        if r.looped == 72:  # the loop spans 72 tokens of the kept stream (the policy's)
+                        if r.looped == LOOP_SPAN:  # of the kept stream: the ledger sees no other
                             n_loops += 1
                 r.out += 1
                 counts.append(1)
