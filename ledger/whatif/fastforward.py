@@ -79,7 +79,7 @@ def fast_forward(st: State, cost: StepCost, noise: StepNoise | None = None) -> b
         end = t + shape_d
     else:
         factor, gap = noise.decode(k0)
-        loop = gap + noise.per_first_token * st.last_first if t == st.last_end else 0.0
+        loop = noise.loop(gap, st.last_first) if t == st.last_end else 0.0
         end = t + (shape_d * factor + loop)
     gaps, weights = st.gaps, st.gap_weights
     last = st.last_tok[run]

@@ -174,10 +174,10 @@ def _run_step(
         k = st.steps
         loop = t == st.last_end  # the engine went on from the previous step, not from idle
         if n_prefill:
-            d += noise.prefill_gap(k) + noise.per_first_token * st.last_first if loop else 0.0
+            d += noise.loop(noise.prefill_gap(k), st.last_first) if loop else 0.0
         else:
             factor, gap = noise.decode(k)
-            d = d * factor + (gap + noise.per_first_token * st.last_first if loop else 0.0)
+            d = d * factor + (noise.loop(gap, st.last_first) if loop else 0.0)
     end = t + d
     st.last_end = end
     st.last_first = 0

@@ -97,6 +97,12 @@ class StepNoise:
     def prefill_gap(self, k: int) -> float:
         return self.prefill_gaps[self._pick(k, len(self.prefill_gaps))]
 
+    def loop(self, gap: float, first_tokens: int) -> float:
+        """The engine loop before a step that follows another: the drawn ``gap`` plus the cost of the
+        ``first_tokens`` the step before emitted (one expression for the replay and its fast-forward,
+        which must agree to the bit)."""
+        return gap + self.per_first_token * first_tokens
+
 
 def _checked(values_in: np.ndarray | list[float], name: str, *, positive: bool = False) -> list[float]:
     values = np.asarray(values_in, dtype=np.float64)
