@@ -231,10 +231,15 @@ class Step(_Event, tag="step", kw_only=True, frozen=True):
     end (``ts + duration_s``). One event per step replaces a ``tokens`` event per request every few
     tokens: a GPU engine running 256 requests at 33 steps a second sends 33 events a second in place of
     about 530 (one per 16 tokens).
+
+    ``ts`` is the step's start: its ``schedule()``, or, when the engine schedules a step while the one
+    before still runs (vLLM's async scheduling), the end of that one. So ``duration_s`` is what the
+    step cost the engine's cadence (the device's time for it while steps overlap), and ``ts +
+    duration_s`` is when its outputs were processed.
     """
 
     step: Seq  # step counter of the engine, from 0
-    duration_s: NonNegFloat  # monotonic time from schedule() to the step's outputs being processed
+    duration_s: NonNegFloat  # monotonic time from the step's start (ts) to its outputs being processed
     prefill_tokens: NonNegInt = 0  # prefill tokens computed this step (all chunks)
     decode_tokens: NonNegInt = 0  # decode tokens computed this step
     num_prefill_reqs: NonNegInt = 0  # requests that ran a prefill chunk

@@ -59,7 +59,7 @@ def fetch(version: str) -> Path:
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         members = []
         for member in tar.getmembers():
-            top, _, rest = member.name.partition("/")
+            _, _, rest = member.name.partition("/")
             if not rest.startswith(_KEEP) or rest.endswith(_SKIP_SUFFIXES) or not member.isfile():
                 continue
             member.name = rest

@@ -1,6 +1,10 @@
 """Where the plugin reaches into vLLM's scheduler beyond the methods it overrides, in one place.
 
-Written against vllm 0.32.0 (``vllm/v1/core/sched/scheduler.py``); each function says what it assumes.
+Tested against vLLM 0.32.0, 0.33.0 and 0.34.0 (:data:`TESTED`: the scheduler-level suite on each
+release's own scheduler and engine core, async scheduling on and off, and vLLM's own scheduler tests
+with the plugin's class in place; docs/vllm.md). Written against 0.32.0's
+``vllm/v1/core/sched/scheduler.py``; each function says what it assumes, and those assumptions hold
+in the whole range. A vLLM outside it logs one warning when the plugin loads.
 When vLLM changes one of these structures, this module is the one to adapt. The two patches (the KV
 allocation wrapper and the running list's victim choice) and the per-step overrides are undone or
 harmless when the hooks are off; the readers fall back to something safe where they can.
@@ -14,9 +18,11 @@ Read directly elsewhere, on the hot path and by design (vLLM's scheduler interfa
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from typing import Any, SupportsIndex
 
+import vllm
 from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
@@ -39,6 +45,48 @@ STATUS_FINISH = {
 }
 ABORTED = RequestStatus.FINISHED_ABORTED
 QUEUED, SCHEDULED = EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED
+
+TESTED = ((0, 32), (0, 34))  # the vLLM releases tested, first and last (major, minor), any patch
+_log = logging.getLogger(__name__)
+
+
+def release(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a vLLM version string (``0.33.0``, ``0.34.0+cu129``, ``0.32.0+cpu``)."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def check_version(version: str | None = None) -> bool:
+    """Whether the vLLM loaded (or ``version``) is in the tested range; logs one warning naming the
+    range when it is not (the plugin still loads: vLLM's scheduler interface is not public, and a
+    release outside the range may have moved what this module reads)."""
+    if version is None:
+        version = str(getattr(vllm, "__version__", ""))
+    found = release(version)
+    if found is not None and TESTED[0] <= found <= TESTED[1]:
+        return True
+    (lo_major, lo_minor), (hi_major, hi_minor) = TESTED
+    _log.warning(
+        "chunkledger: vLLM %s is outside the range this plugin is tested on (%d.%d to %d.%d); "
+        "its scheduler hooks may misreport or fail (each failure is counted and logged once)",
+        version or "of unknown version",
+        lo_major,
+        lo_minor,
+        hi_major,
+        hi_minor,
+    )
+    return False
+
+
+def async_scheduling(vllm_config: Any) -> bool:
+    """Whether ``vllm_config`` runs the engine core with async scheduling (its batch queue overlaps
+    step N+1's ``schedule()`` with step N). Assumes ``scheduler_config.async_scheduling`` (vLLM 0.32 to
+    0.34: resolved to a bool by ``VllmConfig`` before the scheduler is built)."""
+    config = getattr(vllm_config, "scheduler_config", None)
+    return bool(getattr(config, "async_scheduling", False))
 
 
 # -- reads --------------------------------------------------------------------------------------------
@@ -187,6 +235,26 @@ def restore_budget(scheduler: Any, old: int) -> None:
     scheduler.max_num_scheduled_tokens = old
 
 
+def can_hold_out(scheduler: Any, request: Any) -> bool:
+    """Whether :func:`hold_out` may take ``request`` out of one ``schedule()`` without letting vLLM
+    exceed ``max_loras``: when LoRA is on, only if another running request uses its LoRA too.
+
+    Assumes vLLM 0.32 to 0.34's ``schedule()``: before admitting waiting requests it collects the LoRA
+    ids of every request in ``self.running`` and admits a request with another LoRA only while fewer
+    than ``lora_config.max_loras`` are in use, then asserts that count at the next ``schedule()``. A
+    held request whose LoRA is its own would free a place that is not free once it is put back."""
+    if not getattr(scheduler, "lora_config", None):
+        return True
+    lora = getattr(request, "lora_request", None)
+    if lora is None or lora.lora_int_id <= 0:
+        return True
+    lora_id = lora.lora_int_id
+    return any(
+        other is not request and other.lora_request is not None and other.lora_request.lora_int_id == lora_id
+        for other in scheduler.running
+    )
+
+
 def hold_out(scheduler: Any, index: int) -> Any:
     """Take the running request at ``index`` out of the next ``schedule()``, its KV kept; put it back
     with :func:`put_back`. Assumes vLLM 0.32 schedules only what is in ``self.running`` (in order)
@@ -229,17 +297,22 @@ __all__ = [
     "REPETITION",
     "SCHEDULED",
     "STATUS_FINISH",
+    "TESTED",
     "RunningList",
     "abort_output",
     "add_outputs",
+    "async_scheduling",
     "block_counter",
+    "can_hold_out",
     "cap_budget",
     "cap_chunks",
+    "check_version",
     "free_kv_tokens",
     "free_slots",
     "hold_out",
     "private_scheduler_config",
     "put_back",
+    "release",
     "restore_budget",
     "restore_chunks",
     "set_victim_chooser",

@@ -319,7 +319,8 @@ class Policies(HookState):
         """Arrivals first: when short prompts wait and can all be admitted, leave the largest running
         prefill out of this step (put back after ``schedule()``, its KV kept), so the arrivals' first
         step is short: a short's TTFT is then the step it arrived in plus its own, not two long-prompt
-        steps. Never two steps in a row, so the long prefill runs at least every other step."""
+        steps. Never two steps in a row, so the long prefill runs at least every other step. A prefill
+        whose LoRA no other running request uses stays in (:func:`compat.can_hold_out`)."""
         if self._cl_held_last:
             self._cl_held_last = False
             return False
@@ -334,7 +335,7 @@ class Policies(HookState):
         for i, req in enumerate(running):
             if req.is_prefill_chunk:
                 need = req.num_tokens - req.num_computed_tokens
-                if need > big_need:
+                if need > big_need and compat.can_hold_out(self, req):
                     big, big_need = i, need
         if big < 0:
             return False

@@ -12,11 +12,23 @@
   or with ``step_tokens`` on the ``step`` event, one entry per request that ran (``token_counts``,
   ``token_totals``, ``token_ids``: one event per step, however many requests decode);
 * ``finished`` with vLLM's finish reason (``cutoff`` for the ledger's aborts);
-* ``step``: monotonic duration from ``schedule()`` to the end of ``update_from_output()``, prefill and
-  decode counts, queue sizes, KV usage, the requests that ran, prefill depth work, and the requests
-  that held KV blocks but sat the step out (``stalled_*``), and (``step_tokens``) their new tokens.
+* ``step``: its duration (below), prefill and decode counts, queue sizes, KV usage, the requests that
+  ran, prefill depth work, and the requests that held KV blocks but sat the step out (``stalled_*``),
+  and (``step_tokens``) their new tokens.
 
 Between ``schedule()`` and ``update_from_output()`` a step is kept as a :class:`StepRecord`.
+
+A step's duration is what it cost the engine's cadence: from its start, the later of its
+``schedule()`` call and the previous step's completion, to its completion (the end of its
+``update_from_output()``); the ``step`` event's ``ts`` is the wall clock at that start, so ``ts +
+duration_s`` is the completion and the ledger's ``interval_s`` runs from one completion to the next.
+In lock-step (async scheduling off: vLLM on CPU) a step is scheduled after the previous one completed,
+so it runs from its ``schedule()`` call, scheduling included, as the engine waits for it. With async
+scheduling (vLLM's default on GPU) the engine core schedules step N+1 while the device runs step N, so
+N+1 starts when N completes: while the batch queue is full, the duration is the interval between
+consecutive completions, the device's time for the step; the first step after the engine idled runs
+from its ``schedule()`` call. (From ``schedule()`` to ``update_from_output()`` would count the step
+before it too: about twice the device time.)
 """
 
 from __future__ import annotations
@@ -42,7 +54,7 @@ class StepRecord(NamedTuple):
 
     ts: float  # wall clock at schedule()
     step: int
-    started: float  # monotonic, when schedule() was called: the step's duration runs from here
+    started: float  # clock when schedule() was called: the step starts here or at the previous one's end
     prefill_tokens: int
     decode_tokens: int
     num_prefill_reqs: int
@@ -80,6 +92,7 @@ class Reporter(HookState):
     _cl_new: list[tuple[str, str, int, int]]  # step_tokens: (id, ext, new tokens, total) per output
     _cl_new_ids: list[int]  # step_tokens: their new ids, in the same order
     _cl_steps: dict[int, StepRecord | None]  # id(SchedulerOutput) -> its step, None: nothing ran
+    _cl_done: float  # clock at the last step's completion (its update_from_output)
     _cl_blocks: Callable[[str, int], int]
     _e_queued: Emitter
     _e_chunk: Emitter
@@ -98,6 +111,7 @@ class Reporter(HookState):
         self._cl_new = []
         self._cl_new_ids = []
         self._cl_steps = {}
+        self._cl_done = float("-inf")
         self._cl_step = 0
         self._cl_blocks = compat.block_counter(self)
 
@@ -148,7 +162,7 @@ class Reporter(HookState):
 
     def _cl_report_finished(self, finished: list[Request], status: Any) -> None:
         """``finish_requests``: requests finished outside the model's outputs (aborts)."""
-        ts, now = time.time(), time.monotonic()
+        ts, now = time.time(), self.clock()
         for request in finished:
             st = self._cl_states.get(request.request_id)
             if st is None:
@@ -351,14 +365,16 @@ class Reporter(HookState):
                     self._cl_flush(rid, st, ts)
 
     def _cl_report_step(self, scheduler_output: Any, now: float) -> None:
-        """Send the ``step`` event of ``scheduler_output`` (and feed its duration to the step-time
-        fit when admission_step_target_s uses it)."""
+        """Send the ``step`` event of ``scheduler_output``, completed at ``now`` (and feed its duration
+        to the step-time fit when admission_step_target_s uses it)."""
         rec = self._cl_steps.pop(id(scheduler_output), None)
         rows, ids = self._cl_new, self._cl_new_ids
         self._cl_new, self._cl_new_ids = [], []
         if rec is None:
             return
-        duration = max(now - rec.started, 0.0)
+        start = rec.started if rec.started >= self._cl_done else self._cl_done  # the module docstring
+        self._cl_done = now
+        duration = max(now - start, 0.0)
         request_ids = rec.request_ids
         counts: list[int] = []
         totals: list[int] = []
@@ -377,7 +393,7 @@ class Reporter(HookState):
                         counts.append(0)
                         totals.append(before)
         self._e_step(
-            rec.ts,
+            rec.ts + (start - rec.started),
             rec.step,
             duration,
             rec.prefill_tokens,

@@ -66,6 +66,7 @@ from engine_hooks.vllm.policies import EscapeGrant, Policies
 from engine_hooks.vllm.reporter import Reporter, StepRecord
 
 log = state.log
+compat.check_version()
 _ReqState = state.ReqState  # the names the tests and older callers reach here
 _vllm_stamp = compat.vllm_stamp
 
@@ -192,7 +193,7 @@ class _LedgerHooks(Reporter, Commands, Policies):
         try:
             if request.request_id in self._cl_states:  # a streaming-input continuation of a known request
                 return
-            now, ts = time.monotonic(), time.time()
+            now, ts = self.clock(), time.time()
             ext = external_request_id(request)
             self._cl_report_queued(request, ext, now, ts)
             if self._cl_unmatched:
@@ -201,7 +202,8 @@ class _LedgerHooks(Reporter, Commands, Policies):
             self._cl_fail("add_request")
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        now = time.monotonic()
+        t0 = time.perf_counter()
+        now = self.clock()
         ts = time.time()
         restore: int | None = None
         scheduled_at = now  # when vLLM schedules (its SCHEDULED stamp): waits end here
@@ -212,8 +214,8 @@ class _LedgerHooks(Reporter, Commands, Policies):
                 restore = self._cl_apply_policies(now)
             except Exception:
                 self._cl_fail("before_schedule")
-            scheduled_at = time.monotonic()
-            self.hook_seconds += scheduled_at - now
+            scheduled_at = self.clock()
+            self.hook_seconds += time.perf_counter() - t0
         try:
             output = super().schedule(*args, **kwargs)
         finally:
@@ -221,7 +223,7 @@ class _LedgerHooks(Reporter, Commands, Policies):
             if restore is not None or self._cl_budget_restore is not None or self._cl_held is not None:
                 self._cl_undo_policies(restore)
         if self._cl_active:
-            t0 = time.monotonic()
+            t0 = time.perf_counter()
             try:
                 opts = self.options
                 if opts.preempt_escape_after and opts.preempt_escape_for == "predicted":
@@ -229,23 +231,23 @@ class _LedgerHooks(Reporter, Commands, Policies):
                 self._cl_report_schedule(output, scheduled_at, ts, now)
             except Exception:
                 self._cl_fail("after_schedule")
-            self.hook_seconds += time.monotonic() - t0
+            self.hook_seconds += time.perf_counter() - t0
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._cl_active:
-            t0 = time.monotonic()
+            t0 = time.perf_counter()
             try:
                 ts = time.time()
-                now = time.monotonic()
+                now = self.clock()
                 self._cl_report_outputs(outputs, ts, now)
                 if self._cl_abort_outputs:
                     self._cl_deliver_aborts(outputs)
                 self._cl_report_step(scheduler_output, now)
             except Exception:
                 self._cl_fail("update_from_output")
-            self.hook_seconds += time.monotonic() - t0
+            self.hook_seconds += time.perf_counter() - t0
         return outputs
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
@@ -270,14 +272,27 @@ class _LedgerHooks(Reporter, Commands, Policies):
 
 
 class LedgerScheduler(_LedgerHooks, Scheduler):
-    """vLLM v1's ``Scheduler`` reporting to chunkledger.
+    """vLLM v1's scheduler reporting to chunkledger: the one class to name, in either scheduling mode.
 
     ``--scheduler-cls engine_hooks.vllm.LedgerScheduler``
+
+    With async scheduling on (vLLM's default on GPU) it is built as :class:`AsyncLedgerScheduler`,
+    vLLM's ``AsyncScheduler`` with the hooks, since a plain ``Scheduler`` under the engine core's batch
+    queue loses the overlap of step N+1's scheduling with step N (vLLM keeps async on and only warns).
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> LedgerScheduler:
+        built = cls
+        config = kwargs.get("vllm_config", args[0] if args else None)
+        if cls is LedgerScheduler and compat.async_scheduling(config):
+            log.info("chunkledger: async scheduling is on: LedgerScheduler runs as AsyncLedgerScheduler")
+            built = AsyncLedgerScheduler
+        return super().__new__(built)
 
-class AsyncLedgerScheduler(_LedgerHooks, AsyncScheduler):
-    """vLLM v1's ``AsyncScheduler`` (the default with async scheduling) reporting to chunkledger."""
+
+class AsyncLedgerScheduler(LedgerScheduler, AsyncScheduler):
+    """vLLM v1's ``AsyncScheduler`` reporting to chunkledger (what :class:`LedgerScheduler` becomes when
+    async scheduling is on; naming it directly works too)."""
 
 
 def iter_schedulers(llm: Any) -> Iterable[_LedgerHooks]:

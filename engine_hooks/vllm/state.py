@@ -10,7 +10,9 @@ The attributes are set in :meth:`engine_hooks.vllm.scheduler.LedgerScheduler.__i
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -80,6 +82,9 @@ class ReqState:
 class HookState(_Base):
     """The shared attributes of the scheduler's hooks (see the module docstring)."""
 
+    # The engine's monotonic clock in seconds, for every stamp the hooks take (waits, step starts and
+    # ends). A test may give one scheduler a controlled clock (``scheduler.clock = fake.now``).
+    clock: Callable[[], float] = time.monotonic
     hook_errors: int  # exceptions caught in the hooks (each place is logged once)
     options: LedgerOptions
     output_lengths: OutputLengths  # finished output lengths: the escape valve's predictor

@@ -1,0 +1,84 @@
+"""What the plugin decides from vLLM's version and config before it schedules anything: the class that
+keeps vLLM's async overlap, the tested range, and the LoRA guard of the arrivals-first hold-out."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+from engine_hooks.vllm import compat
+from engine_hooks.vllm.scheduler import AsyncLedgerScheduler, LedgerScheduler
+
+
+def _config(async_scheduling: bool) -> Any:
+    return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
+
+
+@pytest.mark.parametrize("as_keyword", [True, False])
+def test_ledger_scheduler_is_built_as_the_async_class_when_async_scheduling_is_on(as_keyword):
+    config = _config(True)
+    args, kwargs = ((), {"vllm_config": config}) if as_keyword else ((config,), {})
+    built = LedgerScheduler.__new__(LedgerScheduler, *args, **kwargs)
+    assert type(built) is AsyncLedgerScheduler
+    assert isinstance(built, AsyncScheduler) and isinstance(built, LedgerScheduler)
+
+
+def test_ledger_scheduler_stays_the_lock_step_class_when_async_scheduling_is_off():
+    built = LedgerScheduler.__new__(LedgerScheduler, vllm_config=_config(False))
+    assert type(built) is LedgerScheduler
+    assert not isinstance(built, AsyncScheduler)
+
+
+def test_naming_the_async_class_keeps_it_in_either_mode():
+    for on in (True, False):
+        assert type(AsyncLedgerScheduler.__new__(AsyncLedgerScheduler, vllm_config=_config(on))) is (
+            AsyncLedgerScheduler
+        )
+
+
+@pytest.mark.parametrize(
+    ("version", "inside"),
+    [
+        ("0.32.0", True),
+        ("0.32.0+cpu", True),
+        ("0.33.0", True),
+        ("0.34.0+cu129", True),
+        ("0.34.2", True),
+        ("0.31.1", False),
+        ("0.35.0", False),
+        ("1.0.0", False),
+        ("", False),
+    ],
+)
+def test_a_vllm_outside_the_tested_range_logs_one_warning_naming_the_range(version, inside, caplog):
+    with caplog.at_level(logging.WARNING, logger=compat.__name__):
+        assert compat.check_version(version) is inside
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if inside:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and "0.32 to 0.34" in warnings[0], warnings
+
+
+def _req(rid: str, lora_id: int | None) -> Any:
+    lora = None if lora_id is None else SimpleNamespace(lora_int_id=lora_id)
+    return SimpleNamespace(request_id=rid, lora_request=lora)
+
+
+def test_a_prefill_whose_lora_is_its_own_is_not_held_out():
+    long, other = _req("long", 7), _req("other", 3)
+    scheduler = SimpleNamespace(lora_config=SimpleNamespace(max_loras=2), running=[long, other])
+    assert not compat.can_hold_out(scheduler, long)  # vLLM could admit a third LoRA in its place
+    scheduler.running.append(_req("same", 7))
+    assert compat.can_hold_out(scheduler, long)  # LoRA 7 stays counted through the other request
+
+
+def test_without_lora_or_for_the_base_model_any_prefill_can_be_held_out():
+    assert compat.can_hold_out(SimpleNamespace(lora_config=None, running=[]), _req("a", 5))
+    scheduler = SimpleNamespace(lora_config=SimpleNamespace(max_loras=1), running=[])
+    assert compat.can_hold_out(scheduler, _req("a", None))
+    assert compat.can_hold_out(scheduler, _req("b", 0))
