@@ -146,6 +146,21 @@ def _client_key(rid: str) -> str:
     return key
 
 
+def source_id(vllm_config: Any, configured: str | None) -> str:
+    """The source this engine core reports as: ``configured`` (``CHUNKLEDGER_SOURCE_ID``), else
+    ``vllm-<hostname>``; with data parallelism each rank's core adds ``-dp<rank>``, so the ranks of one
+    server (each with its own scheduler, step counter and KV cache) are distinct sources, whatever
+    was configured. The rank is ``parallel_config.data_parallel_index`` (vLLM 0.32 to 0.34: the true
+    rank, also for dense models, whose ``data_parallel_rank`` vLLM sets to 0)."""
+    base = configured or f"vllm-{socket.gethostname()}"[:100]
+    parallel = vllm_config.parallel_config
+    rank = getattr(parallel, "data_parallel_index", getattr(parallel, "data_parallel_rank", 0))
+    if int(getattr(parallel, "data_parallel_size", 1)) > 1 or rank:
+        suffix = f"-dp{rank}"
+        return base[: 128 - len(suffix)] + suffix  # the contract's 128 characters
+    return base
+
+
 class _LedgerHooks(Reporter, Commands, Policies):
     """The hooks, shared by the sync and async scheduler classes (see the module docstring)."""
 
@@ -170,10 +185,8 @@ class _LedgerHooks(Reporter, Commands, Policies):
                 type(self).__name__,
             )
             return None
-        overrides: dict[str, Any] = {}
-        if not env.get(ENV_PREFIX + "SOURCE_ID"):
-            dp = self.vllm_config.parallel_config.data_parallel_index
-            overrides["source_id"] = f"vllm-{socket.gethostname()}"[:100] + (f"-dp{dp}" if dp else "")
+        configured = env.get(ENV_PREFIX + "SOURCE_ID")
+        overrides: dict[str, Any] = {"source_id": source_id(self.vllm_config, configured)}
         if not env.get(ENV_PREFIX + "MODEL"):
             name = self.vllm_config.model_config.served_model_name
             overrides["model"] = (name[0] if isinstance(name, list) and name else name) or None
@@ -312,4 +325,5 @@ __all__ = [
     "StepRecord",
     "external_request_id",
     "iter_schedulers",
+    "source_id",
 ]

@@ -1,9 +1,11 @@
 """What the plugin decides from vLLM's version and config before it schedules anything: the class that
-keeps vLLM's async overlap, the tested range, and the LoRA guard of the arrivals-first hold-out."""
+keeps vLLM's async overlap, the tested range, the source each data-parallel rank reports as, and the
+LoRA guard of the arrivals-first hold-out."""
 
 from __future__ import annotations
 
 import logging
+import socket
 from types import SimpleNamespace
 from typing import Any
 
@@ -11,7 +13,7 @@ import pytest
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
 from engine_hooks.vllm import compat
-from engine_hooks.vllm.scheduler import AsyncLedgerScheduler, LedgerScheduler
+from engine_hooks.vllm.scheduler import AsyncLedgerScheduler, LedgerScheduler, source_id
 
 
 def _config(async_scheduling: bool) -> Any:
@@ -82,3 +84,22 @@ def test_without_lora_or_for_the_base_model_any_prefill_can_be_held_out():
     scheduler = SimpleNamespace(lora_config=SimpleNamespace(max_loras=1), running=[])
     assert compat.can_hold_out(scheduler, _req("a", None))
     assert compat.can_hold_out(scheduler, _req("b", 0))
+
+
+def _parallel(size: int, index: int) -> Any:
+    parallel = SimpleNamespace(data_parallel_size=size, data_parallel_index=index)
+    return SimpleNamespace(parallel_config=parallel)
+
+
+def test_data_parallel_ranks_report_as_distinct_sources_without_configuration():
+    host = socket.gethostname()
+    assert source_id(_parallel(1, 0), None) == f"vllm-{host}"[:100]
+    ranks = [source_id(_parallel(4, rank), None) for rank in range(4)]
+    assert ranks == [f"vllm-{host}"[:100] + f"-dp{rank}" for rank in range(4)]
+
+
+def test_a_configured_source_id_is_kept_and_gets_the_rank_under_data_parallelism():
+    assert source_id(_parallel(1, 0), "vllm-a") == "vllm-a"
+    assert [source_id(_parallel(2, r), "vllm-a") for r in (0, 1)] == ["vllm-a-dp0", "vllm-a-dp1"]
+    long = "x" * 128
+    assert len(source_id(_parallel(2, 1), long)) == 128 and source_id(_parallel(2, 1), long).endswith("-dp1")
