@@ -235,6 +235,25 @@ def restore_budget(scheduler: Any, old: int) -> None:
     scheduler.max_num_scheduled_tokens = old
 
 
+def prefills_held(scheduler: Any, throttle_prefills: bool) -> bool:
+    """Whether the next ``schedule()`` holds every prefill back: no chunk runs and no request is
+    admitted, only decodes.
+
+    Assumes vLLM 0.32 to 0.34's ``schedule(throttle_prefills)``: it defers prefills while some running
+    request decodes and ``prefill_capacity_bound`` is not set, when the data-parallel engine core
+    throttles the step (``throttle_prefills``), or (0.33 and later) by the local prefill cadence:
+    ``local_prefill_interval > 1`` (``prefill_schedule_interval`` without data parallelism) and fewer
+    than that many executed steps since ``last_prefill_step``."""
+    if getattr(scheduler, "prefill_capacity_bound", False):
+        return False
+    if not any(not r.is_prefill_chunk for r in scheduler.running):
+        return False
+    if throttle_prefills:
+        return True
+    interval = getattr(scheduler, "local_prefill_interval", 1)
+    return bool(interval > 1 and scheduler.num_executed_steps + 1 - scheduler.last_prefill_step < interval)
+
+
 def can_hold_out(scheduler: Any, request: Any) -> bool:
     """Whether :func:`hold_out` may take ``request`` out of one ``schedule()`` without letting vLLM
     exceed ``max_loras``: when LoRA is on, only if another running request uses its LoRA too.
@@ -310,6 +329,7 @@ __all__ = [
     "free_kv_tokens",
     "free_slots",
     "hold_out",
+    "prefills_held",
     "private_scheduler_config",
     "put_back",
     "release",

@@ -68,9 +68,13 @@ class Policies(HookState):
 
     # -- around schedule() ------------------------------------------------------------------------
 
-    def _cl_apply_policies(self, now: float) -> int | None:
+    def _cl_apply_policies(self, now: float, throttle_prefills: bool = False) -> int | None:
         """Before ``schedule()``: order the queues, set the victim choice and this step's chunk cap.
-        Returns the chunk threshold to restore after it (:meth:`_cl_undo_policies`), None for none."""
+        Returns the chunk threshold to restore after it (:meth:`_cl_undo_policies`), None for none.
+
+        A step in which vLLM holds every prefill back (its prefill cadence, or the data-parallel
+        throttle ``throttle_prefills``: :func:`compat.prefills_held`) gets no cap and holds nothing out
+        for arrivals, who cannot be admitted in it either."""
         opts = self.options
         guarded = bool(self._cl_protected or opts.preempt_escape_after)
         if self._cl_marked or guarded:
@@ -80,7 +84,11 @@ class Policies(HookState):
         elif type(self.running) is compat.RunningList:
             compat.set_victim_chooser(self, None)
         self._cl_alone = False
-        if opts.admission_arrivals_first and self._cl_hold_for_arrivals():
+        if (opts.admission_reserve or opts.admission_arrivals_first) and compat.prefills_held(
+            self, throttle_prefills
+        ):
+            cap = None
+        elif opts.admission_arrivals_first and self._cl_hold_for_arrivals():
             cap = None  # the long prefill sits this step out: no cap for the arrivals
             if opts.admission_reserve:
                 self._cl_order_waiting(now)

@@ -224,7 +224,8 @@ class _LedgerHooks(Reporter, Commands, Policies):
             try:
                 if self._cl_inbox or self._cl_unmatched:
                     self._cl_take_commands(now, ts)
-                restore = self._cl_apply_policies(now)
+                throttle = bool(args[0] if args else kwargs.get("throttle_prefills", False))
+                restore = self._cl_apply_policies(now, throttle)
             except Exception:
                 self._cl_fail("before_schedule")
             scheduled_at = self.clock()

@@ -103,3 +103,35 @@ def test_a_configured_source_id_is_kept_and_gets_the_rank_under_data_parallelism
     assert [source_id(_parallel(2, r), "vllm-a") for r in (0, 1)] == ["vllm-a-dp0", "vllm-a-dp1"]
     long = "x" * 128
     assert len(source_id(_parallel(2, 1), long)) == 128 and source_id(_parallel(2, 1), long).endswith("-dp1")
+
+
+def _cadence(interval: int, executed: int, last_prefill: int, bound: bool = False) -> Any:
+    running = [SimpleNamespace(is_prefill_chunk=True), SimpleNamespace(is_prefill_chunk=False)]
+    return SimpleNamespace(
+        running=running,
+        prefill_capacity_bound=bound,
+        local_prefill_interval=interval,
+        num_executed_steps=executed,
+        last_prefill_step=last_prefill,
+    )
+
+
+def test_prefills_are_held_on_the_steps_vllms_prefill_cadence_skips():
+    # prefill_schedule_interval 3 (vLLM 0.33+ without data parallelism): a prefill at executed step 10,
+    # then steps 11 and 12 decode only, 13 may prefill again.
+    assert [compat.prefills_held(_cadence(3, executed, 10), False) for executed in (10, 11, 12)] == [
+        True,
+        True,
+        False,
+    ]
+    assert not compat.prefills_held(_cadence(1, 10, 10), False)  # no cadence
+    assert not compat.prefills_held(_cadence(3, 10, 10, bound=True), False)  # vLLM's capacity escape
+
+
+def test_prefills_are_held_when_the_data_parallel_core_throttles_and_someone_decodes():
+    assert compat.prefills_held(_cadence(1, 0, -1), True)
+    only_prefills = _cadence(1, 0, -1)
+    only_prefills.running = [SimpleNamespace(is_prefill_chunk=True)]
+    assert not compat.prefills_held(only_prefills, True)  # vLLM never defers with nothing to decode
+    vllm_032 = SimpleNamespace(running=_cadence(1, 0, -1).running, prefill_capacity_bound=False)
+    assert not compat.prefills_held(vllm_032, False)  # 0.32 has no local cadence

@@ -156,7 +156,7 @@ def _long_beside_a_decode(engine, n_prompt: int) -> str:
 class _FixedStepTimes(StepTimes):
     """A step-time fit that stays as it was built: the engine's measured steps do not move it."""
 
-    def add(self, tokens: int, work: float, seconds: float) -> None:
+    def add(self, tokens: int, work: float, seconds: float, depth: int = 0) -> None:
         pass
 
 
