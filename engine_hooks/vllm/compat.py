@@ -134,6 +134,18 @@ def free_kv_tokens(scheduler: Any) -> int:
         return 1 << 62
 
 
+def finishes_in_flight(request: Any) -> bool:
+    """Whether ``schedule()`` leaves this running request out because the tokens still in flight
+    (async scheduling) already reach its ``max_tokens``. Assumes vLLM 0.32 to 0.34's test: output
+    placeholders and ``num_computed_tokens + 2 - num_output_placeholders >= num_prompt_tokens +
+    max_tokens``."""
+    placeholders = getattr(request, "num_output_placeholders", 0)
+    return bool(
+        placeholders > 0
+        and request.num_computed_tokens + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens
+    )
+
+
 def free_slots(scheduler: Any) -> int:
     """Running slots a waiting request can take this step. Assumes vLLM 0.32's admission test in
     ``schedule()``: ``len(running) + num_waiting_for_streaming_input < max_num_active_reqs`` (older

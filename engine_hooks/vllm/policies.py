@@ -383,8 +383,9 @@ class Policies(HookState):
         at most half the budget, which a cap must not split, 0 for none).
 
         Walked in vLLM's order: running requests (a decode's one token plus speculative ones, another
-        prefill's remaining chunk), then waiting requests (those holding KV first, then the queue as
-        ordered) while a running slot is free and their next chunk fits the free KV cache left after
+        prefill's remaining chunk; nothing for one whose tokens in flight finish it), then waiting
+        requests (those holding KV first, then the queue as ordered) while a running slot is free
+        and their next chunk fits the free KV cache left after
         the running requests' allocations; vLLM stops at the first waiting request that does not
         fit, so the walk does too. The largest prefill among them (running or waiting) is the one the
         cap is for, and is not counted.
@@ -397,7 +398,7 @@ class Policies(HookState):
         for req in self.running:
             computed = req.num_computed_tokens
             need = req.num_tokens_with_spec + req.num_output_placeholders - computed
-            if need <= 0:
+            if need <= 0 or compat.finishes_in_flight(req):
                 continue
             if req.is_prefill_chunk:
                 deepest = max(deepest, computed)
