@@ -5,6 +5,13 @@ The engine runs vLLM v1 in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with
 and ``scheduler_reserve_full_isl`` off (so KV pressure preempts). It starts without CHUNKLEDGER_URL;
 each test attaches its own exporter (``attach``) with a fresh source id, so every test reads only its
 own events.
+
+``CHUNKLEDGER_TEST_VLLM`` chooses the engine behind the ``engine`` fixture: ``cpu`` (the default, the
+above) or ``synthetic``: vLLM's own engine core and scheduler (of the release first on ``PYTHONPATH``,
+e.g. ``.cache/vllm/0.34.0``) over a synthetic device on a virtual clock
+(:mod:`tests.engine_hooks.vllm.synthetic`), with async scheduling on when ``CHUNKLEDGER_TEST_OVERLAP=1``
+and Model Runner V2's shape when ``CHUNKLEDGER_TEST_MRV2=1``. ``scripts/vllm_matrix.sh`` runs it per
+release. Tests marked ``needs_model`` (a real model, vLLM's ``LLM`` or HTTP front end) are skipped there.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from engine_hooks.config import ExporterConfig
 from engine_hooks.exporter import Exporter
 from engine_hooks.vllm.cpu import engine_settings
 from engine_hooks.vllm.tiny_model import build_tiny_model, vllm_env
+from tests.engine_hooks.vllm import synthetic
 from tests.engine_hooks.vllm.vllm_helpers import BUDGET, KV_TOKENS, Engine
 
 FAST = {
@@ -32,6 +40,26 @@ FAST = {
     "timeout_s": 2.0,
     "connect_timeout_s": 0.5,
 }
+
+
+NEEDS_MODEL = "needs_model"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{NEEDS_MODEL}: needs a real model run (weights, tokens, vLLM's LLM or HTTP front end): "
+        "skipped with the synthetic engine (CHUNKLEDGER_TEST_VLLM=synthetic)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if synthetic.backend() != "synthetic":
+        return
+    skip = pytest.mark.skip(reason="needs a real model run; CHUNKLEDGER_TEST_VLLM=synthetic has none")
+    for item in items:
+        if NEEDS_MODEL in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +78,9 @@ def engine(vllm_dir: Path, tiny_model: str) -> Iterator[Engine]:
     os.environ.update(vllm_env(vllm_dir / "env"))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.pop("CHUNKLEDGER_URL", None)
+    if synthetic.backend() == "synthetic":
+        yield from _synthetic_engine(tiny_model, saved)
+        return
     settings = engine_settings()  # fp32 and one OpenMP thread on a small CPU host
     settings.apply_threads()
     from vllm import LLM
@@ -71,6 +102,19 @@ def engine(vllm_dir: Path, tiny_model: str) -> Iterator[Engine]:
     yield eng
     eng.scheduler.use_exporter(None)
     del llm
+    _restore(saved)
+
+
+def _synthetic_engine(tiny_model: str, saved: dict[str, str | None]) -> Iterator[Any]:
+    """The synthetic engine (see the module docstring), torn down like the cpu one."""
+    eng = synthetic.SyntheticEngine(tiny_model, overlap=synthetic.overlap(), mrv2=synthetic.mrv2())
+    yield eng
+    eng.scheduler.use_exporter(None)
+    eng.close()
+    _restore(saved)
+
+
+def _restore(saved: dict[str, str | None]) -> None:
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)

@@ -15,7 +15,7 @@ from engine_hooks.vllm.cpu import engine_settings
 from engine_hooks.vllm.tiny_model import vllm_env
 from tests.support import ROOT
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.needs_model]  # a real model and front end
 
 SCRIPT = textwrap.dedent(
     """

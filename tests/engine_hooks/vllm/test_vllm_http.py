@@ -20,7 +20,7 @@ from engine_hooks.vllm.tiny_model import vllm_env
 from tests.support.fake_ledger import FakeLedger, wait_until
 from tests.support.servers import free_port
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.needs_model]  # a real model and front end
 
 
 @pytest.fixture

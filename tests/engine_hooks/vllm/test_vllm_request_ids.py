@@ -164,6 +164,7 @@ def test_ids_from_other_front_ends_only_lose_the_random_suffix_as_before():
 
 
 @pytest.mark.vllm
+@pytest.mark.needs_model  # vLLM's OpenAI server over a real model
 def test_openai_server_events_are_keyed_by_the_clients_request_ids(server):  # noqa: F811
     url, ledger, _ = server
     completion = {"model": "tiny", "prompt": "the ledger and the engine", "max_tokens": 3, "ignore_eos": True}
