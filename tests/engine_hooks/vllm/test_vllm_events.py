@@ -120,11 +120,16 @@ def test_kv_pressure_preemptions_are_reported_with_resume_and_recomputed_tokens(
         assert p.kv_blocks_freed > 0 and p.computed_tokens > 0 and p.reason == "kv_pressure"
         mine = [e for e in events if getattr(e, "request_id", None) == p.request_id and e.seq > p.seq]
         resume = next(e for e in mine if isinstance(e, Resumed))
-        until = next((e.seq for e in mine if isinstance(e, Preempted)), float("inf"))
+        next_p = next((e for e in mine if isinstance(e, Preempted)), None)
+        until = next_p.seq if next_p is not None else float("inf")
         again = [c for c in mine if isinstance(c, Chunk) and c.seq < until]
         assert all(c.preemptions >= 1 for c in again)
-        # Every position it had computed comes back from the prefix cache or is recomputed.
-        assert resume.cached_tokens + sum(c.recomputed_tokens for c in again) == p.computed_tokens
+        # Every position it had ever computed (the high-water mark of its preemptions) comes back
+        # from the prefix cache or is recomputed, up to where a second preemption stops the
+        # recompute (under KV pressure a resumed request can be preempted again mid-recompute).
+        hw = max(q.computed_tokens for q in preempted if q.request_id == p.request_id and q.seq <= p.seq)
+        back = hw if next_p is None else min(hw, next_p.computed_tokens)
+        assert resume.cached_tokens + sum(c.recomputed_tokens for c in again) == back
     for r in ids:
         chunks = events_of(events, Chunk, r)
         new = sum(c.tokens - c.recomputed_tokens for c in chunks)
@@ -135,6 +140,39 @@ def test_kv_pressure_preemptions_are_reported_with_resume_and_recomputed_tokens(
     for s in stalled:
         assert len(s.stalled_request_ids) == len(s.stalled_kv_blocks)
         assert not set(s.stalled_request_ids) & set(s.request_ids)
+
+
+def test_resumed_requests_are_reported_whichever_list_vllm_sends_them_in(engine, attach, ledger, monkeypatch):
+    """vLLM's Model Runner V1 gets a resumed request among the cached ones (``resumed_req_ids``); V2
+    (a switch in 0.32 and 0.33, the only runner in 0.34) among the new ones. The plugin reads neither
+    list: each resumption is one ``resumed`` event in both shapes."""
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    exporter = attach(ledger.url)
+    sch = engine.scheduler
+    schedule = sch.schedule
+    out_of_running: set[str] = set()
+    sent_as = {"new": 0, "cached": 0}
+
+    def probe(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        new = {r.req_id for r in output.scheduled_new_reqs}
+        cached = set(getattr(output.scheduled_cached_reqs, "resumed_req_ids", ()))
+        sent_as["new"] += len(out_of_running & new)
+        sent_as["cached"] += len(out_of_running & cached)
+        out_of_running.difference_update(new | cached)
+        out_of_running.update(output.preempted_req_ids)
+        return output
+
+    monkeypatch.setattr(sch, "schedule", probe)
+    for _ in range(8):  # 8 x (350 + 150) tokens against a 3072-token KV cache
+        engine.add(rid("shape"), prompt(350), max_tokens=150)
+    engine.run()
+    resumed = events_of(_events(ledger, exporter), Resumed)
+    as_new = getattr(engine, "mrv2", False) or "resumed_req_ids" not in CachedRequestData.__dataclass_fields__
+    shape, other = ("new", "cached") if as_new else ("cached", "new")
+    assert resumed and sent_as[other] == 0, sent_as
+    assert sent_as[shape] == len(resumed), (sent_as, len(resumed))
 
 
 def test_with_step_tokens_the_output_tokens_ride_on_the_steps(engine, attach, ledger):
