@@ -157,14 +157,22 @@ def free_slots(scheduler: Any) -> int:
 # -- patch 1: which request is being allocated -------------------------------------------------------
 
 
-def track_allocations(scheduler: Any) -> None:
-    """Wrap the scheduler's ``kv_cache_manager.allocate_slots`` so that ``scheduler._cl_current`` is
-    the request vLLM is allocating KV for (the victim choice needs it).
+def track_allocations(scheduler: Any, on: bool) -> None:
+    """While ``on``, the scheduler's ``kv_cache_manager.allocate_slots`` is wrapped so that
+    ``scheduler._cl_current`` is the request vLLM is allocating KV for (the victim choice needs it);
+    off, vLLM's own method is called directly (a wrapper call per running request per step is about
+    a fifth of the hooks' cost at 256 running: only paid while a victim chooser is set).
 
     Assumes vLLM 0.32's ``Scheduler.schedule()``: it calls ``self.kv_cache_manager.allocate_slots(
     request, ...)`` for each running request, looked up on the instance at every call, and preempts
     (``self.running.pop()``, patch 2) inside that request's allocation loop."""
     manager = scheduler.kv_cache_manager
+    wrapped = "allocate_slots" in vars(manager)
+    if on == wrapped:
+        return
+    if not on:
+        del manager.allocate_slots  # the instance's wrapper: the class's method shows again
+        return
     allocate = manager.allocate_slots
 
     def allocate_slots(request: Any, *a: Any, **kw: Any) -> Any:
@@ -198,14 +206,23 @@ def set_victim_chooser(scheduler: Any, chooser: Callable[[list[Any]], Any] | Non
     Assumes vLLM 0.32's FCFS policy: the victim is ``self.running.pop()`` with no argument (after
     checking ``_request_blocks_can_be_freed(self.running[-1])``). vLLM rebinds ``self.running`` to a
     new plain list when it removes several requests at once (``remove_all``), so this is called
-    before every ``schedule()``."""
+    before every ``schedule()``. While a chooser is set, allocations are tracked
+    (:func:`track_allocations`)."""
     running = scheduler.running
+    track_allocations(scheduler, chooser is not None)
     if chooser is not None:
         if type(running) is not RunningList:
             running = scheduler.running = RunningList(running)
         running.chooser = chooser
     elif type(running) is RunningList:
         running.chooser = None
+
+
+def victim_chooser_set(scheduler: Any) -> bool:
+    """Whether :func:`set_victim_chooser` left a chooser (or the allocation tracking) in place."""
+    running = scheduler.running
+    tracked = "allocate_slots" in vars(scheduler.kv_cache_manager)
+    return tracked or (type(running) is RunningList and running.chooser is not None)
 
 
 # -- per-step overrides, undone after schedule() ---------------------------------------------------------
@@ -268,22 +285,31 @@ def prefills_held(scheduler: Any, throttle_prefills: bool) -> bool:
 
 def can_hold_out(scheduler: Any, request: Any) -> bool:
     """Whether :func:`hold_out` may take ``request`` out of one ``schedule()`` without letting vLLM
-    exceed ``max_loras``: when LoRA is on, only if another running request uses its LoRA too.
+    exceed ``max_loras``: when LoRA is on and the request has one, only if another running request
+    uses its LoRA too, or every waiting request's LoRA is the base model or one in use by the running
+    requests (the held one's included).
 
     Assumes vLLM 0.32 to 0.34's ``schedule()``: before admitting waiting requests it collects the LoRA
     ids of every request in ``self.running`` and admits a request with another LoRA only while fewer
     than ``lora_config.max_loras`` are in use, then asserts that count at the next ``schedule()``. A
-    held request whose LoRA is its own would free a place that is not free once it is put back."""
+    held request whose LoRA nobody else counts frees a place that is not free once it is put back:
+    harmless only when no waiting request could take it with a new LoRA."""
     if not getattr(scheduler, "lora_config", None):
         return True
-    lora = getattr(request, "lora_request", None)
-    if lora is None or lora.lora_int_id <= 0:
+    lora_id = _lora_id(request)
+    if not lora_id:
         return True
-    lora_id = lora.lora_int_id
-    return any(
-        other is not request and other.lora_request is not None and other.lora_request.lora_int_id == lora_id
-        for other in scheduler.running
-    )
+    in_use = {_lora_id(other) for other in scheduler.running if other is not request}
+    if lora_id in in_use:
+        return True
+    in_use.update((lora_id, 0))
+    waiting = (*getattr(scheduler, "kv_holding_waiting", ()), *scheduler.waiting)
+    return all(_lora_id(req) in in_use for req in waiting)
+
+
+def _lora_id(request: Any) -> int:
+    lora = getattr(request, "lora_request", None)
+    return max(lora.lora_int_id, 0) if lora is not None else 0
 
 
 def hold_out(scheduler: Any, index: int) -> Any:
@@ -338,6 +364,7 @@ __all__ = [
     "cap_budget",
     "cap_chunks",
     "check_version",
+    "finishes_in_flight",
     "free_kv_tokens",
     "free_slots",
     "hold_out",
@@ -349,5 +376,6 @@ __all__ = [
     "restore_chunks",
     "set_victim_chooser",
     "track_allocations",
+    "victim_chooser_set",
     "vllm_stamp",
 ]

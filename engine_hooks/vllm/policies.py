@@ -44,8 +44,8 @@ class Policies(HookState):
     arrival_steps: int
     _cl_slow_running: bool
     _cl_alone: bool
-    _cl_budget_restore: int | None
-    _cl_held: tuple[int, Any] | None
+    _cl_budget_restore: int | None = None  # (class defaults: see Reporter._cl_active)
+    _cl_held: tuple[int, Any] | None = None
     _cl_held_last: bool
 
     def _cl_init_policies(self) -> None:
@@ -64,7 +64,6 @@ class Policies(HookState):
         self.arrival_steps = 0  # steps that left a long prefill out for arrivals (arrivals first)
         # The reserve and the commands set long_prefill_token_threshold per step: on a private copy.
         compat.private_scheduler_config(self)
-        compat.track_allocations(self)
 
     # -- around schedule() ------------------------------------------------------------------------
 
@@ -81,7 +80,7 @@ class Policies(HookState):
             self._cl_reorder()
         if guarded or opts.kv_idle_victim:
             compat.set_victim_chooser(self, self._cl_choose_victim)
-        elif type(self.running) is compat.RunningList:
+        elif compat.victim_chooser_set(self):
             compat.set_victim_chooser(self, None)
         self._cl_alone = False
         if (opts.admission_reserve or opts.admission_arrivals_first) and compat.prefills_held(

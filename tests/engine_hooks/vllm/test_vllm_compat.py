@@ -71,17 +71,30 @@ def _req(rid: str, lora_id: int | None) -> Any:
     return SimpleNamespace(request_id=rid, lora_request=lora)
 
 
-def test_a_prefill_whose_lora_is_its_own_is_not_held_out():
+def test_a_prefill_whose_lora_is_its_own_is_not_held_out_while_a_new_lora_waits():
     long, other = _req("long", 7), _req("other", 3)
-    scheduler = SimpleNamespace(lora_config=SimpleNamespace(max_loras=2), running=[long, other])
-    assert not compat.can_hold_out(scheduler, long)  # vLLM could admit a third LoRA in its place
+    scheduler = SimpleNamespace(
+        lora_config=SimpleNamespace(max_loras=2), running=[long, other], waiting=[_req("new", 9)]
+    )
+    assert not compat.can_hold_out(scheduler, long)  # vLLM could admit LoRA 9 in its place: 3 in use
     scheduler.running.append(_req("same", 7))
     assert compat.can_hold_out(scheduler, long)  # LoRA 7 stays counted through the other request
 
 
+def test_a_prefill_whose_lora_is_its_own_is_held_out_when_the_waiting_add_no_lora():
+    long, other = _req("long", 7), _req("other", 3)
+    waiting = [_req("same", 7), _req("running-one", 3), _req("base", None), _req("base0", 0)]
+    scheduler = SimpleNamespace(
+        lora_config=SimpleNamespace(max_loras=2), running=[long, other], waiting=waiting
+    )
+    assert compat.can_hold_out(scheduler, long)
+    scheduler.kv_holding_waiting = [_req("resuming", 9)]  # vLLM's other waiting queue counts too
+    assert not compat.can_hold_out(scheduler, long)
+
+
 def test_without_lora_or_for_the_base_model_any_prefill_can_be_held_out():
-    assert compat.can_hold_out(SimpleNamespace(lora_config=None, running=[]), _req("a", 5))
-    scheduler = SimpleNamespace(lora_config=SimpleNamespace(max_loras=1), running=[])
+    assert compat.can_hold_out(SimpleNamespace(lora_config=None, running=[], waiting=[]), _req("a", 5))
+    scheduler = SimpleNamespace(lora_config=SimpleNamespace(max_loras=1), running=[], waiting=[])
     assert compat.can_hold_out(scheduler, _req("a", None))
     assert compat.can_hold_out(scheduler, _req("b", 0))
 
