@@ -86,8 +86,10 @@ class _NullEmitter:
 class Reporter(HookState):
     """The reporting, a mixin of the scheduler classes (its state lives on the scheduler)."""
 
-    _cl_active: bool  # reporting on (an exporter or a stand-in is set)
-    _cl_exporter: Exporter | None
+    # Reporting on (an exporter or a stand-in is set). Off on the class too: a scheduler built without
+    # __init__ (vLLM's own tests build some with object.__new__) schedules as plain vLLM.
+    _cl_active: bool = False
+    _cl_exporter: Exporter | None = None
     _cl_pending: dict[str, ReqState]  # requests with output tokens not yet sent
     _cl_new: list[tuple[str, str, int, int]]  # step_tokens: (id, ext, new tokens, total) per output
     _cl_new_ids: list[int]  # step_tokens: their new ids, in the same order
