@@ -33,6 +33,7 @@ future (it clamps those).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -372,11 +373,15 @@ def build_vllm_config(
     mrv2: bool = False,
     budget: int = BUDGET,
     block_size: int = BLOCK_SIZE,
+    max_num_seqs: int = MAX_NUM_SEQS,
     scheduler_cls: str = "engine_hooks.vllm.LedgerScheduler",
+    max_loras: int = 0,
 ) -> Any:
     """The engine's ``VllmConfig``, as the session CPU engine's (budget, 16 sequences, prefix caching,
     ``scheduler_reserve_full_isl`` off), with async scheduling ``overlap`` and ``executor`` as the
     executor backend. The device is named (``cpu``): a GPU release's source finds no platform here.
+
+    ``max_loras``: LoRA on, with that many LoRAs a step (0: off).
 
     ``mrv2``: Model Runner V2 or V1, through the release's own switch (``VLLM_USE_V2_MODEL_RUNNER`` 1
     or 0, left set: vLLM reads it whenever it asks). 0.34 has no switch: V1 is gone and its scheduler always
@@ -412,7 +417,7 @@ def build_vllm_config(
     )
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=budget,
-        max_num_seqs=MAX_NUM_SEQS,
+        max_num_seqs=max_num_seqs,
         max_model_len=MAX_MODEL_LEN,
         enable_chunked_prefill=True,
         async_scheduling=overlap,
@@ -420,7 +425,13 @@ def build_vllm_config(
         scheduler_reserve_full_isl=False,
         is_encoder_decoder=False,
     )
+    extra: dict[str, Any] = {}
+    if max_loras:
+        from vllm.config import LoRAConfig
+
+        extra["lora_config"] = LoRAConfig(max_loras=max_loras, max_lora_rank=8)
     config = VllmConfig(
+        **extra,
         model_config=model_config,
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
         parallel_config=ParallelConfig(distributed_executor_backend=executor),
@@ -483,7 +494,9 @@ class SyntheticFrontend:
         self.internal: dict[str, str] = {}  # the caller's id -> vLLM's
         self.tokens: dict[str, list[int]] = {}
 
-    def add_request(self, request_id: str, prompt: Any, params: Any, priority: int = 0) -> None:
+    def add_request(
+        self, request_id: str, prompt: Any, params: Any, priority: int = 0, lora_request: Any = None
+    ) -> None:
         from vllm.v1.engine import EngineCoreRequest
         from vllm.v1.engine.input_processor import InputProcessor
 
@@ -499,7 +512,7 @@ class SyntheticFrontend:
             sampling_params=params,
             pooling_params=None,
             arrival_time=self.clock.wall(),
-            lora_request=None,
+            lora_request=lora_request,
             cache_salt=None,
             data_parallel_rank=None,
             priority=priority,
@@ -557,7 +570,13 @@ class SyntheticEngine:
         device_time: Callable[[Any], float] = linear_device_time,
         kv_tokens: int = KV_TOKENS,
         budget: int = BUDGET,
+        max_num_seqs: int = MAX_NUM_SEQS,
+        scheduler_cls: str = "engine_hooks.vllm.LedgerScheduler",
+        clocked: bool = True,
+        max_loras: int = 0,
     ):
+        """``clocked=False``: the engine's modules keep the real ``time`` (several engines can live in
+        one process; the stamps are then not on the device's timeline, see :func:`clocked_modules`)."""
         from vllm.v1.engine.core import EngineCore
 
         self.clock = VirtualClock()
@@ -568,7 +587,16 @@ class SyntheticEngine:
         )
         executor = executor_class(settings)
         self._saved_mrv2 = os.environ.get(_MRV2_ENV)
-        config = build_vllm_config(model, executor, overlap=overlap, mrv2=mrv2, budget=budget)
+        config = build_vllm_config(
+            model,
+            executor,
+            overlap=overlap,
+            mrv2=mrv2,
+            budget=budget,
+            max_num_seqs=max_num_seqs,
+            scheduler_cls=scheduler_cls,
+            max_loras=max_loras,
+        )
         self.overlap = overlap
         self.mrv2 = runs_mrv2(config)
         self.vllm_config = config
@@ -576,14 +604,19 @@ class SyntheticEngine:
         self.executor = self.engine_core.model_executor
         self.scheduler = self.engine_core.scheduler
         self.executor.scheduler = self.scheduler
-        self.scheduler.clock = self.clock.now
-        self._clocked = clocked_modules(self.clock)
+        self._clocked = clocked_modules(self.clock) if clocked else contextlib.nullcontext()
+        if clocked:
+            self.scheduler.clock = self.clock.now
         self._clocked.__enter__()
         self.core = SyntheticFrontend(self.engine_core, self.clock, min(eos) if eos else None)
         self.finished: dict[str, Any] = {}
 
-    def add(self, request_id: str, tokens: list[int], max_tokens: int = 8, **params: Any) -> None:
+    def add(
+        self, request_id: str, tokens: list[int], max_tokens: int = 8, lora: int = 0, **params: Any
+    ) -> None:
+        """``lora``: the request's LoRA id (0: the base model), on an engine built with ``max_loras``."""
         from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
 
         from engine_hooks.vllm.scheduler import XARGS_KEY
 
@@ -594,7 +627,8 @@ class SyntheticEngine:
             extra_args={XARGS_KEY: request_id},
             **params,
         )
-        self.core.add_request(request_id, {"prompt_token_ids": tokens}, sp)
+        adapter = LoRARequest(f"lora-{lora}", lora, f"/nonexistent/lora-{lora}") if lora else None
+        self.core.add_request(request_id, {"prompt_token_ids": tokens}, sp, lora_request=adapter)
 
     def step(self) -> list[Any]:
         outs = self.core.step()
