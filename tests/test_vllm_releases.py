@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tools.vllm_sources import TESTED
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -53,7 +55,15 @@ def test_the_plugin_tests_pass_on_each_release_with_and_without_overlap(version,
     assert passed >= 80 and "failed" not in _summary(out), _summary(out)
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.33.0", "0.34.0"])
+def test_the_matrix_covers_the_range_the_plugin_states():
+    from engine_hooks.vllm import compat
+
+    (first, last), minors = compat.TESTED, [compat.release(v) for v in TESTED]
+    assert minors == [(first[0], m) for m in range(first[1], last[1] + 1)], (TESTED, compat.TESTED)
+    assert {v for v, _, _ in CELLS} == set(TESTED)
+
+
+@pytest.mark.parametrize("version", TESTED)
 def test_vllms_own_scheduler_tests_pass_with_the_plugins_classes(version):
     done = _run(["bash", "scripts/vllm_referee.sh", version], 900)
     out = done.stdout + done.stderr

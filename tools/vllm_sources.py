@@ -1,5 +1,5 @@
 """Each tested vLLM release's Python source and scheduler tests, from its sdist on PyPI, for the version
-matrix (tests/engine_hooks/vllm_matrix).
+matrix (scripts/vllm_matrix.sh) and the referee (scripts/vllm_referee.sh).
 
     python -m tools.vllm_sources            # every version in TESTED: .cache/vllm/<version>/
     python -m tools.vllm_sources 0.34.0     # one
