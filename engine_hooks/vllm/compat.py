@@ -160,18 +160,24 @@ def free_slots(scheduler: Any) -> int:
 def track_allocations(scheduler: Any, on: bool) -> None:
     """While ``on``, the scheduler's ``kv_cache_manager.allocate_slots`` is wrapped so that
     ``scheduler._cl_current`` is the request vLLM is allocating KV for (the victim choice needs it);
-    off, vLLM's own method is called directly (a wrapper call per running request per step is about
-    a fifth of the hooks' cost at 256 running: only paid while a victim chooser is set).
+    off, what was there before is called directly (a wrapper call per running request per step is
+    only paid while a victim chooser is set). Only the plugin's own wrapper is ever removed: another
+    one set on the instance (a test's patch) stays.
 
     Assumes vLLM 0.32's ``Scheduler.schedule()``: it calls ``self.kv_cache_manager.allocate_slots(
     request, ...)`` for each running request, looked up on the instance at every call, and preempts
     (``self.running.pop()``, patch 2) inside that request's allocation loop."""
     manager = scheduler.kv_cache_manager
-    wrapped = "allocate_slots" in vars(manager)
-    if on == wrapped:
+    current = vars(manager).get("allocate_slots")
+    ours = _TRACKING in getattr(current, "__dict__", {})
+    if on == ours:
         return
     if not on:
-        del manager.allocate_slots  # the instance's wrapper: the class's method shows again
+        inner, was_set = current.__dict__[_TRACKING]
+        if was_set:
+            manager.allocate_slots = inner
+        else:
+            del manager.allocate_slots  # the class's method shows again
         return
     allocate = manager.allocate_slots
 
@@ -179,7 +185,16 @@ def track_allocations(scheduler: Any, on: bool) -> None:
         scheduler._cl_current = request
         return allocate(request, *a, **kw)
 
+    allocate_slots.__dict__[_TRACKING] = (allocate, current is not None)
     manager.allocate_slots = allocate_slots
+
+
+def _tracking(scheduler: Any) -> bool:
+    current = vars(scheduler.kv_cache_manager).get("allocate_slots")
+    return _TRACKING in getattr(current, "__dict__", {})
+
+
+_TRACKING = "_cl_tracking"  # on the wrapper: (what it wraps, whether that was set on the instance)
 
 
 # -- patch 2: the FCFS victim --------------------------------------------------------------------------
@@ -221,8 +236,7 @@ def set_victim_chooser(scheduler: Any, chooser: Callable[[list[Any]], Any] | Non
 def victim_chooser_set(scheduler: Any) -> bool:
     """Whether :func:`set_victim_chooser` left a chooser (or the allocation tracking) in place."""
     running = scheduler.running
-    tracked = "allocate_slots" in vars(scheduler.kv_cache_manager)
-    return tracked or (type(running) is RunningList and running.chooser is not None)
+    return _tracking(scheduler) or (type(running) is RunningList and running.chooser is not None)
 
 
 # -- per-step overrides, undone after schedule() ---------------------------------------------------------

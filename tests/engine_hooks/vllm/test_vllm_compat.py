@@ -148,3 +148,29 @@ def test_prefills_are_held_when_the_data_parallel_core_throttles_and_someone_dec
     assert not compat.prefills_held(only_prefills, True)  # vLLM never defers with nothing to decode
     vllm_032 = SimpleNamespace(running=_cadence(1, 0, -1).running, prefill_capacity_bound=False)
     assert not compat.prefills_held(vllm_032, False)  # 0.32 has no local cadence
+
+
+class _Manager:
+    def allocate_slots(self, request: Any) -> str:
+        return f"allocated {request}"
+
+
+def test_allocations_are_tracked_only_while_a_victim_chooser_is_set_and_a_patch_of_vllms_stays():
+    manager = _Manager()
+    scheduler = SimpleNamespace(kv_cache_manager=manager, running=[], _cl_current=None)
+    compat.set_victim_chooser(scheduler, lambda running: None)
+    assert manager.allocate_slots("r1") == "allocated r1" and scheduler._cl_current == "r1"
+    compat.set_victim_chooser(scheduler, None)
+    assert "allocate_slots" not in vars(manager) and not compat.victim_chooser_set(scheduler)
+
+    def patched(request: Any) -> str:  # a test's (or another plugin's) own patch on the instance
+        return "patched"
+
+    manager.allocate_slots = patched
+    compat.set_victim_chooser(scheduler, lambda running: None)
+    assert manager.allocate_slots("r2") == "patched" and scheduler._cl_current == "r2"
+    compat.set_victim_chooser(scheduler, None)
+    assert vars(manager)["allocate_slots"] is patched
+    assert not compat.victim_chooser_set(scheduler)
+    compat.set_victim_chooser(scheduler, None)  # nothing of ours left: the patch stays
+    assert vars(manager)["allocate_slots"] is patched
