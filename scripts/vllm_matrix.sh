@@ -31,5 +31,5 @@ esac
 
 echo "vllm $VERSION, overlap $OVERLAP, mrv2 $MRV2" >&2
 PYTHONPATH="$PWD/.cache/vllm/$VERSION${PYTHONPATH:+:$PYTHONPATH}" \
-  CHUNKLEDGER_TEST_VLLM=synthetic CHUNKLEDGER_TEST_OVERLAP="$OVERLAP" CHUNKLEDGER_TEST_MRV2="$MRV2" \
+  TEST_VLLM_ENGINE=synthetic TEST_VLLM_OVERLAP="$OVERLAP" TEST_VLLM_MRV2="$MRV2" \
   exec .venv/bin/python -m pytest -q -p no:cacheprovider tests/engine_hooks/vllm -m 'not needs_model' "$@"

@@ -6,11 +6,11 @@ and ``scheduler_reserve_full_isl`` off (so KV pressure preempts). It starts with
 each test attaches its own exporter (``attach``) with a fresh source id, so every test reads only its
 own events.
 
-``CHUNKLEDGER_TEST_VLLM`` chooses the engine behind the ``engine`` fixture: ``cpu`` (the default, the
+``TEST_VLLM_ENGINE`` chooses the engine behind the ``engine`` fixture: ``cpu`` (the default, the
 above) or ``synthetic``: vLLM's own engine core and scheduler (of the release first on ``PYTHONPATH``,
 e.g. ``.cache/vllm/0.34.0``) over a synthetic device on a virtual clock
-(:mod:`tests.engine_hooks.vllm.synthetic`), with async scheduling on when ``CHUNKLEDGER_TEST_OVERLAP=1``
-and Model Runner V2's shape when ``CHUNKLEDGER_TEST_MRV2=1``. ``scripts/vllm_matrix.sh`` runs it per
+(:mod:`tests.engine_hooks.vllm.synthetic`), with async scheduling on when ``TEST_VLLM_OVERLAP=1``
+and Model Runner V2's shape when ``TEST_VLLM_MRV2=1``. ``scripts/vllm_matrix.sh`` runs it per
 release. Tests marked ``needs_model`` (a real model, vLLM's ``LLM`` or HTTP front end) are skipped there.
 """
 
@@ -49,14 +49,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{NEEDS_MODEL}: needs a real model run (weights, tokens, vLLM's LLM or HTTP front end): "
-        "skipped with the synthetic engine (CHUNKLEDGER_TEST_VLLM=synthetic)",
+        "skipped with the synthetic engine (TEST_VLLM_ENGINE=synthetic)",
     )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if synthetic.backend() != "synthetic":
         return
-    skip = pytest.mark.skip(reason="needs a real model run; CHUNKLEDGER_TEST_VLLM=synthetic has none")
+    skip = pytest.mark.skip(reason="needs a real model run; TEST_VLLM_ENGINE=synthetic has none")
     for item in items:
         if NEEDS_MODEL in item.keywords:
             item.add_marker(skip)

@@ -672,10 +672,10 @@ class SyntheticEngine:
 
 
 def backend() -> str:
-    """``CHUNKLEDGER_TEST_VLLM``: ``cpu`` (the default, the real CPU engine) or ``synthetic``."""
-    value = os.environ.get("CHUNKLEDGER_TEST_VLLM", "cpu").strip().lower() or "cpu"
+    """``TEST_VLLM_ENGINE``: ``cpu`` (the default, the real CPU engine) or ``synthetic``."""
+    value = os.environ.get("TEST_VLLM_ENGINE", "cpu").strip().lower() or "cpu"
     if value not in ("cpu", "synthetic"):
-        raise ValueError(f"CHUNKLEDGER_TEST_VLLM={value!r}: expected cpu or synthetic")
+        raise ValueError(f"TEST_VLLM_ENGINE={value!r}: expected cpu or synthetic")
     return value
 
 
@@ -687,13 +687,13 @@ def _flag(name: str) -> bool:
 
 
 def overlap() -> bool:
-    """``CHUNKLEDGER_TEST_OVERLAP=1``: async scheduling on (the batch queue overlaps the steps)."""
-    return _flag("CHUNKLEDGER_TEST_OVERLAP")
+    """``TEST_VLLM_OVERLAP=1``: async scheduling on (the batch queue overlaps the steps)."""
+    return _flag("TEST_VLLM_OVERLAP")
 
 
 def mrv2() -> bool:
-    """``CHUNKLEDGER_TEST_MRV2=1``: vLLM's Model Runner V2 shape (resumed requests sent as new)."""
-    return _flag("CHUNKLEDGER_TEST_MRV2")
+    """``TEST_VLLM_MRV2=1``: vLLM's Model Runner V2 shape (resumed requests sent as new)."""
+    return _flag("TEST_VLLM_MRV2")
 
 
 def new_id(prefix: str) -> str:

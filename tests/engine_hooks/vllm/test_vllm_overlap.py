@@ -1,4 +1,4 @@
-"""Step timing under vLLM's async scheduling, on the synthetic engine (CHUNKLEDGER_TEST_VLLM=synthetic).
+"""Step timing under vLLM's async scheduling, on the synthetic engine (TEST_VLLM_ENGINE=synthetic).
 
 With async scheduling the engine core's batch queue calls ``schedule()`` for step N+1 before
 ``update_from_output()`` of step N, so "from a step's ``schedule()`` to its ``update_from_output()``"
@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(
         synthetic.backend() != "synthetic",
-        reason="needs the synthetic engine's controlled clock (CHUNKLEDGER_TEST_VLLM=synthetic)",
+        reason="needs the synthetic engine's controlled clock (TEST_VLLM_ENGINE=synthetic)",
     ),
 ]
 
