@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.vllm_overhead import _free_port
+from bench.gateway import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 LEDGER_CLASS = "engine_hooks.vllm.LedgerScheduler"  # built as AsyncLedgerScheduler under async scheduling
@@ -122,7 +122,7 @@ def main() -> None:
     from tools.vllm_sources import TESTED, fetch
 
     versions = args.versions or list(TESTED)
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-async-") as tmp:
         serve = [str(Path(sys.executable).with_name("chunkledger")), "serve", "--db", "null://"]
         ledger = subprocess.Popen(
@@ -132,7 +132,7 @@ def main() -> None:
             cwd=tmp,
         )
         try:
-            _wait_ready(port)
+            wait_ready(f"http://127.0.0.1:{port}/readyz", ledger)
             print(
                 f"{args.running} running, {args.prompt}-token prompts, {args.output} output tokens, "
                 f"{args.rounds} rounds; median decode-only step (engine-thread wall time, device free)"
@@ -149,18 +149,6 @@ def main() -> None:
         finally:
             ledger.terminate()
             ledger.wait(10)
-
-
-def _wait_ready(port: int) -> None:
-    import urllib.request
-
-    for _ in range(200):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("the ledger did not start")
 
 
 def _report(version: str, data: dict[str, Any]) -> None:

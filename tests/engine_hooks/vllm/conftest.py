@@ -17,30 +17,17 @@ release. Tests marked ``needs_model`` (a real model, vLLM's ``LLM`` or HTTP fron
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine_hooks.config import ExporterConfig
 from engine_hooks.exporter import Exporter
 from engine_hooks.vllm.cpu import engine_settings
 from engine_hooks.vllm.tiny_model import build_tiny_model, vllm_env
 from tests.engine_hooks.vllm import synthetic
-from tests.engine_hooks.vllm.vllm_helpers import BUDGET, KV_TOKENS, Engine
-
-FAST = {
-    "spool_fsync": False,
-    "flush_interval_s": 0.01,
-    "backoff_initial_s": 0.01,
-    "backoff_max_s": 0.1,
-    "max_attempts": 2,
-    "timeout_s": 2.0,
-    "connect_timeout_s": 0.5,
-}
-
+from tests.engine_hooks.vllm.vllm_helpers import BUDGET, KV_TOKENS, Engine, attach_exporter
 
 NEEDS_MODEL = "needs_model"
 
@@ -129,17 +116,7 @@ def attach(engine: Engine, tmp_path: Path) -> Iterator[Callable[..., Exporter]]:
     options = engine.scheduler.options
 
     def attach_(url: str, **settings: Any) -> Exporter:
-        config = ExporterConfig.create(
-            **{
-                "url": url,
-                "source_id": f"vllm-test-{uuid.uuid4().hex[:8]}",
-                "spool_dir": str(tmp_path / "spool"),
-                **FAST,
-                **settings,
-            }
-        )
-        exporter = Exporter(config, on_command=engine.scheduler.submit_command)
-        engine.scheduler.use_exporter(exporter)
+        exporter = attach_exporter(engine.scheduler, url, str(tmp_path / "spool"), **settings)
         created.append(exporter)
         return exporter
 

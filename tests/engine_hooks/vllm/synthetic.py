@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tests.engine_hooks.vllm.vllm_helpers import BUDGET, KV_TOKENS
+from tests.engine_hooks.vllm.vllm_helpers import BUDGET, KV_TOKENS, Stepping
 
 BLOCK_SIZE = 128  # the CPU backend's KV block size: what the cpu engine's tests were written against
 MAX_MODEL_LEN = 2048
@@ -558,7 +558,7 @@ class SyntheticFrontend:
         return finished
 
 
-class SyntheticEngine:
+class SyntheticEngine(Stepping):
     """vLLM's engine core over the synthetic device, with ``vllm_helpers.Engine``'s interface."""
 
     def __init__(
@@ -635,18 +635,6 @@ class SyntheticEngine:
         for out in outs:
             self.finished[out.request_id] = out
         return outs
-
-    def run(self, *, max_steps: int = 20_000, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
-        """Step until nothing is left; ``on_step(i)`` before each step. Returns finished outputs."""
-        i = 0
-        while self.core.has_unfinished_requests():
-            if on_step is not None:
-                on_step(i)
-            self.step()
-            i += 1
-            if i > max_steps:
-                raise AssertionError(f"engine still busy after {max_steps} steps")
-        return self.finished
 
     def abort_all(self) -> None:
         self.core.abort_request(list(self.core.internal))

@@ -10,20 +10,17 @@ no LoRA here; the scheduler code is the same as GPU 0.32's, which the matrix run
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine_hooks.config import ExporterConfig
 from engine_hooks.events import Chunk
 from engine_hooks.exporter import Exporter
 from engine_hooks.vllm import compat
 from tests.engine_hooks.vllm import synthetic
-from tests.engine_hooks.vllm.conftest import FAST
-from tests.engine_hooks.vllm.vllm_helpers import events_of, prompt, rid, set_options
+from tests.engine_hooks.vllm.vllm_helpers import attach_exporter, events_of, prompt, rid, set_options
 from tests.support.fake_ledger import FakeLedger
 
 pytestmark = [
@@ -41,11 +38,7 @@ def lora_engine(tiny_model: str, tmp_path: Path) -> Iterator[tuple[Any, FakeLedg
         tiny_model, overlap=synthetic.overlap(), mrv2=synthetic.mrv2(), max_loras=MAX_LORAS, clocked=False
     )
     ledger = FakeLedger()
-    config = ExporterConfig.create(
-        url=ledger.url, source_id=f"lora-{uuid.uuid4().hex[:8]}", spool_dir=str(tmp_path / "spool"), **FAST
-    )
-    exporter = Exporter(config, on_command=eng.scheduler.submit_command)
-    eng.scheduler.use_exporter(exporter)
+    exporter = attach_exporter(eng.scheduler, ledger.url, str(tmp_path / "spool"))
     set_options(eng, admission_reserve=0.25, admission_arrivals_first=True)
     yield eng, ledger, exporter
     eng.scheduler.use_exporter(None)

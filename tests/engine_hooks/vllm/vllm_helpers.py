@@ -9,8 +9,20 @@ from typing import Any
 
 import msgspec
 
+from engine_hooks.config import ExporterConfig
+from engine_hooks.exporter import Exporter
 from engine_hooks.vllm.scheduler import XARGS_KEY, LedgerScheduler, iter_schedulers
 
+# The exporter settings of the tests: no fsync, quick flushes and retries.
+FAST = {
+    "spool_fsync": False,
+    "flush_interval_s": 0.01,
+    "backoff_initial_s": 0.01,
+    "backoff_max_s": 0.1,
+    "max_attempts": 2,
+    "timeout_s": 2.0,
+    "connect_timeout_s": 0.5,
+}
 BUDGET = 128  # max_num_batched_tokens of the session engine
 KV_TOKENS = 3072  # its KV cache, in tokens (24 blocks of 128 on the CPU backend)
 
@@ -25,7 +37,30 @@ def rid(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
-class Engine:
+class Stepping:
+    """Driving an engine step by step: ``core.has_unfinished_requests()``, ``step()`` and ``finished``
+    (the cpu :class:`Engine` and the synthetic one)."""
+
+    core: Any
+    finished: dict[str, Any]
+
+    def step(self) -> list[Any]:
+        raise NotImplementedError
+
+    def run(self, *, max_steps: int = 20_000, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+        """Step until nothing is left; ``on_step(i)`` before each step. Returns finished outputs."""
+        i = 0
+        while self.core.has_unfinished_requests():
+            if on_step is not None:
+                on_step(i)
+            self.step()
+            i += 1
+            if i > max_steps:
+                raise AssertionError(f"engine still busy after {max_steps} steps")
+        return self.finished
+
+
+class Engine(Stepping):
     """An in-process ``vllm.LLM`` with a LedgerScheduler, driven one engine step at a time."""
 
     def __init__(self, llm: Any):
@@ -54,18 +89,6 @@ class Engine:
                 self.finished[out.request_id] = out
         return outs
 
-    def run(self, *, max_steps: int = 20_000, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
-        """Step until nothing is left; ``on_step(i)`` before each step. Returns finished outputs."""
-        i = 0
-        while self.core.has_unfinished_requests():
-            if on_step is not None:
-                on_step(i)
-            self.step()
-            i += 1
-            if i > max_steps:
-                raise AssertionError(f"engine still busy after {max_steps} steps")
-        return self.finished
-
     def abort_all(self) -> None:
         ids = list(self.core.output_processor.request_states)
         if ids:
@@ -85,3 +108,19 @@ def events_of(events: list[Any], kind: type, request_id: str | None = None) -> l
 def set_options(engine: Engine, **changes: Any) -> None:
     """Change the session scheduler's options (the ``attach`` fixture restores them)."""
     engine.scheduler.options = msgspec.structs.replace(engine.scheduler.options, **changes)
+
+
+def attach_exporter(scheduler: Any, url: str, spool_dir: str, **settings: Any) -> Exporter:
+    """Report ``scheduler``'s events to ``url`` under a fresh source id, with :data:`FAST` settings."""
+    config = ExporterConfig.create(
+        **{
+            "url": url,
+            "source_id": f"vllm-test-{uuid.uuid4().hex[:8]}",
+            "spool_dir": spool_dir,
+            **FAST,
+            **settings,
+        }
+    )
+    exporter = Exporter(config, on_command=scheduler.submit_command)
+    scheduler.use_exporter(exporter)
+    return exporter
