@@ -20,9 +20,10 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from typing import Any, SupportsIndex
+from typing import Any, SupportsIndex, cast
 
 import vllm
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
@@ -107,22 +108,30 @@ def vllm_stamp(request: Request, kind: EngineCoreEventType, now: float) -> float
     return now
 
 
-def block_counter(scheduler: Any) -> Callable[[str, int], int]:
-    """req id -> KV blocks it holds: the first KV group's block list, else computed tokens / block.
+def block_lists(scheduler: Any) -> dict[str, list[Any]] | None:
+    """vLLM's request id -> the list of its KV blocks (the first KV cache group's), or None when it
+    cannot be read (then the reporter counts blocks from computed tokens: :func:`block_size`).
 
-    Assumes vLLM 0.32's ``KVCacheManager.coordinator.single_type_managers[0].req_to_blocks`` (request
-    id -> its blocks in the first KV cache group), a dict that lives as long as the manager."""
+    Assumes vLLM 0.32 to 0.34's ``KVCacheManager.coordinator.single_type_managers[0].req_to_blocks``:
+    a dict that lives as long as the manager, whose list for a request is created at its first
+    allocation, changed in place while it runs, and popped unchanged when vLLM frees the blocks
+    (``pop_blocks_for_free``), so a reference kept to it tells the blocks held then."""
     try:
         table = scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
     except (AttributeError, IndexError):
-        size = max(int(scheduler.block_size), 1)
-        return lambda rid, computed: -(-computed // size)
+        return None
+    return cast(dict[str, list[Any]], table)
 
-    def count(rid: str, computed: int) -> int:
-        blocks = table.get(rid)
-        return len(blocks) if blocks else 0
 
-    return count
+def block_size(scheduler: Any) -> int:
+    return max(int(scheduler.block_size), 1)
+
+
+# The scheduler method vLLM calls to preempt a request, before it resets the request's computed tokens
+# (0.32 to 0.34: ``Scheduler._preempt_request(request, timestamp, drop_stale_output=False)``). Without
+# it the reporter's fast path for decodes is off (it reads a decode's computed tokens there).
+PREEMPT_METHOD = "_preempt_request"
+CAN_HOOK_PREEMPTION = callable(getattr(Scheduler, PREEMPT_METHOD, None))
 
 
 def free_kv_tokens(scheduler: Any) -> int:
@@ -363,7 +372,9 @@ def add_outputs(outputs: dict[int, Any], extra: list[tuple[int, EngineCoreOutput
 
 __all__ = [
     "ABORTED",
+    "CAN_HOOK_PREEMPTION",
     "FINISH",
+    "PREEMPT_METHOD",
     "QUEUED",
     "REPETITION",
     "SCHEDULED",
@@ -373,7 +384,8 @@ __all__ = [
     "abort_output",
     "add_outputs",
     "async_scheduling",
-    "block_counter",
+    "block_lists",
+    "block_size",
     "can_hold_out",
     "cap_budget",
     "cap_chunks",

@@ -34,7 +34,6 @@ before it too: about twice the device time.)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 from vllm.v1.request import Request
@@ -95,7 +94,9 @@ class Reporter(HookState):
     _cl_new_ids: list[int]  # step_tokens: their new ids, in the same order
     _cl_steps: dict[int, StepRecord | None]  # id(SchedulerOutput) -> its step, None: nothing ran
     _cl_done: float  # clock at the last step's completion (its update_from_output)
-    _cl_blocks: Callable[[str, int], int]
+    _cl_kv: dict[str, list[Any]] | None  # compat.block_lists
+    _cl_block_size: int
+    _cl_fast: bool  # the fast path for decodes is on (see _cl_report_schedule)
     _e_queued: Emitter
     _e_chunk: Emitter
     _e_tokens: Emitter
@@ -115,7 +116,9 @@ class Reporter(HookState):
         self._cl_steps = {}
         self._cl_done = float("-inf")
         self._cl_step = 0
-        self._cl_blocks = compat.block_counter(self)
+        self._cl_kv = compat.block_lists(self)
+        self._cl_block_size = compat.block_size(self)
+        self._cl_fast = self._cl_kv is not None and compat.CAN_HOOK_PREEMPTION
 
     # -- the exporter -------------------------------------------------------------------------------
 
@@ -185,7 +188,7 @@ class Reporter(HookState):
             len(ids),
             st.output,
             st.pending_first_ts,
-            st.blocks,
+            st.held,
             ids if self.options.token_ids else None,
         )
 
@@ -200,9 +203,27 @@ class Reporter(HookState):
 
     # -- after schedule(): what the step runs ---------------------------------------------------------
 
+    def _cl_preempting(self, request: Request) -> None:
+        """vLLM is about to preempt ``request`` (reset its computed tokens, free its blocks): a decode on
+        the fast path keeps its computed tokens for the ``preempted`` event and the recompute's chunks."""
+        st = self._cl_states.get(request.request_id)
+        if st is not None and st.fast:
+            st.fast = False
+            computed = st.computed = request.num_computed_tokens
+            if computed > st.hw:
+                st.hw = computed
+
     def _cl_report_schedule(self, output: Any, now: float, ts: float, started: float) -> None:
         """``now``: when vLLM began scheduling (waits end there); ``started``: when ``schedule()`` was
-        called (the step's start). Sends the preemptions and the chunks; keeps the step's record."""
+        called (the step's start). Sends the preemptions and the chunks; keeps the step's record.
+
+        The fast path: a running request that decoded in an earlier step and decodes again (one token,
+        or its speculative tokens) is only counted. Its blocks are the length of vLLM's own block list
+        (``ReqState.kv``), its computed tokens are read when vLLM preempts it (:meth:`_cl_preempting`),
+        and a streaming-input session never takes it. Off while the step-time fit
+        (``admission_step_target_s``) needs every request's attention work, or when vLLM's block lists
+        or preemption method cannot be reached (:mod:`.compat`).
+        """
         states = self._cl_states
         step = self._cl_step
         self._cl_step = step + 1
@@ -213,18 +234,21 @@ class Reporter(HookState):
             if st.pending:
                 self._cl_flush(rid, st, ts)
             req = self.requests.get(rid)
-            self._e_preempted(ts, st.ext, st.blocks, st.computed)
+            self._e_preempted(ts, st.ext, st.held, st.computed)
             st.state = PREEMPTED
+            st.fast = False
             st.waiting_since = now
             st.out_at_preempt = req.num_output_tokens if req is not None else st.output
             st.blocks = 0
+            st.kv = None
         scheduled = output.num_scheduled_tokens
         if not scheduled:
             self._cl_steps[id(output)] = None
             return
         spec = output.scheduled_spec_decode_tokens
         requests = self.requests
-        blocks_of = self._cl_blocks
+        kv_lists = self._cl_kv
+        fast = self._cl_fast and not self.options.admission_step_target_s
         chunk_rows = []
         ids = []
         rids: list[str] = []  # with step_tokens only (the default path pays nothing for them)
@@ -234,67 +258,82 @@ class Reporter(HookState):
         work = 0.0  # attention work, for the step-time fit
         for rid, n in scheduled.items():
             st = states.get(rid)
-            req = requests.get(rid)
-            if st is None or req is None:
+            if st is None:
                 continue
-            ext = st.ext
-            ids.append(ext)
+            if st.fast and (n == 1 or rid in spec):
+                decode_tokens += n
+                n_decode += 1
+            else:
+                req = requests.get(rid)
+                if req is None:
+                    continue
+                computed = req.num_computed_tokens
+                before = computed - n
+                if st.state != RUNNING:
+                    if st.state == PREEMPTED:
+                        self._e_resumed(ts, st.ext, now - st.waiting_since, before, st.out_at_preempt)
+                    st.state = RUNNING
+                kv = None
+                if kv_lists is not None:
+                    kv = st.kv = kv_lists.get(rid)
+                    blocks = len(kv) if kv is not None else 0
+                else:
+                    blocks = st.blocks = -(-computed // self._cl_block_size)
+                st.computed = computed
+                if before < req.num_prompt_tokens or (n > 1 and rid not in spec):
+                    hw = st.hw
+                    first = st.chunks == 0
+                    chunk_rows.append(
+                        (
+                            ts,
+                            st.ext,
+                            step,
+                            n,
+                            before,
+                            (min(computed, hw) - before) if hw > before else 0,
+                            before if first else 0,
+                            blocks,
+                            req.num_preemptions,
+                            vllm_stamp(req, SCHEDULED, now) - st.queued_t if first else None,
+                        )
+                    )
+                    st.chunks += 1
+                    st.fast = False
+                    prefill_tokens += n
+                    n_prefill += 1
+                    depth += n * before
+                    work += n * (before + n / 2.0)
+                    if before > max_depth:
+                        max_depth = before
+                else:
+                    decode_tokens += n
+                    n_decode += 1
+                    work += n * before
+                    st.fast = fast and kv is not None and not st.streamed
+                if computed > st.hw:
+                    st.hw = computed
+            ids.append(st.ext)
             if in_step:
                 rids.append(rid)
                 outs.append(st.output)
-            computed = req.num_computed_tokens
-            before = computed - n
             st.last_active = now  # for the policies: the KV-idle victim, slow_pool's starvation
             st.sat_out = 0
-            if st.state != RUNNING:
-                if st.state == PREEMPTED:
-                    self._e_resumed(ts, ext, now - st.waiting_since, before, st.out_at_preempt)
-                st.state = RUNNING
-            blocks = st.blocks = blocks_of(rid, computed)
-            st.computed = computed
-            if before < req.num_prompt_tokens or (n > 1 and rid not in spec):
-                hw = st.hw
-                first = st.chunks == 0
-                chunk_rows.append(
-                    (
-                        ts,
-                        ext,
-                        step,
-                        n,
-                        before,
-                        (min(computed, hw) - before) if hw > before else 0,
-                        before if first else 0,
-                        blocks,
-                        req.num_preemptions,
-                        vllm_stamp(req, SCHEDULED, now) - st.queued_t if first else None,
-                    )
-                )
-                st.chunks += 1
-                prefill_tokens += n
-                n_prefill += 1
-                depth += n * before
-                work += n * (before + n / 2.0)
-                if before > max_depth:
-                    max_depth = before
-            else:
-                decode_tokens += n
-                n_decode += 1
-                work += n * before
-            if computed > st.hw:
-                st.hw = computed
         if chunk_rows:
             self._e_chunk.many(chunk_rows)
         stalled_ids = []
         stalled_blocks = []
-        for req in self.running:
-            rid = req.request_id
-            if rid in scheduled:
-                continue
-            st = states.get(rid)
-            if st is not None and st.blocks:
-                st.sat_out += 1
-                stalled_ids.append(st.ext)
-                stalled_blocks.append(st.blocks)
+        if len(self.running) != len(scheduled):  # every request scheduled is running: none sat out
+            for req in self.running:
+                rid = req.request_id
+                if rid in scheduled:
+                    continue
+                st = states.get(rid)
+                if st is not None:
+                    blocks = st.held
+                    if blocks:
+                        st.sat_out += 1
+                        stalled_ids.append(st.ext)
+                        stalled_blocks.append(blocks)
         n_running, n_waiting = self.get_request_counts()
         usage = self.kv_cache_manager.usage
         self._cl_steps[id(output)] = StepRecord(
@@ -338,33 +377,36 @@ class Reporter(HookState):
                 if st is None:
                     continue
                 new = out.new_token_ids
-                if new and in_step:
-                    st.output += len(new)
-                    new_rows.append((rid, st.ext, len(new), st.output))
-                    if keep_ids:
-                        new_ids += new
-                elif new:
-                    if not st.pending:
-                        st.pending_first_ts = ts
-                        pending[rid] = st
-                    if keep_ids:
-                        st.pending.extend(new)
+                if new:
+                    n = len(new)
+                    st.output += n
+                    if in_step:
+                        new_rows.append((rid, st.ext, n, st.output))
+                        if keep_ids:
+                            new_ids += new
                     else:
-                        st.pending.extend([0] * len(new))
-                    st.output += len(new)
+                        held = st.pending
+                        if not held:
+                            st.pending_first_ts = ts
+                            pending[rid] = st
+                        held += new if keep_ids else [0] * n
                 if out.finish_reason is not None:
                     stop = out.stop_reason
                     reason = compat.FINISH.get(out.finish_reason, "stop")
                     if stop is None and out.finish_reason == compat.REPETITION:
                         stop = "repetition"
                     self._cl_finish(rid, st, reason, None if stop is None else str(stop), ts, now)
-                elif not in_step and len(st.pending) >= flush_n:
+                elif new and not in_step and len(st.pending) >= flush_n:
                     self._cl_flush(rid, st, ts)
         if pending:
+            # Oldest first: a request enters ``pending`` with its first unsent token and leaves it when
+            # they are sent, so the dict's order is that of pending_first_ts.
             oldest = ts - self.options.tokens_flush_s
-            for rid, st in list(pending.items()):
-                if st.pending_first_ts <= oldest:
-                    self._cl_flush(rid, st, ts)
+            while pending:
+                rid, st = next(iter(pending.items()))
+                if st.pending_first_ts > oldest:
+                    break
+                self._cl_flush(rid, st, ts)
 
     def _cl_report_step(self, scheduler_output: Any, now: float) -> None:
         """Send the ``step`` event of ``scheduler_output``, completed at ``now`` (and feed its duration

@@ -204,7 +204,10 @@ class _LedgerHooks(Reporter, Commands, Policies):
         if not self._cl_active:
             return
         try:
-            if request.request_id in self._cl_states:  # a streaming-input continuation of a known request
+            st = self._cl_states.get(request.request_id)
+            if st is not None:  # a streaming-input continuation of a known request
+                st.streamed = True
+                st.fast = False
                 return
             now, ts = self.clock(), time.time()
             ext = external_request_id(request)
@@ -263,6 +266,15 @@ class _LedgerHooks(Reporter, Commands, Policies):
                 self._cl_fail("update_from_output")
             self.hook_seconds += time.perf_counter() - t0
         return outputs
+
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        # compat.PREEMPT_METHOD: called by vLLM before it resets the request (the reporter's fast path)
+        if self._cl_active:
+            try:
+                self._cl_preempting(request)
+            except Exception:
+                self._cl_fail("preempt_request")
+        super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
         finished = super().finish_requests(request_ids, finished_status)

@@ -44,7 +44,9 @@ class ReqState:
         "escape_next",
         "escape_until",
         "ext",
+        "fast",
         "hw",
+        "kv",
         "last_active",
         "non_preemptible",
         "out_at_preempt",
@@ -56,6 +58,7 @@ class ReqState:
         "sat_out",
         "slow",
         "state",
+        "streamed",
         "waiting_since",
     )
 
@@ -66,8 +69,15 @@ class ReqState:
         self.state = WAITING
         self.chunks = 0  # prefill chunks reported so far
         self.hw = 0  # high-water mark of computed tokens (positions recomputed after a preemption)
-        self.computed = 0  # computed tokens after its last scheduled step
-        self.blocks = 0  # KV blocks held after its last scheduled step
+        self.computed = 0  # computed tokens after its last scheduled step (see fast)
+        self.blocks = 0  # KV blocks held after its last scheduled step, when kv is None
+        # vLLM's own list of the request's KV blocks (compat.block_list), live while it holds them and
+        # left as it was when vLLM freed them: its length is the blocks held, with nothing to update.
+        self.kv: list[Any] | None = None
+        # A decode the reporter takes on its fast path (reporter.Reporter._cl_report_schedule): its
+        # computed tokens and high-water mark are taken at its preemption, not every step.
+        self.fast = False
+        self.streamed = False  # a streaming-input session: every step takes the full path
         self.output = 0  # output tokens so far
         self.out_at_preempt = 0
         self.pending: list[int] = []  # output token ids not yet sent
@@ -77,6 +87,12 @@ class ReqState:
         self.escape_next = 0  # preemptions at which the escape valve ("predicted") next protects it
         self.escape_until: int | None = None  # protected by it until this many output tokens
         self.non_preemptible = self.slow = self.promoted = False
+
+    @property
+    def held(self) -> int:
+        """KV blocks it holds after its last scheduled step (when vLLM freed them: held then)."""
+        kv = self.kv
+        return len(kv) if kv is not None else self.blocks
 
 
 class HookState(_Base):

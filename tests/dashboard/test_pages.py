@@ -117,7 +117,9 @@ def test_requests_behind_a_bucket_are_the_ones_that_ended_in_it_slowest_first(
     lo = rows[len(rows) // 2]["end_ts"] // 10 * 10
     hi = lo + 10
     # ties in ttft_s go by request_id, as the requests view pages them
-    expected = sorted((r for r in rows if lo <= r["end_ts"] < hi), key=lambda r: (-r["ttft_s"], r["request_id"]))
+    expected = sorted(
+        (r for r in rows if lo <= r["end_ts"] < hi), key=lambda r: (-r["ttft_s"], r["request_id"])
+    )
     assert expected
     at = run_page(
         recorded_ledger.url, "requests", {"ended_since": str(lo), "ended_until": str(hi), "sort": "ttft_s"}

@@ -142,6 +142,56 @@ def test_kv_pressure_preemptions_are_reported_with_resume_and_recomputed_tokens(
         assert not set(s.stalled_request_ids) & set(s.request_ids)
 
 
+def test_decodes_on_the_fast_path_report_what_vllm_held_when_it_preempted_them(
+    engine, attach, ledger, monkeypatch
+):
+    """A running decode is only counted per step (the reporter's fast path: nothing read from vLLM).
+    When vLLM preempts one, the ``preempted`` event still carries the computed tokens and KV blocks
+    vLLM held at that moment, and every step's counts are those of what vLLM scheduled."""
+    from engine_hooks.vllm import compat
+
+    exporter = attach(ledger.url)
+    sch = engine.scheduler
+    table = compat.block_lists(sch)
+    assert table is not None and sch._cl_fast
+    at_preemption: dict[str, list[tuple[int, int, bool]]] = {}
+    scheduled: dict[int, tuple[int, int]] = {}  # step -> (tokens, requests) vLLM scheduled
+    preempt, schedule = sch._preempt_request, sch.schedule
+
+    def probe_preempt(request, *args, **kwargs):
+        st = sch._cl_states[request.request_id]
+        held = (request.num_computed_tokens, len(table.get(request.request_id) or ()), st.fast)
+        at_preemption.setdefault(st.ext, []).append(held)
+        return preempt(request, *args, **kwargs)
+
+    def probe_schedule(*args, **kwargs):
+        step = sch._cl_step
+        output = schedule(*args, **kwargs)
+        tokens = output.num_scheduled_tokens
+        scheduled[step] = (sum(tokens.values()), len(tokens))
+        return output
+
+    monkeypatch.setattr(sch, "_preempt_request", probe_preempt)
+    monkeypatch.setattr(sch, "schedule", probe_schedule)
+    for _ in range(8):  # 8 x (350 + 150) tokens against a 3072-token KV cache
+        engine.add(rid("fast"), prompt(350), max_tokens=150)
+    engine.run()
+    events = _events(ledger, exporter)
+
+    preempted = events_of(events, Preempted)
+    by_request: dict[str, list[tuple[int, int]]] = {}
+    for p in preempted:
+        by_request.setdefault(p.request_id, []).append((p.computed_tokens, p.kv_blocks_freed))
+    assert by_request == {r: [(c, b) for c, b, _ in held] for r, held in at_preemption.items()}
+    assert any(fast for held in at_preemption.values() for _, _, fast in held), "no decode took the fast path"
+    steps = events_of(events, Step)
+    assert steps
+    for s in steps:
+        tokens, n = scheduled[s.step]
+        assert (s.prefill_tokens + s.decode_tokens, s.num_prefill_reqs + s.num_decode_reqs) == (tokens, n)
+        assert len(s.request_ids) == n
+
+
 def test_resumed_requests_are_reported_whichever_list_vllm_sends_them_in(engine, attach, ledger, monkeypatch):
     """vLLM's Model Runner V1 gets a resumed request among the cached ones (``resumed_req_ids``); V2
     (a switch in 0.32 and 0.33, the only runner in 0.34) among the new ones. The plugin reads neither
