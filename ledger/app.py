@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -16,10 +17,11 @@ from ledger.api import policy as policy_api
 from ledger.api import sql as sql_api
 from ledger.api import webhooks as webhooks_api
 from ledger.api import whatif as whatif_api
-from ledger.api.body_timeout import BodyTimeoutMiddleware
+from ledger.api.gate import RequestGate
 from ledger.config import Settings, get_settings
 from ledger.ingest import IngestWriter
 from ledger.metrics import LedgerMetrics
+from ledger.reads import Reads
 from ledger.rules.service import RunawayService
 from ledger.sql.runners import open_runner as open_sql_runner
 from ledger.store import Store, open_store
@@ -69,7 +71,13 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own_store = store is None
         app.state.store = store or open_store(settings.db_url, persist_token_ids=settings.persist_token_ids)
-        app.state.sql = open_sql_runner(app.state.store, reader_url=settings.sql_reader_url)
+        app.state.reads = Reads(app.state.store, settings)  # before the SQL runner: DuckDB's limits
+        app.state.sql = open_sql_runner(
+            app.state.store, reader_url=settings.sql_reader_url, settings=settings
+        )
+        # Ingest's own threads (what its answer writes besides the batch: command deliveries), so no
+        # read load can queue it behind the shared worker threads.
+        app.state.ingest_pool = ThreadPoolExecutor(4, thread_name_prefix="chunkledger-ingest")
         app.state.runaway = RunawayService(
             None if app.state.store.dialect == "null" else app.state.store.engine,
             app.state.metrics,
@@ -101,24 +109,31 @@ def create_app(
             app.state.writer.stop()
             app.state.runaway.stop()
             app.state.sql.close()
+            app.state.reads.close()
+            app.state.ingest_pool.shutdown(wait=False)
             if own_store:
                 app.state.store.close()
 
     app = FastAPI(title="chunkledger", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = LedgerMetrics()
-    app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)
+    routers = [
+        health.router,
+        events.router,
+        requests.router,
+        policy_api.router,
+        commands_api.router,
+        webhooks_api.router,
+        metrics_api.router,
+        analytics.router,
+        advice_api.router,
+        whatif_api.router,
+        sql_api.router,
+    ]
+    # auth, origin, content type, read slots, body and send limits, before the app reads anything
+    app.add_middleware(RequestGate, settings=settings, metrics=app.state.metrics, routers=routers)
     errors.install(app)  # one error body on every route: {"reason", "detail", "errors"?}
-    app.include_router(health.router)
-    app.include_router(events.router)
-    app.include_router(requests.router)
-    app.include_router(policy_api.router)
-    app.include_router(commands_api.router)
-    app.include_router(webhooks_api.router)
-    app.include_router(metrics_api.router)
-    app.include_router(analytics.router)
-    app.include_router(advice_api.router)
-    app.include_router(whatif_api.router)
-    app.include_router(sql_api.router)
+    for router in routers:
+        app.include_router(router)
     openapi.install(app)
     return app

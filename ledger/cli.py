@@ -45,6 +45,7 @@ def serve(
     """Upgrade the database schema, then serve the ledger API."""
     import uvicorn
 
+    from engine_hooks.http_timeouts import header_timeout_protocol
     from ledger.app import create_app
     from ledger.config import UnsafeConfig
     from ledger.store import MissingDriver, check_driver
@@ -86,6 +87,7 @@ def serve(
         log_level=settings.log_level,
         access_log=access_log,
         timeout_graceful_shutdown=10,
+        http=header_timeout_protocol(settings.header_timeout_s),
     )
     Server(config).run()
 

@@ -30,13 +30,89 @@ class Settings(BaseSettings):
         description="bearer token for the policy and webhook endpoints; also accepted wherever the others "
         "are",
     )
-    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="a larger request body gets 413")
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="POST /v1/events: a larger request body gets 413"
+    )
+    max_request_body_bytes: int = Field(
+        1024 * 1024,
+        ge=1024,
+        description="every other route: a larger request body gets 413 (checked before it is read)",
+    )
     body_timeout_s: float = Field(
         5.0,
         gt=0,
         le=600,
-        description="a request body that stops arriving for this long (e.g. a Content-Length larger than "
-        "the body) gets 408",
+        description="a request body not complete this long after its headers (a Content-Length larger "
+        "than the body, or a body trickled a byte at a time) gets 408",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="a connection that has not sent a whole request head (line and headers) this long "
+        "after it opened or after its previous answer is closed",
+    )
+    send_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="an answer the client does not take for this long (a stalled Parquet export) is "
+        "abandoned: its connection closed, its database connection and transaction released",
+    )
+    read_max_concurrent: int = Field(
+        8,
+        ge=1,
+        le=1000,
+        description="read routes (read token: analytics, SQL, export, advice, what-if) running at once; "
+        "one more gets 429 with Retry-After",
+    )
+    read_max_concurrent_per_client: int = Field(
+        4, ge=1, le=1000, description="read routes running at once for one client address; then 429"
+    )
+    read_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="time limit of one read route's database work (PostgreSQL statement_timeout on the "
+        "read connections; DuckDB: the query is interrupted); then 408",
+    )
+    read_work_mem: str = Field(
+        "16MB", pattern=r"^\d+\s*(kB|MB|GB)$", description="PostgreSQL work_mem of the read connections"
+    )
+    read_temp_file_limit: str = Field(
+        "1GB",
+        pattern=r"^\d+\s*(kB|MB|GB|TB)$",
+        description="PostgreSQL temp_file_limit of the read and SQL connections (setting it needs a "
+        "superuser or GRANT SET ON PARAMETER; otherwise logged and left as the server's)",
+    )
+    duckdb_memory_limit: str = Field(
+        "1GB",
+        pattern=r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$",
+        description="DuckDB memory_limit of the ledger's instance (DuckDB has no per-connection limit: "
+        "this caps what reads and writes together may hold; a read over it gets 4xx resources)",
+    )
+    duckdb_threads: int = Field(2, ge=1, le=256, description="DuckDB threads of the ledger's instance")
+    duckdb_max_temp_directory_size: str = Field(
+        "4GB",
+        pattern=r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$",
+        description="DuckDB max_temp_directory_size: the most a spilling query may write to disk",
+    )
+    attribution_max_buckets: int = Field(
+        10_000,
+        ge=1,
+        le=1_000_000,
+        description="GET /v1/attribution: most time buckets (window / bucket_s) one answer may hold; "
+        "more gets 422 naming bucket_s",
+    )
+    whatif_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="GET /v1/whatif: time limit of one replay; then 408"
+    )
+    auth_failures_per_minute: int = Field(
+        30,
+        ge=1,
+        le=100_000,
+        description="failed token checks one client address may make per minute; past it that address "
+        "gets 429 for the rest of the minute (each failure is logged and counted)",
     )
     max_events_per_batch: int = Field(20_000, ge=1, description="a batch with more events gets 422")
     group_commit_max_events: int = Field(

@@ -240,6 +240,9 @@ class IngestWriter:
         self._stopping = False
         self.groups_committed = 0
         self.batches_committed = 0
+        # Why the latest write failed, until one succeeds (``/readyz`` is not ready meanwhile: a ledger
+        # whose disk is full answers every batch 503 and must not say it is ready).
+        self.failing: str | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -310,9 +313,11 @@ class IngestWriter:
                     self._write_group([item])
                 return
             log.warning("storing a batch from %s failed: %s", group[0][0].source.id, exc)
+            self.failing = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             group[0][1].set_exception(WriterUnavailable(f"storage failed: {type(exc).__name__}: {exc}"))
             return
         took = time.perf_counter() - t0
+        self.failing = None
         self.groups_committed += 1
         self.batches_committed += len(group)
         n_events = sum(len(b.events) for b, _ in group)

@@ -28,6 +28,16 @@ _RULE_ACTIONS = {
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
 
+# The limits ledger.api.gate refuses or abandons a request by (chunkledger_request_refusals_total).
+REFUSAL_LIMITS = (
+    "not_loopback",
+    "content_type",
+    "auth_failures_per_minute",
+    "read_max_concurrent",
+    "read_max_concurrent_per_client",
+    "send_timeout_s",
+)
+
 _instances: weakref.WeakSet[LedgerMetrics] = weakref.WeakSet()
 
 
@@ -217,6 +227,20 @@ class LedgerMetrics:
         self.event_loop_stall_seconds = Counter(
             "chunkledger_event_loop_stall_seconds_total", "Time the event loop spent blocked", registry=r
         )
+        self.request_refusals = Counter(
+            "chunkledger_request_refusals_total",
+            "Requests refused or abandoned by a limit at the door (reason: the limit, e.g. "
+            "read_max_concurrent, send_timeout_s, content_type, not_loopback)",
+            ["reason"],
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            "chunkledger_auth_failures_total",
+            "Failed token checks (reason: missing_token, unknown_token, forbidden; limited: refused "
+            "because the address failed too often)",
+            ["reason"],
+            registry=r,
+        )
         self.live = _LiveCollector()
         r.register(self.live)
         for rule in RULE_NAMES:
@@ -224,6 +248,10 @@ class LedgerMetrics:
                 self.cutoffs.labels(rule, action)
         for reason in ("invalid", "too_large", "unavailable"):
             self.ingest_rejections.labels(reason)
+        for limit in REFUSAL_LIMITS:
+            self.request_refusals.labels(limit)
+        for reason in ("missing_token", "unknown_token", "forbidden", "limited"):
+            self.auth_failures.labels(reason)
         for ch in ("ingest", "poll"):
             self.commands_delivered.labels(ch)
         _instances.add(self)

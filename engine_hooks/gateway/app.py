@@ -66,6 +66,7 @@ from engine_hooks.gateway.relay import (
 )
 from engine_hooks.gateway.request import (
     BadRequest,
+    BodyTimeout,
     Disconnected,
     parse_body,
     parse_priority,
@@ -275,8 +276,15 @@ class Gateway:
             elif name == self._priority_header:
                 priority_raw = value
         try:
-            body = await read_body(x.receive)
+            body = await read_body(x.receive, self.config.body_timeout_s)
         except Disconnected:
+            return
+        except BodyTimeout:
+            message = (
+                f"the request body was not complete within {self.config.body_timeout_s:g} s (body_timeout_s)"
+            )
+            body = error_body(message, "invalid_request_error", 408)
+            await send_json(x.send, 408, body, x.request_id, self.id_header, [(b"connection", b"close")])
             return
         except BadRequest as exc:
             body = error_body(str(exc), "invalid_request_error", 413)

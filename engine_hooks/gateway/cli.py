@@ -27,6 +27,12 @@ def gateway(
     read_timeout_s: Annotated[
         float, typer.Option(help="longest upstream silence (before headers, between stream chunks)")
     ] = 300.0,
+    header_timeout_s: Annotated[
+        float, typer.Option(help="close a client connection without a whole request head this long")
+    ] = 10.0,
+    body_timeout_s: Annotated[
+        float, typer.Option(help="a request body not complete this long after its head gets 408")
+    ] = 30.0,
     ledger: Annotated[
         str | None, typer.Option(help="ledger URL for events and cutoff commands (env CHUNKLEDGER_URL)")
     ] = None,
@@ -54,6 +60,8 @@ def gateway(
             retry_after_s=retry_after_s,
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
+            header_timeout_s=header_timeout_s,
+            body_timeout_s=body_timeout_s,
             poll_commands=poll_commands,
         )
     except GatewayConfigError as exc:

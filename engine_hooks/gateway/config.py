@@ -27,6 +27,9 @@ class GatewayConfig(msgspec.Struct, kw_only=True, frozen=True):
     connect_timeout_s: PositiveFloat = 5.0  # TCP connect to the upstream
     read_timeout_s: PositiveFloat = 300.0  # longest silence from the upstream: before its response
     # headers, between two chunks of a stream, or while reading a whole response
+    header_timeout_s: PositiveFloat = 10.0  # a client connection without a whole request head this long
+    # after it opened (or after its previous answer) is closed
+    body_timeout_s: PositiveFloat = 30.0  # a request body not complete this long after its head gets 408
     poll_commands: bool = True  # long-poll the ledger's GET /v1/commands for cutoff commands (they also
     # arrive in ingest responses, but a quiet gateway sends few events while it streams)
     command_poll_wait_s: PositiveFloat = 20.0  # how long one long-poll may wait at the ledger (at most 60)

@@ -3,7 +3,9 @@ headers, the JSON fields the gateway acts on, and the headers that go upstream w
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 from typing import Any
 
 import msgspec
@@ -40,12 +42,25 @@ class Disconnected(Exception):
     """The client went away before its request body was read."""
 
 
-async def read_body(receive: Receive) -> bytes:
-    """The whole request body. Raises Disconnected (the client left) or BadRequest (over 64 MiB)."""
+class BodyTimeout(Exception):
+    """The request body was not complete within the gateway's body_timeout_s."""
+
+
+async def read_body(receive: Receive, timeout_s: float | None = None) -> bytes:
+    """The whole request body. Raises Disconnected (the client left), BadRequest (over 64 MiB) or
+    BodyTimeout (not complete within ``timeout_s``: a trickle or a Content-Length larger than the body)."""
     parts: list[bytes] = []
     size = 0
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
-        message = await receive()
+        if deadline is None:
+            message = await receive()
+        else:
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    message = await receive()
+            except TimeoutError:
+                raise BodyTimeout from None
         if message["type"] == "http.disconnect":
             raise Disconnected
         chunk = message.get("body", b"")

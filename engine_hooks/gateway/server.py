@@ -10,12 +10,13 @@ from typing import Any
 import uvicorn
 
 from engine_hooks.gateway.app import Gateway
+from engine_hooks.http_timeouts import header_timeout_protocol
 
 
 def uvicorn_config(gateway: Gateway, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
     """uvicorn settings for a proxy: no Server/Date headers of its own (the upstream's pass through),
     no access log, no X-Forwarded-* rewriting of the client address (the gateway does not use it),
-    httptools and uvloop when installed."""
+    httptools and uvloop when installed, and a header timeout (``header_timeout_s``)."""
     return uvicorn.Config(
         gateway,
         host=host,
@@ -27,7 +28,7 @@ def uvicorn_config(gateway: Gateway, host: str, port: int, log_level: str = "war
         proxy_headers=False,
         lifespan="on",
         loop="auto",
-        http="auto",
+        http=header_timeout_protocol(gateway.config.header_timeout_s),
         timeout_graceful_shutdown=5,
     )
 

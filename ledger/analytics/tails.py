@@ -74,16 +74,36 @@ def attribution(
     *,
     group_by: Sequence[str] = (),
     bucket_s: float | None = None,
+    max_buckets: int | None = None,
 ) -> list[dict[str, Any]]:
     """Finished requests (by end time) in the window: count and tails of every layer, TTFT, e2e.
 
     One entry per group (and per time bucket when ``bucket_s`` is set, keyed by the bucket start).
+    ``max_buckets``: a ``bucket_s`` that cuts the ends found in the window into more buckets is
+    refused (QueryError naming bucket_s) before the tails are computed.
     """
     groups = _group_cols(group_by)
     cols: list[sa.ColumnElement[Any]] = [*groups, sa.func.count().label("requests")]
     if bucket_s is not None:
         if not (bucket_s > 0 and math.isfinite(bucket_s)):
             raise QueryError("bucket_s", "must be a positive number of seconds")
+        if max_buckets is not None:
+            span = conn.execute(
+                in_window(
+                    sa.select(sa.func.min(R.c.end_ts), sa.func.max(R.c.end_ts)).where(
+                        R.c.end_ts.is_not(None)
+                    ),
+                    window,
+                    R.c.end_ts,
+                )
+            ).one()
+            if span[0] is not None and (span[1] - span[0]) / bucket_s + 1 > max_buckets:
+                raise QueryError(
+                    "bucket_s",
+                    f"{bucket_s:g} s cuts the window's {span[1] - span[0]:.0f} s of finished requests into "
+                    f"more than {max_buckets} buckets (attribution_max_buckets); use bucket_s >= "
+                    f"{(span[1] - span[0]) / max(1, max_buckets - 1):.3g}",
+                )
         bucket = (sa.func.floor(R.c.end_ts / bucket_s) * bucket_s).label("bucket_ts")
         cols.insert(0, bucket)
         groups = [bucket, *groups]

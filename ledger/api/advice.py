@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN_USEFUL_CHUNK
 from ledger.advice.service import chunk_size_advice
 from ledger.api import errors
-from ledger.api.deps import StoreDep, require
+from ledger.api.deps import ReadsDep, StoreDep, require
 from ledger.api.models import ChunkSizeAdvice
 
 router = APIRouter(prefix="/v1", tags=["advice"], dependencies=[require("read")])
@@ -35,6 +35,7 @@ def _publish(model: str | None, tokens: int) -> None:
 )
 def chunk_size(
     store: StoreDep,
+    reads: ReadsDep,
     itl_target_ms: float = Query(gt=0, le=600_000, description="the inter-token latency p99 to stay within"),
     model: str | None = Query(None, min_length=1, max_length=256, description="served model (sources.model)"),
     source_id: str | None = Query(None, min_length=1, max_length=128, description="one engine source"),
@@ -56,17 +57,19 @@ def chunk_size(
         return errors.error_response(
             409, "this ledger stores nothing (null://): no steps to fit", reason="too_little_data"
         )
-    advice = chunk_size_advice(  # an AdviceError (a Refusal) is answered by ledger.api.errors
-        store.engine,
-        itl_target_ms=itl_target_ms,
-        model=model,
-        source_id=source_id,
-        since=since,
-        until=until,
-        depth=depth,
-        arrival_share=arrival_share,
-        max_steps=max_steps,
-        min_chunk=min_chunk,
-    )
+    assert reads.engine is not None
+    with reads.budget_errors():  # an AdviceError (a Refusal) is answered by ledger.api.errors
+        advice = chunk_size_advice(
+            reads.engine,
+            itl_target_ms=itl_target_ms,
+            model=model,
+            source_id=source_id,
+            since=since,
+            until=until,
+            depth=depth,
+            arrival_share=arrival_share,
+            max_steps=max_steps,
+            min_chunk=min_chunk,
+        )
     _publish(advice["window"]["model"], advice["prefill_tokens_per_step"])
     return advice

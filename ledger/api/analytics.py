@@ -17,8 +17,9 @@ from fastapi import APIRouter, Path, Query, Response, status
 from ledger.analytics import queries as q
 from ledger.analytics.window import BadTime, Window
 from ledger.api import errors
-from ledger.api.deps import StoreDep, require
+from ledger.api.deps import ReadsDep, SettingsDep, require
 from ledger.api.models import Attribution, Itl, KvStalls, RequestItl, RequestList, Why, json_response
+from ledger.reads import Reads
 
 router = APIRouter(prefix="/v1", tags=["analytics"], dependencies=[require("read")])
 
@@ -55,14 +56,16 @@ def _window(since: str | None, until: str | None) -> Window:
         raise _bad("since/until", str(exc)) from None
 
 
-def _read(store: Any, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-    with _params(), store.engine.connect() as conn:
+def _read(reads: Reads, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    """``fn`` on a read connection (``ledger.reads``: its own pool and time limit, never ingest's)."""
+    with _params(), reads.connect() as conn:
         return fn(conn, *args, **kw)
 
 
 @router.get("/attribution", **_documents(Attribution))
 def attribution(
-    store: StoreDep,
+    reads: ReadsDep,
+    settings: SettingsDep,
     since: Since = None,
     until: Until = None,
     group_by: Annotated[str, Query(description="comma-separated: " + ", ".join(q.GROUPS))] = "",
@@ -72,14 +75,15 @@ def attribution(
     decode inter-token latency of the same window."""
     w = _window(since, until)
     groups = [g.strip() for g in group_by.split(",") if g.strip()]
-    rows = _read(store, q.attribution, w, group_by=groups, bucket_s=bucket_s)
-    itl = _read(store, q.decode_itl, w, group_by_model="model" in groups)
+    most = settings.attribution_max_buckets
+    rows = _read(reads, q.attribution, w, group_by=groups, bucket_s=bucket_s, max_buckets=most)
+    itl = _read(reads, q.decode_itl, w, group_by_model="model" in groups)
     return json_response({"since": w.since, "until": w.until, "group_by": groups, "groups": rows, "itl": itl})
 
 
 @router.get("/requests", **_documents(RequestList))
 def list_requests(
-    store: StoreDep,
+    reads: ReadsDep,
     since: Since = None,
     until: Until = None,
     model: str | None = None,
@@ -96,7 +100,7 @@ def list_requests(
     """Requests whose start falls in the window, filtered and sorted by any column, a page at a time."""
     return json_response(
         _read(
-            store,
+            reads,
             q.list_requests,
             _window(since, until),
             model=model,
@@ -114,26 +118,26 @@ def list_requests(
 
 
 @router.get("/itl", **_documents(Itl))
-def itl(store: StoreDep, since: Since = None, until: Until = None, by_model: bool = False) -> Response:
+def itl(reads: ReadsDep, since: Since = None, until: Until = None, by_model: bool = False) -> Response:
     """Decode inter-token latency tails over the window, from the engines' steps."""
     w = _window(since, until)
-    rows = _read(store, q.decode_itl, w, group_by_model=by_model)
+    rows = _read(reads, q.decode_itl, w, group_by_model=by_model)
     return json_response({"since": w.since, "until": w.until, "itl": rows})
 
 
 @router.get("/requests/{request_id}/itl", **_documents(RequestItl, 404))
-def request_itl(store: StoreDep, request_id: RequestId) -> Response:
+def request_itl(reads: ReadsDep, request_id: RequestId) -> Response:
     """One request's inter-token gaps and their tails."""
-    out = _read(store, q.request_itl, request_id)
+    out = _read(reads, q.request_itl, request_id)
     if out is None:
         raise errors.ApiError(status.HTTP_404_NOT_FOUND, f"no request {request_id!r} in the ledger")
     return json_response(out)
 
 
 @router.get("/requests/{request_id}/why", **_documents(Why, 404))
-def why(store: StoreDep, request_id: RequestId, top: Annotated[int, Query(ge=1, le=50)] = 5) -> Response:
+def why(reads: ReadsDep, request_id: RequestId, top: Annotated[int, Query(ge=1, le=50)] = 5) -> Response:
     """What delayed the request, biggest first, with the requests behind each delay."""
-    out = _read(store, q.why, request_id, top=top)
+    out = _read(reads, q.why, request_id, top=top)
     if out is None:
         raise errors.ApiError(status.HTTP_404_NOT_FOUND, f"no request {request_id!r} in the ledger")
     return json_response(out)
@@ -141,12 +145,12 @@ def why(store: StoreDep, request_id: RequestId, top: Annotated[int, Query(ge=1, 
 
 @router.get("/kv/stalls", **_documents(KvStalls))
 def kv_stalls(
-    store: StoreDep,
+    reads: ReadsDep,
     limit: Annotated[int, Query(ge=1, le=q.MAX_PAGE)] = 50,
     horizon_s: Annotated[float, Query(gt=0)] = 3600.0,
 ) -> Response:
     """Live requests ranked by seconds without progress (KV held idle, or waiting to start)."""
     now = time.time()
     return json_response(
-        {"now": now, "requests": _read(store, q.kv_stalls, now, limit=limit, horizon_s=horizon_s)}
+        {"now": now, "requests": _read(reads, q.kv_stalls, now, limit=limit, horizon_s=horizon_s)}
     )

@@ -8,7 +8,6 @@ import time
 
 import msgspec
 from fastapi import APIRouter, Request, Response, status
-from fastapi.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from engine_hooks import events as ev
@@ -110,6 +109,8 @@ async def ingest_events(request: Request, settings: SettingsDep, writer: WriterD
     if runaway is not None and runaway.book.has_pending(batch.source.id):
         # Re-sent in every response until the source confirms (ledger.rules.commands).
         commands = runaway.book.for_source(batch.source.id)
-        await run_in_threadpool(runaway.book.mark_delivered, batch.source.id, commands, "ingest")
+        await asyncio.get_running_loop().run_in_executor(
+            request.app.state.ingest_pool, runaway.book.mark_delivered, batch.source.id, commands, "ingest"
+        )
     answer = ev.IngestResponse(accepted=result.accepted, duplicates=result.duplicates, commands=commands)
     return Response(_encode(answer), media_type="application/json")

@@ -28,7 +28,8 @@ def healthz() -> dict[str, str]:
     responses={503: {"model": NotReady, "description": "not ready: the problems say why"}},
 )
 def readyz(store: StoreDep, writer: WriterDep) -> dict[str, Any] | JSONResponse:
-    """The database answers at the expected schema and the writer runs (no token)."""
+    """The database answers at the expected schema, the writer runs and its latest write succeeded (no
+    token)."""
     problems = []
     try:
         store.ping()
@@ -40,6 +41,8 @@ def readyz(store: StoreDep, writer: WriterDep) -> dict[str, Any] | JSONResponse:
         revision = None
     if not writer.alive:
         problems.append("writer stopped")
+    if writer.failing is not None:
+        problems.append(f"storing batches fails: {writer.failing}")
     body: dict[str, Any] = {
         "status": "ready" if not problems else "not ready",
         "schema": revision,

@@ -12,8 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ledger import export
 from ledger.api import errors
-from ledger.api.deps import SettingsDep, StoreDep, require
+from ledger.api.deps import ReadsDep, SettingsDep, require
 from ledger.api.models import PARQUET, SqlResult
+from ledger.api.streams import ThreadedStream
 from ledger.sql.base import SqlError
 from ledger.sql.runners import SqlRunner
 from ledger.sql.values import dumps, to_csv
@@ -34,7 +35,8 @@ def _runner(request: Request) -> SqlRunner:
 
 
 def _error(exc: SqlError) -> JSONResponse:
-    return errors.error_response(exc.status, exc.message, reason=exc.reason)
+    retry = {"Retry-After": "1"} if exc.status == 429 else None
+    return errors.error_response(exc.status, exc.message, reason=exc.reason, headers=retry)
 
 
 @router.post(
@@ -46,7 +48,7 @@ def _error(exc: SqlError) -> JSONResponse:
             "content": {"text/csv": {"schema": {"type": "string"}}},
             "description": "the result as JSON, or as CSV (format=csv or Accept: text/csv)",
         },
-        **errors.responses(400, *errors.AUTH, 408, 422, 503),
+        **errors.responses(400, *errors.AUTH, 408, 422, 429, 503),
     },
 )
 def run_sql(
@@ -101,12 +103,12 @@ def run_sql(
 )
 def export_table(
     table: str,
-    request: Request,
-    store: StoreDep,
+    reads: ReadsDep,
     since: str | None = Query(None, description="ISO 8601, unix seconds, or an age such as 1h"),
     until: str | None = Query(None, description="ISO 8601, unix seconds, or an age; open when absent"),
 ) -> Response:
-    """One table's rows for a window as a Parquet file, streamed one row group per batch."""
+    """One table's rows for a window as a Parquet file, streamed one row group per batch. A client that
+    stops reading for ``send_timeout_s`` is abandoned and the export's connection released."""
     if table not in export.TABLES:
         return errors.error_response(
             status.HTTP_404_NOT_FOUND, f"table: no export for {table!r}; one of {', '.join(export.TABLES)}"
@@ -118,20 +120,16 @@ def export_table(
         )
     except ValueError as exc:
         return errors.error_response(status.HTTP_400_BAD_REQUEST, str(exc), reason="bad_time")
-    dialect = getattr(store, "dialect", "")
+    if reads.dialect not in ("duckdb", "postgresql"):
+        return errors.error_response(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            "this ledger's store keeps no tables to export",
+            reason="no_database",
+        )
     stack = contextlib.ExitStack()
     try:
-        if dialect == "duckdb":
-            conn = stack.enter_context(_runner(request).read_transaction())  # type: ignore[attr-defined]
-        elif dialect == "postgresql":
-            conn = stack.enter_context(export.pg_read_transaction(store.engine))
-        else:
-            return errors.error_response(
-                status.HTTP_503_SERVICE_UNAVAILABLE,
-                "this ledger's store keeps no tables to export",
-                reason="no_database",
-            )
-        schema, batches = export.table_batches(conn, dialect, table, window)
+        conn = stack.enter_context(reads.snapshot())
+        schema, batches = export.table_batches(conn, reads.dialect, table, window)
     except Exception as exc:  # the database refused the fixed export query: say so, not a bare 500
         stack.close()
         return errors.error_response(
@@ -144,8 +142,8 @@ def export_table(
         with stack:
             yield from export.parquet_stream(schema, batches)
 
-    return StreamingResponse(
-        body(),
+    return ThreadedStream(
+        body(),  # type: ignore[arg-type]
         media_type="application/vnd.apache.parquet",
         headers={"Content-Disposition": f'attachment; filename="{table}.parquet"'},
     )

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
 from ledger.api import errors
-from ledger.api.deps import StoreDep, require
+from ledger.api.deps import ReadsDep, SettingsDep, StoreDep, require
 from ledger.api.models import WhatIf
 from ledger.whatif.service import MAX_CALIBRATION_ERROR, MAX_CANDIDATES, what_if_request
 
@@ -23,10 +23,12 @@ _BUSY = threading.Lock()
 @router.get(
     "/whatif",
     response_model=None,
-    responses={200: {"model": WhatIf}, **errors.responses(*errors.AUTH, 404, 409, 422, 429)},
+    responses={200: {"model": WhatIf}, **errors.responses(*errors.AUTH, 404, 408, 409, 422, 429)},
 )
 def whatif(
     store: StoreDep,
+    reads: ReadsDep,
+    settings: SettingsDep,
     set: list[str] = Query(
         [],
         max_length=MAX_CANDIDATES,
@@ -75,27 +77,30 @@ def whatif(
             reason="busy",
             headers={"Retry-After": "5"},
         )
+    assert reads.engine is not None
     try:  # a WhatIfError (a Refusal) is answered by ledger.api.errors
-        return what_if_request(
-            store.engine,
-            set=set,
-            sweep=sweep,
-            policy=policy,
-            recorded=recorded,
-            model=model,
-            source_id=source_id,
-            since=since,
-            until=until,
-            long_prompt_tokens=long_prompt_tokens,
-            itl_target_ms=itl_target_ms,
-            ttft_target_ms=ttft_target_ms,
-            max_error=max_error,
-            force=force,
-            fit_source=fit_source,
-            fit_since=fit_since,
-            fit_until=fit_until,
-            attention_source=attention_source,
-            step_noise=step_noise,
-        )
+        with reads.budget_errors():
+            return what_if_request(
+                reads.engine,
+                timeout_s=settings.whatif_timeout_s,
+                set=set,
+                sweep=sweep,
+                policy=policy,
+                recorded=recorded,
+                model=model,
+                source_id=source_id,
+                since=since,
+                until=until,
+                long_prompt_tokens=long_prompt_tokens,
+                itl_target_ms=itl_target_ms,
+                ttft_target_ms=ttft_target_ms,
+                max_error=max_error,
+                force=force,
+                fit_source=fit_source,
+                fit_since=fit_since,
+                fit_until=fit_until,
+                attention_source=attention_source,
+                step_noise=step_noise,
+            )
     finally:
         _BUSY.release()

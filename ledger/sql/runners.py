@@ -13,6 +13,8 @@ from typing import Any
 import duckdb
 import sqlalchemy as sa
 
+from ledger.config import Settings
+from ledger.reads import pg_read_limits, pg_session_limits
 from ledger.sql.base import Params, SqlError, SqlResult, fetch_capped
 from ledger.sql.guard import HIDDEN_TABLES, check_duckdb_access, classify, explained_statement, first_line
 from ledger.sql.roles import sync_reader_grants
@@ -40,9 +42,9 @@ class SqlRunner:
         timeout_s: float,
         max_bytes: int | None = None,
     ) -> SqlResult:
-        if not self._slots.acquire(timeout=1.0):
+        if not self._slots.acquire(blocking=False):  # refused at once: no thread waits for a slot
             raise SqlError(
-                "busy", f"{self.max_concurrent} SQL queries are already running; retry shortly", 503
+                "busy", f"{self.max_concurrent} SQL queries are already running; retry shortly", 429
             )
         try:
             return self._run(sql, params, max_rows=max_rows, timeout_s=timeout_s, max_bytes=max_bytes)
@@ -179,10 +181,14 @@ class PostgresRunner(SqlRunner):
 
     dialect = "postgresql"
 
-    def __init__(self, url: str, *, configured: bool) -> None:
+    def __init__(self, url: str, *, configured: bool, session_limits: dict[str, str] | None = None) -> None:
         super().__init__()
         self.engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
         self.configured = configured  # False: falling back to the ledger's own role
+        if session_limits:
+            sa.event.listen(
+                self.engine, "connect", lambda dbapi, _rec: pg_session_limits(dbapi, session_limits)
+            )
 
     @contextlib.contextmanager
     def read_transaction(self) -> Iterator[Any]:
@@ -316,8 +322,10 @@ def _pg_error(exc: Any, timeout_s: float) -> SqlError:
     return SqlError("query_error", msg)
 
 
-def open_runner(store: Any, *, reader_url: str = "") -> SqlRunner:
-    """The SQL runner for a store (its DuckDB instance, or PostgreSQL as the reader role)."""
+def open_runner(store: Any, *, reader_url: str = "", settings: Settings | None = None) -> SqlRunner:
+    """The SQL runner for a store (its DuckDB instance, or PostgreSQL as the reader role). ``settings``:
+    PostgreSQL sessions get the read connections' limits (``ledger.reads``; the time limit stays
+    ``sql_timeout_s``, set per query)."""
     dialect = getattr(store, "dialect", "")
     if dialect == "duckdb":
         return DuckDBRunner(store.reader_connection())
@@ -325,5 +333,7 @@ def open_runner(store: Any, *, reader_url: str = "") -> SqlRunner:
         if reader_url:
             sync_reader_grants(store.engine, reader_url)
         url = reader_url or store.engine.url.render_as_string(hide_password=False)
-        return PostgresRunner(url, configured=bool(reader_url))
+        limits = pg_read_limits(settings) if settings is not None else {}
+        limits.pop("statement_timeout", None)
+        return PostgresRunner(url, configured=bool(reader_url), session_limits=limits)
     return UnavailableRunner(f"this ledger's store ({type(store).__name__}) keeps no tables to query")

@@ -18,6 +18,7 @@ Backends implement the few steps that differ (locking, bulk append, upsert stagi
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -444,17 +445,21 @@ class Store:
         with self.engine.connect() as conn:
             conn.execute(sa.text("SELECT 1"))
 
-    def get_request(self, request_id: str) -> dict[str, Any] | None:
-        with self.engine.connect() as conn:
+    # The reads take ``conn``: the API's read connection (``ledger.reads``), else one of the store's.
+    def _reading(self, conn: sa.Connection | None) -> Any:
+        return contextlib.nullcontext(conn) if conn is not None else self.engine.connect()
+
+    def get_request(self, request_id: str, conn: sa.Connection | None = None) -> dict[str, Any] | None:
+        with self._reading(conn) as conn:
             row = conn.execute(
                 sa.select(schema.requests).where(schema.requests.c.request_id == request_id)
             ).first()
         return dict(row._mapping) if row is not None else None
 
-    def request_events(self, request_id: str) -> list[dict[str, Any]]:
+    def request_events(self, request_id: str, conn: sa.Connection | None = None) -> list[dict[str, Any]]:
         """The request's timeline: its events from all sources, oldest first."""
         t = schema.events
-        with self.engine.connect() as conn:
+        with self._reading(conn) as conn:
             rows = conn.execute(
                 sa.select(t.c.source_id, t.c.seq, t.c.ts, t.c.kind, t.c.data)
                 .where(t.c.request_id == request_id)
@@ -468,8 +473,8 @@ class Store:
             out.append({"source_id": source_id, "seq": seq, "ts": ts, "kind": kind, **fields})
         return out
 
-    def source_rows(self) -> list[dict[str, Any]]:
-        with self.engine.connect() as conn:
+    def source_rows(self, conn: sa.Connection | None = None) -> list[dict[str, Any]]:
+        with self._reading(conn) as conn:
             rows = conn.execute(sa.select(schema.sources).order_by(schema.sources.c.source_id)).all()
         return [dict(r._mapping) for r in rows]
 

@@ -26,11 +26,11 @@ class NullStore(Store):
         prepared.fold()
         return out
 
-    def get_request(self, request_id: str) -> dict[str, Any] | None:
+    def get_request(self, request_id: str, conn: Any = None) -> dict[str, Any] | None:
         return None
 
-    def request_events(self, request_id: str) -> list[dict[str, Any]]:
+    def request_events(self, request_id: str, conn: Any = None) -> list[dict[str, Any]]:
         return []
 
-    def source_rows(self) -> list[dict[str, Any]]:
+    def source_rows(self, conn: Any = None) -> list[dict[str, Any]]:
         return []

@@ -41,6 +41,7 @@ shape (the fast-forward calls it once per distinct shape in a row).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -57,6 +58,10 @@ from ledger.whatif.types import EngineSettings, StepCost, StepShape, TraceReques
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
+class ReplayTimeout(Exception):
+    """A replay ran past its deadline."""
+
+
 def replay(
     requests: Sequence[TraceRequest],
     settings: EngineSettings,
@@ -65,6 +70,7 @@ def replay(
     noise: StepNoise | None = None,
     fast_forward: bool = True,
     vectorized: bool = True,
+    deadline: float | None = None,
 ) -> Replay:
     """Replay ``requests`` under ``settings``, each step lasting ``step_cost(shape)`` seconds. With
     ``noise`` (:class:`ledger.whatif.noise.StepNoise`), the ``k``-th step (from 0) lasts, if it is
@@ -81,13 +87,19 @@ def replay(
     ``fast_forward`` (decode-only stretches in one go) and ``vectorized`` (numpy for the running pass
     when no allocation fails) change the speed only, never the result: off, every step is the plain
     loop; the tests compare them.
+
+    ``deadline`` (``time.monotonic()``): past it the replay stops with :class:`ReplayTimeout`.
     """
     st = State(requests, settings)
+    steps = 0
     st.validate()
     budget = settings.max_num_batched_tokens
     share = settings.admission_reserve
     queue = st.queue
     while True:
+        steps += 1
+        if deadline is not None and not steps & 1023 and time.monotonic() > deadline:
+            raise ReplayTimeout(f"the replay passed its deadline at t={st.now:.1f} s of the trace")
         st.queue_arrivals()
         n = len(st.run)
         if not n and not len(queue):

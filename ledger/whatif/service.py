@@ -33,7 +33,7 @@ from ledger.advice.query import read_steps
 from ledger.advice.terms import CANDIDATE_TERMS, TERMS, Term
 from ledger.refusal import Refusal
 from ledger.whatif.cost import fitted_cost
-from ledger.whatif.model import replay
+from ledger.whatif.model import ReplayTimeout, replay
 from ledger.whatif.noise import StepNoise, draws_for, window_noise
 from ledger.whatif.results import Replay
 from ledger.whatif.trace import Recorded, read_recorded
@@ -150,6 +150,7 @@ def pooled_replay(
     cost: StepCost,
     noise: StepNoise | None = None,
     draws: int = 1,
+    deadline: float | None = None,
 ) -> Replay:
     """Each engine's requests through its own scheduler model, the results pooled (engines in the
     order of ``requests``); ``noise``: each step's factor and loop time (:mod:`ledger.whatif.noise`),
@@ -172,9 +173,17 @@ def pooled_replay(
         drawn = noise.reseeded(noise.seed + draw) if noise is not None else None
         for sid, reqs in blocked.items():
             try:
-                parts.append(replay(reqs, settings, cost, noise=drawn))
+                parts.append(replay(reqs, settings, cost, noise=drawn, deadline=deadline))
             except ValueError as exc:
                 raise WhatIfError("cannot_replay", f"engine {sid}: {exc}", status=422) from None
+            except ReplayTimeout:
+                raise WhatIfError(
+                    "timeout",
+                    "the replays did not finish within the what-if time limit (whatif_timeout_s); ask "
+                    "for fewer settings or a shorter window",
+                    status=408,
+                    limit="whatif_timeout_s",
+                ) from None
     return Replay(
         request_id=[i for p in parts for i in p.request_id],
         prompt_tokens=np.concatenate([p.prompt_tokens for p in parts]),
@@ -312,6 +321,7 @@ def what_if(
     attention_source: str | None = None,
     step_noise: bool = True,
     now: float | None = None,
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """The what-if answer (the module docstring says what it holds); WhatIfError when there is none.
 
@@ -327,8 +337,10 @@ def what_if(
     ``actual / fitted``, and each step that follows another the engine loop's time the window measured
     before such a step (:mod:`ledger.whatif.noise`): the ITL tail comes from the steps that ran long. A
     small window is replayed several times with the noise drawn anew and the draws pooled
-    (:func:`ledger.whatif.noise.draws_for`), so that its tails do not rest on one draw."""
+    (:func:`ledger.whatif.noise.draws_for`), so that its tails do not rest on one draw. ``timeout_s``:
+    the replays stop past it (WhatIfError ``timeout``, 408)."""
     t0 = time.perf_counter()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         steps = read_steps(
             engine,
@@ -391,7 +403,7 @@ def what_if(
     draws = draws_for(rec.count) if noise is not None else 1
 
     measured = rec.summary(long_tokens)
-    predicted = pooled_replay(rec.requests, base, cost, noise, draws).summary(long_tokens)
+    predicted = pooled_replay(rec.requests, base, cost, noise, draws, deadline).summary(long_tokens)
     error = {k: _rel(predicted.get(k), measured.get(k)) for k in CALIBRATED}
     worst = max((abs(v) for v in error.values() if v is not None), default=None)
     calibration = {
@@ -418,7 +430,7 @@ def what_if(
         values = {**base_values, **asked}
         coverage = Coverage(cost)
         summary = pooled_replay(
-            rec.requests, _settings(values, _name(asked)), coverage, noise, draws
+            rec.requests, _settings(values, _name(asked)), coverage, noise, draws, deadline
         ).summary(long_tokens)
         rows.append(
             {

@@ -102,7 +102,7 @@ def test_a_source_that_disconnects_mid_upload_is_not_a_server_error(ledger_serve
     host, port = "127.0.0.1", ledger_server.port
     with socket.create_connection((host, port)) as s:
         s.sendall(
-            b"POST /v1/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100000\r\n\r\n" + b'{"source": {"id": "half"'
         )
     evs = numbered([ev.Queued(seq=0, ts=1.0, request_id="after", prompt_tokens=3)])
@@ -156,7 +156,7 @@ def test_a_body_shorter_than_its_content_length_gets_a_408_instead_of_holding_th
         for method, path in (("POST", "/v1/events"), ("PUT", "/v1/policy"), ("POST", "/v1/sql")):
             with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
                 s.sendall(
-                    f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                     'Content-Length: 100000\r\n\r\n{"source"'.encode()
                 )
                 t0 = time.monotonic()

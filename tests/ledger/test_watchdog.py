@@ -55,7 +55,7 @@ def test_a_loop_that_keeps_turning_reports_nothing():
 def test_group_commits_are_counted_in_the_metrics(tmp_path):
     settings = Settings(db_url=f"duckdb:///{tmp_path / 'l.duckdb'}")
     src = ev.Source(id="e0", kind="engine", model="m")
-    with TestClient(create_app(settings)) as c:
+    with TestClient(create_app(settings), base_url="http://127.0.0.1") as c:
         for i in range(3):
             body = ev.encode_batch(
                 src, [ev.Queued(seq=i + 1, ts=time.time(), request_id=f"r{i}", prompt_tokens=5)]

@@ -325,7 +325,7 @@ def test_newer_schema_version_is_refused(client):
 
 
 def test_open_ledger_on_loopback_needs_no_token(db_url):
-    with TestClient(create_app(Settings(db_url=db_url))) as c:
+    with TestClient(create_app(Settings(db_url=db_url)), base_url="http://127.0.0.1:8787") as c:
         data = body(ENGINE, numbered([ev.Queued(seq=0, ts=5.0, request_id="a", prompt_tokens=3)]))
         assert c.post("/v1/events", content=data).status_code == 200
         assert c.get("/v1/requests/a").status_code == 200

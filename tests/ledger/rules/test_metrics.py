@@ -52,6 +52,8 @@ EXPECTED = {
     "chunkledger_ingest_duplicates": ("counter", {"source"}),
     "chunkledger_ingest_batches": ("counter", {"source"}),
     "chunkledger_ingest_rejections": ("counter", {"reason"}),
+    "chunkledger_request_refusals": ("counter", {"reason"}),
+    "chunkledger_auth_failures": ("counter", {"reason"}),
     "chunkledger_ingest_future_timestamps": ("counter", {"source"}),
     "chunkledger_source_dropped_events": ("counter", {"source", "reason"}),
     "chunkledger_advised_chunk_tokens": ("gauge", {"model"}),
@@ -176,7 +178,7 @@ def test_traffic_moves_ingest_counters_and_finished_requests_fill_the_histograms
         ev.Finished(seq=5, ts=t + 2.0, request_id="r1", reason="stop", output_tokens=11),
     ]
     app = create_app(Settings(db_url=db_url))
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://127.0.0.1") as c:
         body = ev.encode_batch(src, evs)
         assert c.post("/v1/events", content=body).json()["accepted"] == 5
         assert c.post("/v1/events", content=body).json()["duplicates"] == 5
@@ -209,7 +211,7 @@ def test_traffic_moves_ingest_counters_and_finished_requests_fill_the_histograms
 
 def test_rejections_are_counted_by_reason(tmp_path):
     app = create_app(Settings(db_url=f"duckdb:///{tmp_path}/r.duckdb", max_body_bytes=2048))
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://127.0.0.1") as c:
         assert c.post("/v1/events", content=b"x" * 5000).status_code == 413
         big = msgspec.json.encode({"source": {"id": "e", "kind": "engine"}, "events": [{"kind": "nope"}]})
         assert c.post("/v1/events", content=big).status_code == 422

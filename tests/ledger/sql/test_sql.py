@@ -672,7 +672,7 @@ def test_param_option_reads_json_values_else_strings():
         sql.parse_param("nothing")
 
 
-def test_more_concurrent_queries_than_the_limit_get_a_503_busy():
+def test_more_concurrent_queries_than_the_limit_get_a_429_busy_at_once():
     release = threading.Event()
 
     class Blocking(sql.SqlRunner):
@@ -690,9 +690,11 @@ def test_more_concurrent_queries_than_the_limit_get_a_503_busy():
     for w in workers:
         w.start()
     time.sleep(0.1)
+    t0 = time.monotonic()
     with pytest.raises(sql.SqlError) as err:
         runner.run("SELECT 1", max_rows=1, timeout_s=1)
-    assert (err.value.reason, err.value.status) == ("busy", 503)
+    assert (err.value.reason, err.value.status) == ("busy", 429)
+    assert time.monotonic() - t0 < 0.5  # no worker thread waits for a slot
     release.set()
     for w in workers:
         w.join()

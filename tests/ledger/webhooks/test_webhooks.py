@@ -326,7 +326,7 @@ def test_service_raises_starvation_and_slo_breach_alerts_from_live_traffic(db_ur
     s = Settings(db_url=db_url, webhook_allow="127.0.0.1")
     app = create_app(s)
     src = ev.Source(id="e0", kind="engine", model="m")
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://127.0.0.1") as c:
         c.put(
             "/v1/policy",
             json={
