@@ -13,6 +13,8 @@ Read directly elsewhere, on the hot path and by design (vLLM's scheduler interfa
 ``SchedulerOutput.num_scheduled_tokens`` / ``scheduled_spec_decode_tokens`` / ``preempted_req_ids``,
 ``EngineCoreOutput.new_token_ids`` / ``finish_reason`` / ``stop_reason``, and the request counters
 (``num_computed_tokens``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_preemptions``, ...).
+Overridden beside the entry points: ``Scheduler._preempt_request`` (:data:`PREEMPT_METHOD`), to read a
+request's computed tokens before vLLM resets them.
 """
 
 from __future__ import annotations
