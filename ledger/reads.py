@@ -27,6 +27,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from ledger.config import Settings
+from ledger.export import pg_read_transaction
 from ledger.refusal import Refusal
 
 log = logging.getLogger(__name__)
@@ -179,15 +180,8 @@ class Reads:
             return
         if self.engine is None:
             raise Refusal("no_database", "this ledger's store keeps no tables to export", status=503)
-        raw = self.engine.raw_connection()
-        pg: Any = raw.driver_connection
-        try:
-            pg.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        with pg_read_transaction(self.engine) as pg:
             yield pg
-        finally:
-            with contextlib.suppress(Exception):
-                pg.rollback()
-            raw.close()
 
     def close(self) -> None:
         if self._own_engine and self.engine is not None:
