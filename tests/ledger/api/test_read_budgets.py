@@ -181,11 +181,15 @@ def _stalled_export(port: int) -> socket.socket:
 
 
 def _idle_in_transaction(db_url: str) -> int:
+    """Export sessions left idle in a transaction: their last statement opened the export's snapshot or
+    used its cursor (the ingest writer, also idle in a transaction between the statements of each of its
+    commits, is not one)."""
     eng = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
     with eng.connect() as conn:
         n = conn.exec_driver_sql(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND state = 'idle in transaction' AND pid <> pg_backend_pid()"
+            "AND state = 'idle in transaction' AND pid <> pg_backend_pid() "
+            "AND (query ILIKE '%%chunkledger_export%%' OR query ILIKE 'SET TRANSACTION%%')"
         ).scalar_one()
     eng.dispose()
     return int(n)
