@@ -16,7 +16,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -57,6 +57,7 @@ class Exporter(EventQueue):
         self._source = Source(id=config.source_id, kind=config.source_kind, model=config.model)
         self._init_queue(config.queue_size, config.batch_size)
         self._log = LogOnce()
+        self._holders: list[Callable[[], None]] = []  # see hold_back
         self._init_state(self._open_spool())
         self._start()
         _live.add(self)
@@ -145,13 +146,33 @@ class Exporter(EventQueue):
 
     # -- host API ---------------------------------------------------------------------------------
 
+    def hold_back(self, release: Callable[[], None]) -> None:
+        """Register a producer that holds events back before emitting them (the vLLM plugin folds a
+        step's outputs off the engine thread): :meth:`force_flush` and :meth:`shutdown` call
+        ``release()``, which emits them, first."""
+        self._holders.append(release)
+
+    def _release_held(self) -> None:
+        for release in self._holders:
+            try:
+                release()
+            except Exception:
+                self._log(
+                    logging.ERROR,
+                    "release",
+                    "chunkledger exporter: a producer's release failed",
+                    exc_info=True,
+                )
+
     def force_flush(self, timeout: float | None = None) -> bool:
-        """Wait until every event emitted so far is acknowledged by the ledger; False on timeout.
+        """Wait until every event emitted so far (and held back: :meth:`hold_back`) is acknowledged by
+        the ledger; False on timeout.
 
         Spooled events count as not yet delivered, so while the ledger is down this waits out the
         timeout. Never raises.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._release_held()
         try:
             batcher = self._batcher
             with batcher.progress:
@@ -177,6 +198,8 @@ class Exporter(EventQueue):
         """
         timeout = self.config.shutdown_timeout_s if timeout is None else timeout
         batcher = self._batcher
+        if not self._shutdown_started:
+            self._release_held()
         first = self._close_queue()
         self._shutdown_started = True
         if first:

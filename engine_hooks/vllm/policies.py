@@ -67,6 +67,11 @@ class Policies(HookState):
 
     # -- around schedule() ------------------------------------------------------------------------
 
+    def _cl_policies_read_outputs(self) -> bool:
+        """Whether this step's policies read what folding the outputs keeps (finishes, output counts):
+        schedule() then folds the outputs held back first (:mod:`.folding`)."""
+        return bool(self._cl_marked or self._cl_protected or self.options.reorders)
+
     def _cl_apply_policies(self, now: float, throttle_prefills: bool = False) -> int | None:
         """Before ``schedule()``: order the queues, set the victim choice and this step's chunk cap.
         Returns the chunk threshold to restore after it (:meth:`_cl_undo_policies`), None for none.

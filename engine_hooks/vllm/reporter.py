@@ -33,6 +33,7 @@ before it too: about twice the device time.)
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, NamedTuple, cast
 
@@ -43,6 +44,7 @@ from engine_hooks.events import Chunk, CutoffApplied, Finished, Preempted, Queue
 from engine_hooks.exporter import Emitter, Exporter
 from engine_hooks.vllm import compat
 from engine_hooks.vllm.compat import QUEUED, SCHEDULED, vllm_stamp
+from engine_hooks.vllm.folding import OutputFolder
 from engine_hooks.vllm.state import PREEMPTED, RUNNING, HookState, ReqState
 
 
@@ -97,6 +99,10 @@ class Reporter(HookState):
     _cl_kv: dict[str, list[Any]] | None  # compat.block_lists
     _cl_block_size: int
     _cl_fast: bool  # the fast path for decodes is on (see _cl_report_schedule)
+    # Folds the steps' outputs off the engine thread (.folding); None on a scheduler built without
+    # __init__ (its hooks take no lock).
+    _cl_folder: OutputFolder | None = None
+    _cl_lock: Any = contextlib.nullcontext()  # the folder's lock
     _e_queued: Emitter
     _e_chunk: Emitter
     _e_tokens: Emitter
@@ -119,6 +125,8 @@ class Reporter(HookState):
         self._cl_kv = compat.block_lists(self)
         self._cl_block_size = compat.block_size(self)
         self._cl_fast = self._cl_kv is not None and compat.CAN_HOOK_PREEMPTION
+        self._cl_folder = OutputFolder(self._cl_report_outputs, self._cl_fail, "chunkledger-fold")
+        self._cl_lock = self._cl_folder.lock
 
     # -- the exporter -------------------------------------------------------------------------------
 
@@ -126,8 +134,9 @@ class Reporter(HookState):
         """Send events through ``exporter`` from now on (None: stop reporting; commands still apply).
 
         The exporter's ``on_command`` should be :meth:`submit_command`. The previous exporter is not
-        shut down here.
+        shut down here (it gets the outputs still held back).
         """
+        self._cl_fold()
         self._cl_exporter = exporter
         if exporter is None:
             null = cast(Emitter, _NullEmitter())
@@ -143,7 +152,14 @@ class Reporter(HookState):
             self._e_finished = e(Finished, *fields.FINISHED_FIELDS)
             self._e_cutoff = e(CutoffApplied, *fields.CUTOFF_APPLIED_FIELDS)
             self._e_step = e(Step, *fields.STEP_FIELDS)
+            exporter.hold_back(self._cl_fold)
         self._cl_active = True
+
+    def _cl_fold(self) -> None:
+        """Fold the steps' outputs still held back (:mod:`.folding`), on this thread."""
+        folder = self._cl_folder
+        if folder is not None and len(folder):
+            folder.drain()
 
     @property
     def exporter(self) -> Exporter | None:
@@ -250,22 +266,25 @@ class Reporter(HookState):
         kv_lists = self._cl_kv
         fast = self._cl_fast and not self.options.admission_step_target_s
         chunk_rows = []
-        ids = []
+        ids: list[str] = []
+        add_id = ids.append
         rids: list[str] = []  # with step_tokens only (the default path pays nothing for them)
         outs: list[int] = []
         in_step = self.options.step_tokens
-        prefill_tokens = decode_tokens = n_prefill = n_decode = depth = max_depth = 0
+        get = states.get
+        # Decodes on the fast path are counted at the end: the step's tokens and requests less the rest.
+        prefill_tokens = n_prefill = depth = max_depth = 0
+        skipped = 0  # tokens of scheduled requests not reported (not tracked, or gone)
         work = 0.0  # attention work, for the step-time fit
         for rid, n in scheduled.items():
-            st = states.get(rid)
+            st = get(rid)
             if st is None:
+                skipped += n
                 continue
-            if st.fast and (n == 1 or rid in spec):
-                decode_tokens += n
-                n_decode += 1
-            else:
+            if not st.fast or (n != 1 and rid not in spec):  # else a decode on the fast path
                 req = requests.get(rid)
                 if req is None:
+                    skipped += n
                     continue
                 computed = req.num_computed_tokens
                 before = computed - n
@@ -306,18 +325,18 @@ class Reporter(HookState):
                     if before > max_depth:
                         max_depth = before
                 else:
-                    decode_tokens += n
-                    n_decode += 1
                     work += n * before
                     st.fast = fast and kv is not None and not st.streamed
                 if computed > st.hw:
                     st.hw = computed
-            ids.append(st.ext)
+            add_id(st.ext)
             if in_step:
                 rids.append(rid)
                 outs.append(st.output)
             st.last_active = now  # for the policies: the KV-idle victim, slow_pool's starvation
             st.sat_out = 0
+        n_decode = len(ids) - n_prefill
+        decode_tokens = output.total_num_scheduled_tokens - skipped - prefill_tokens
         if chunk_rows:
             self._e_chunk.many(chunk_rows)
         stalled_ids = []
@@ -361,43 +380,37 @@ class Reporter(HookState):
 
     # -- after update_from_output(): tokens, finishes, the step ---------------------------------------
 
-    def _cl_report_outputs(self, outputs: dict[int, Any], ts: float, now: float) -> None:
-        """The step's new tokens (kept for its step event, or coalesced: :meth:`_cl_flush`) and finished
-        requests."""
-        states = self._cl_states
+    def _cl_report_outputs(self, outputs: list[list[Any]], ts: float, now: float) -> None:
+        """A step's new tokens (coalesced: :meth:`_cl_flush`, or kept for its step event with
+        ``step_tokens``) and finished requests. ``outputs``: the ``EngineCoreOutput`` lists of
+        ``update_from_output()``'s result, one per front end."""
+        if self.options.step_tokens:
+            self._cl_outputs_in_step(outputs, ts, now)
+            return
+        get = self._cl_states.get
         pending = self._cl_pending
         keep_ids = self.options.token_ids
         flush_n = self.options.tokens_flush
-        in_step = self.options.step_tokens
-        new_rows, new_ids = self._cl_new, self._cl_new_ids
-        for eco in outputs.values():
-            for out in eco.outputs:
-                rid = out.request_id
-                st = states.get(rid)
+        for outs in outputs:
+            for out in outs:
+                st = get(out.request_id)
                 if st is None:
                     continue
                 new = out.new_token_ids
                 if new:
-                    n = len(new)
-                    st.output += n
-                    if in_step:
-                        new_rows.append((rid, st.ext, n, st.output))
-                        if keep_ids:
-                            new_ids += new
-                    else:
-                        held = st.pending
-                        if not held:
-                            st.pending_first_ts = ts
-                            pending[rid] = st
-                        held += new if keep_ids else [0] * n
-                if out.finish_reason is not None:
-                    stop = out.stop_reason
-                    reason = compat.FINISH.get(out.finish_reason, "stop")
-                    if stop is None and out.finish_reason == compat.REPETITION:
-                        stop = "repetition"
-                    self._cl_finish(rid, st, reason, None if stop is None else str(stop), ts, now)
-                elif new and not in_step and len(st.pending) >= flush_n:
-                    self._cl_flush(rid, st, ts)
+                    st.output += len(new)
+                    held = st.pending
+                    if not held:
+                        st.pending_first_ts = ts
+                        pending[out.request_id] = st
+                    held += new if keep_ids else [0] * len(new)
+                    if out.finish_reason is None:
+                        if len(held) >= flush_n:
+                            self._cl_flush(out.request_id, st, ts)
+                        continue
+                elif out.finish_reason is None:
+                    continue
+                self._cl_output_finished(out, st, ts, now)
         if pending:
             # Oldest first: a request enters ``pending`` with its first unsent token and leaves it when
             # they are sent, so the dict's order is that of pending_first_ts.
@@ -407,6 +420,34 @@ class Reporter(HookState):
                 if st.pending_first_ts > oldest:
                     break
                 self._cl_flush(rid, st, ts)
+
+    def _cl_outputs_in_step(self, outputs: list[list[Any]], ts: float, now: float) -> None:
+        """:meth:`_cl_report_outputs` with ``step_tokens``: each output's new tokens are kept for the
+        step event (:meth:`_cl_report_step`)."""
+        get = self._cl_states.get
+        keep_ids = self.options.token_ids
+        new_rows, new_ids = self._cl_new, self._cl_new_ids
+        for outs in outputs:
+            for out in outs:
+                st = get(out.request_id)
+                if st is None:
+                    continue
+                new = out.new_token_ids
+                if new:
+                    n = len(new)
+                    st.output += n
+                    new_rows.append((out.request_id, st.ext, n, st.output))
+                    if keep_ids:
+                        new_ids += new
+                if out.finish_reason is not None:
+                    self._cl_output_finished(out, st, ts, now)
+
+    def _cl_output_finished(self, out: Any, st: ReqState, ts: float, now: float) -> None:
+        stop = out.stop_reason
+        if stop is None and out.finish_reason == compat.REPETITION:
+            stop = "repetition"
+        reason = compat.FINISH.get(out.finish_reason, "stop")
+        self._cl_finish(out.request_id, st, reason, None if stop is None else str(stop), ts, now)
 
     def _cl_report_step(self, scheduler_output: Any, now: float) -> None:
         """Send the ``step`` event of ``scheduler_output``, completed at ``now`` (and feed its duration

@@ -168,6 +168,8 @@ class _LedgerHooks(Reporter, Commands, Policies):
         super().__init__(*args, **kwargs)
         self.hook_errors = 0  # exceptions caught in the hooks (each place is logged once)
         self.hook_seconds = 0.0  # engine-thread time spent in the hooks (schedule and update)
+        # and the engine thread's CPU time in them (hook_seconds also holds its waits for the GIL)
+        self.hook_cpu_seconds = 0.0
         self._cl_logged = set()
         config = self.vllm_config
         extra = config.additional_config if isinstance(config.additional_config, dict) else {}
@@ -200,10 +202,16 @@ class _LedgerHooks(Reporter, Commands, Policies):
     # -- vLLM entry points ------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        with self._cl_lock:
+            self._cl_add_request(request)
+
+    def _cl_add_request(self, request: Request) -> None:
         super().add_request(request)
         if not self._cl_active:
             return
         try:
+            if request.request_id in self._cl_states:
+                self._cl_fold()  # it may have finished in outputs not folded yet
             st = self._cl_states.get(request.request_id)
             if st is not None:  # a streaming-input continuation of a known request
                 st.streamed = True
@@ -218,13 +226,19 @@ class _LedgerHooks(Reporter, Commands, Policies):
             self._cl_fail("add_request")
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        with self._cl_lock:
+            return self._cl_schedule(*args, **kwargs)
+
+    def _cl_schedule(self, *args: Any, **kwargs: Any) -> Any:
+        t0, c0 = time.perf_counter(), time.thread_time()
         now = self.clock()
         ts = time.time()
         restore: int | None = None
         scheduled_at = now  # when vLLM schedules (its SCHEDULED stamp): waits end here
         if self._cl_active:
             try:
+                if self._cl_inbox or self._cl_unmatched or self._cl_policies_read_outputs():
+                    self._cl_fold()  # the requests' state as of the last step (.folding)
                 if self._cl_inbox or self._cl_unmatched:
                     self._cl_take_commands(now, ts)
                 throttle = bool(args[0] if args else kwargs.get("throttle_prefills", False))
@@ -233,6 +247,7 @@ class _LedgerHooks(Reporter, Commands, Policies):
                 self._cl_fail("before_schedule")
             scheduled_at = self.clock()
             self.hook_seconds += time.perf_counter() - t0
+            self.hook_cpu_seconds += time.thread_time() - c0
         try:
             output = super().schedule(*args, **kwargs)
         finally:
@@ -240,31 +255,48 @@ class _LedgerHooks(Reporter, Commands, Policies):
             if restore is not None or self._cl_budget_restore is not None or self._cl_held is not None:
                 self._cl_undo_policies(restore)
         if self._cl_active:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 opts = self.options
+                if output.preempted_req_ids:
+                    self._cl_fold()  # their tokens go out before their preemption
                 if opts.preempt_escape_after and opts.preempt_escape_for == "predicted":
                     self._cl_grant_escapes(output.preempted_req_ids, opts.preempt_escape_after)
                 self._cl_report_schedule(output, scheduled_at, ts, now)
             except Exception:
                 self._cl_fail("after_schedule")
             self.hook_seconds += time.perf_counter() - t0
+            self.hook_cpu_seconds += time.thread_time() - c0
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._cl_active:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 ts = time.time()
                 now = self.clock()
-                self._cl_report_outputs(outputs, ts, now)
+                lists = [eco.outputs[:] for eco in outputs.values()]  # before aborts join them
+                folder = self._cl_folder
+                if (
+                    folder is None
+                    or len(folder)  # the engine did not wait long enough to fold the last step's
+                    or self.options.step_tokens  # its columns ride on the step event
+                    or not (self.running or self.waiting)  # the engine goes idle
+                ):
+                    with self._cl_lock:
+                        self._cl_fold()
+                        self._cl_report_outputs(lists, ts, now)
+                else:
+                    folder.put(lists, ts, now)  # folded while the engine waits (.folding)
+                # The rest touches no request state (the folder may be folding beside it).
                 if self._cl_abort_outputs:
                     self._cl_deliver_aborts(outputs)
                 self._cl_report_step(scheduler_output, now)
             except Exception:
                 self._cl_fail("update_from_output")
             self.hook_seconds += time.perf_counter() - t0
+            self.hook_cpu_seconds += time.thread_time() - c0
         return outputs
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
@@ -277,18 +309,25 @@ class _LedgerHooks(Reporter, Commands, Policies):
         super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
-        finished = super().finish_requests(request_ids, finished_status)
-        if self._cl_active and finished:
-            try:
-                self._cl_report_finished(finished, finished_status)
-            except Exception:
-                self._cl_fail("finish_requests")
-        return finished
+        with self._cl_lock:
+            finished = super().finish_requests(request_ids, finished_status)
+            if self._cl_active and finished:
+                try:
+                    self._cl_fold()
+                    self._cl_report_finished(finished, finished_status)
+                except Exception:
+                    self._cl_fail("finish_requests")
+            return finished
 
     def shutdown(self) -> None:
         try:
             super().shutdown()
         finally:
+            if self._cl_folder is not None:
+                try:
+                    self._cl_folder.close()
+                except Exception:
+                    self._cl_fail("shutdown")
             exporter = self._cl_exporter
             if exporter is not None:
                 try:

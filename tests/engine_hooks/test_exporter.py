@@ -362,6 +362,28 @@ def test_shutdown_drains_everything_queued(make_exporter, fake_ledger):
     assert len(_data_events(fake_ledger)) == 300
 
 
+def test_events_a_producer_holds_back_are_released_by_force_flush_and_shutdown(make_exporter, fake_ledger):
+    exporter = make_exporter(flush_interval_s=10.0)
+    tokens = exporter.emitter(Tokens, *TOKENS)
+    held: list[int] = []
+
+    def release() -> None:
+        while held:
+            tokens(1.7e9, "r", 1, held.pop(0))
+
+    def failing() -> None:
+        raise RuntimeError("a producer's bug")
+
+    exporter.hold_back(failing)  # logged, and the others are still released
+    exporter.hold_back(release)
+    held += [1, 2]
+    assert exporter.force_flush(5)
+    assert [e.total for e in _data_events(fake_ledger)] == [1, 2]
+    held.append(3)
+    assert exporter.shutdown(5)
+    assert [e.total for e in _data_events(fake_ledger)] == [1, 2, 3]
+
+
 def test_shutdown_twice_is_harmless_and_later_emits_are_counted_not_raised(make_exporter, fake_ledger):
     exporter = make_exporter()
     tokens = exporter.emitter(Tokens, *TOKENS)

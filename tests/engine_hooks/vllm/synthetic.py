@@ -155,14 +155,19 @@ class _DeviceFuture(Future):
     """A step's output: done at once, but ``result()`` first moves the clock to the step's finish
     (waiting for the device)."""
 
-    def __init__(self, clock: VirtualClock, finish: float, value: Any):
+    def __init__(self, clock: VirtualClock, finish: float, value: Any, real_finish: float | None = None):
         super().__init__()
         self._clock = clock
         self._finish = finish
+        self._real_finish = real_finish
         self.set_result(value)
 
     def result(self, timeout: float | None = None) -> Any:
         self._clock.advance_to(self._finish)
+        if self._real_finish is not None:  # DeviceSettings.real_time: wait as for a GPU (GIL released)
+            left = self._real_finish - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
         return super().result(timeout)
 
 
@@ -177,6 +182,9 @@ class DeviceSettings:
     vocab_size: int = 1400
     eos_token_ids: frozenset[int] = frozenset({2})
     seed: int = 0
+    # The device also takes its time on the real clock: a step's output is ready that long after the
+    # device started it (perf_counter), and waiting for it sleeps, as the engine thread waits for a GPU.
+    real_time: bool = False
 
 
 def executor_class(settings: DeviceSettings) -> type:
@@ -216,7 +224,9 @@ class SyntheticExecutorMixin:
         self.steps = []
         self._device_free = float("-inf")
         self._rng = random.Random(self.settings.seed)
-        self._launched: deque[tuple[Any, float]] = deque()  # (output, finish) awaiting sample_tokens
+        self._real_free = 0.0  # DeviceSettings.real_time: perf_counter when the device is next free
+        # (output, finish, real finish or None) awaiting sample_tokens
+        self._launched: deque[tuple[Any, float, float | None]] = deque()
         self._by_output: dict[int, DeviceStep] = {}
 
     def check_health(self) -> None:
@@ -319,12 +329,16 @@ class SyntheticExecutorMixin:
         self._by_output[id(scheduler_output)] = step
         if len(self._by_output) > 64:
             del self._by_output[next(iter(self._by_output))]
-        self._launched.append((self._sample(scheduler_output), finished))
+        real_finish = None
+        if self.settings.real_time:
+            real_finish = max(time.perf_counter(), self._real_free) + device_s
+            self._real_free = real_finish
+        self._launched.append((self._sample(scheduler_output), finished, real_finish))
         return _DeviceFuture(clock, launched, None) if non_block else None
 
     def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
-        output, finished = self._launched.popleft()
-        future = _DeviceFuture(self.settings.clock, finished, output)
+        output, finished, real_finish = self._launched.popleft()
+        future = _DeviceFuture(self.settings.clock, finished, output, real_finish)
         return future if non_block else future.result()
 
     def _sample(self, scheduler_output: Any) -> Any:
@@ -574,16 +588,24 @@ class SyntheticEngine(Stepping):
         scheduler_cls: str = "engine_hooks.vllm.LedgerScheduler",
         clocked: bool = True,
         max_loras: int = 0,
+        real_time: bool = False,
     ):
         """``clocked=False``: the engine's modules keep the real ``time`` (several engines can live in
-        one process; the stamps are then not on the device's timeline, see :func:`clocked_modules`)."""
+        one process; the stamps are then not on the device's timeline, see :func:`clocked_modules`).
+        ``real_time``: the device's steps also take their time on the real clock
+        (:class:`DeviceSettings`)."""
         from vllm.v1.engine.core import EngineCore
 
         self.clock = VirtualClock()
         eos = _eos_ids(model)
         hf = json.loads((Path(model) / "config.json").read_text())
         settings = DeviceSettings(
-            self.clock, device_time, kv_tokens, vocab_size=hf["vocab_size"], eos_token_ids=eos
+            self.clock,
+            device_time,
+            kv_tokens,
+            vocab_size=hf["vocab_size"],
+            eos_token_ids=eos,
+            real_time=real_time,
         )
         executor = executor_class(settings)
         self._saved_mrv2 = os.environ.get(_MRV2_ENV)

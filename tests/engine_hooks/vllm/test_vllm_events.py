@@ -257,6 +257,30 @@ def test_tokens_are_coalesced_per_request(engine, attach, ledger):
     assert not [s for s in events if isinstance(s, Step) and s.token_counts]
 
 
+def test_every_output_token_reaches_the_ledger_once_in_order_with_the_outputs_folded_off_the_engine_thread(
+    engine, attach, ledger
+):
+    exporter = attach(ledger.url)
+    sch = engine.scheduler
+    sch.options = type(sch.options)(tokens_flush=5, tokens_flush_s=60.0)
+    folded = sch._cl_folder.folded
+    ids = [rid(f"fold{i}") for i in range(12)]
+    for i, r in enumerate(ids):
+        engine.add(r, prompt(20 + 10 * i), max_tokens=7 + 3 * i)
+    outs = engine.run()
+    events = _events(ledger, exporter)
+    assert sch._cl_folder.folded > folded  # the steps' outputs went through the folder's queue
+    tokens = output_token_ids(events)
+    for r in ids:
+        produced = list(outs[r].outputs[0].token_ids)
+        assert tokens[r] == produced, r
+        sent = events_of(events, Tokens, r)
+        assert [t.total for t in sent] == [min(5 * (k + 1), len(produced)) for k in range(len(sent))]
+        (finished,) = events_of(events, Finished, r)
+        assert finished.output_tokens == len(produced)
+        assert max(t.seq for t in sent) < finished.seq  # its tokens before its finish
+
+
 def test_a_failing_hook_is_counted_and_the_engine_keeps_serving(engine, attach, ledger):
     attach(ledger.url)
     before = engine.scheduler.hook_errors

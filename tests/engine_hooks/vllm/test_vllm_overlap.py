@@ -21,7 +21,8 @@ import pytest
 
 from engine_hooks.events import Step
 from tests.engine_hooks.vllm import synthetic
-from tests.engine_hooks.vllm.vllm_helpers import events_of, prompt, rid
+from tests.engine_hooks.vllm.vllm_helpers import attach_exporter, events_of, prompt, rid
+from tests.support.factories import output_token_ids
 from tests.support.fake_ledger import FakeLedger
 
 pytestmark = [
@@ -172,3 +173,36 @@ def test_consecutive_completions_are_the_device_time_apart(engine, attach, ledge
     assert len(busy) >= len(numbers) // 2, (len(busy), len(numbers))
     wrong = [row for row in busy if row[1] != pytest.approx(row[2], rel=TOLERANCE)]
     assert not wrong, f"{_mode(engine)}: (step, completion interval, device time) {wrong}"
+
+
+def test_with_the_device_busy_the_outputs_are_folded_on_the_folders_thread(
+    engine, ledger, tiny_model, tmp_path
+):
+    """On a GPU the engine thread waits for the device with the GIL released: the steps' outputs are
+    folded there, on the folder's thread, not on the engine thread (engine_hooks.vllm.folding). An
+    engine of its own whose device takes 5 ms a step on the real clock."""
+    own = synthetic.SyntheticEngine(
+        tiny_model,
+        overlap=engine.overlap,
+        mrv2=synthetic.mrv2(),
+        clocked=False,
+        real_time=True,
+        device_time=lambda output: 0.005,
+    )
+    try:
+        sch = own.scheduler
+        exporter = attach_exporter(sch, ledger.url, str(tmp_path / "spool"))
+        ids = [rid(f"busy{i}") for i in range(8)]
+        for r in ids:
+            own.add(r, prompt(40), max_tokens=30)
+        outs = own.run()
+        assert exporter.force_flush(10.0)
+        folder = sch._cl_folder
+        share = folder.folded_off / folder.folded
+        assert folder.folded >= 30 and share >= 0.9, (_mode(engine), folder.folded, folder.folded_off)
+        tokens = output_token_ids(list(ledger.store.events))
+        assert all(tokens[r] == list(outs[r].outputs[0].token_ids) for r in ids)
+        sch.use_exporter(None)
+        exporter.shutdown(2.0)
+    finally:
+        own.close()
