@@ -140,7 +140,9 @@ def ledger(
     try:
         src = ev.Source(id="bulk", kind="engine", model="m")
         with httpx.Client(base_url=server.url, headers=ING, timeout=60) as http:
-            for b in range(10):  # 50,000 events with 96 random characters each: ~5.4 MB of Parquet
+            # 100,000 events with 96 random characters each: about 11 MB of Parquet, well past what the
+            # server's socket can buffer (tcp_wmem's maximum here: 4 MB), so a stalled export blocks
+            for b in range(20):
                 evs = numbered(
                     [
                         ev.Queued(seq=0, ts=1e9 + i, request_id=secrets.token_hex(48), prompt_tokens=3)
