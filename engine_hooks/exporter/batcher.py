@@ -367,8 +367,16 @@ class Batcher:
                 self._replay_single_until = job.end
             elif not self._replay_broken:  # settled oldest first: everything before it is released
                 self.spool.release(job.end, job.records, job.prepared.events)
+                self._count_replayed(job.prepared.events)
         elif job.kind == HELD:
             self._held.popleft()
+            self._count_replayed(job.prepared.events)
+
+    def _count_replayed(self, events: int) -> None:
+        """A replayed batch leaves the backlog (delivered or refused for good): counted once here, not
+        per POST, since a replay broken by a batch before it sends the later ones again."""
+        with self._counters.lock:
+            self._counters.replayed += events
 
     def _abandon_in_flight(self) -> None:
         """Shutdown's send deadline passed: stop waiting; spool the fresh batches still unanswered."""

@@ -61,11 +61,11 @@ class Counters:
         self.spooled = self.replayed = 0
         self.last_success_ts: float | None = None
 
-    def acknowledged(self, events: int, duplicates: int, replayed: bool) -> None:
-        """Count an acknowledged POST; the caller holds ``lock``."""
+    def acknowledged(self, events: int, duplicates: int) -> None:
+        """Count an acknowledged POST; the caller holds ``lock``. (``replayed`` is counted when the
+        worker takes a replayed batch off the spool or the memory backlog: once, however often it was
+        sent.)"""
         self.sent += events
         self.batches_sent += 1
-        if replayed:
-            self.replayed += events
         self.duplicates += duplicates
         self.last_success_ts = time.time()

@@ -130,9 +130,7 @@ class Senders:
             if job.abandoned:  # shutdown spooled it meanwhile: a replay will be counted as duplicates
                 return
             job.result = result
-            self._counters.acknowledged(
-                job.prepared.events, answer.duplicates if answer is not None else 0, job.kind != FRESH
-            )
+            self._counters.acknowledged(job.prepared.events, answer.duplicates if answer is not None else 0)
         if self._hand_over is not None and answer is not None:
             for command in answer.commands:
                 self._hand_over(command)
@@ -144,6 +142,4 @@ class Senders:
             if job.abandoned:
                 return
             job.result = result
-            if job.kind != FRESH:
-                self._counters.replayed += prepared.events
         self._record_drop("rejected", prepared.events, not prepared.markers_only)

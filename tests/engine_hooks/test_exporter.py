@@ -150,6 +150,31 @@ def test_a_backlog_is_replayed_in_merged_posts_with_several_in_flight(make_expor
     assert stats.replayed == 3000 and stats.spool_pending == 0 and stats.duplicates == 0
 
 
+def test_a_replay_broken_by_a_failed_post_counts_each_spooled_event_replayed_once(make_exporter, fake_ledger):
+    exporter = make_exporter(batch_size=50, replay_max_events=500, max_in_flight=4)
+    tokens = exporter.emitter(Tokens, *TOKENS)
+    fake_ledger.stop()
+    for i in range(3000):
+        tokens(1.7e9, "r", 1, i + 1)
+    assert not exporter.force_flush(0.5)
+    fake_ledger.delay_s = 0.05  # several replays in flight when the second one fails
+    failed: list[int] = []
+
+    def fail_second_replay_once(batch) -> int | None:
+        if not failed and batch.events and batch.events[0].total == 501:
+            failed.append(1)
+            return 503
+        return None
+
+    fake_ledger.fail_if = fail_second_replay_once
+    fake_ledger.start()
+    assert exporter.force_flush(15)
+    stats = exporter.stats()
+    assert stats.sent > 3000 and stats.duplicates > 0  # the POSTs after the failed one were sent again
+    assert stats.spooled == 3000 and stats.replayed == 3000 and stats.spool_pending == 0
+    assert sorted({e.total for e in _data_events(fake_ledger)}) == list(range(1, 3001))
+
+
 def test_a_merged_replay_the_ledger_refuses_is_sent_again_batch_by_batch_and_only_the_bad_one_dropped(
     make_exporter, fake_ledger
 ):
