@@ -19,6 +19,14 @@ Rules that hold for every event:
   optional field is a compatible change; anything else bumps ``SCHEMA_VERSION``.
 * Prompt text and output text never travel. Output token ids may travel (for the loop detector) and
   are not persisted by the ledger unless it is configured to.
+* A producer (one exporter) sends a key of its own in the ``PRODUCER_HEADER`` header with every batch
+  and command poll; the ledger binds the source id to the first key it sees and fences other keys
+  while the source is live (409 ``fenced``: retry later), so no other holder of the ingest token can
+  write as the source or read its commands. The exporter keeps its key in its spool folder, so a
+  restarted producer is the same producer. A source sent without a key stays unbound, as before.
+* An event stored under ``(source.id, seq)`` is never replaced: a batch that sends another event
+  under a stored seq is answered 409 ``conflicting_replay`` naming the seqs (the batch's other events
+  are stored).
 """
 
 from __future__ import annotations
@@ -55,6 +63,10 @@ StatusCode = Annotated[int, msgspec.Meta(ge=0, le=999)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Ratio = Annotated[float, msgspec.Meta(ge=0, le=1)]
+
+# The HTTP header carrying the producer key (``ledger.producers``): a random secret the exporter draws
+# once per source and keeps in its spool folder.
+PRODUCER_HEADER = "x-chunkledger-producer"
 
 # The key under which a gateway passes its request id to vLLM: ``vllm_xargs`` in the OpenAI request
 # body, which vLLM copies into ``SamplingParams.extra_args``; the engine plugin keys events by it.

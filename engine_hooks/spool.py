@@ -1,7 +1,8 @@
 """Append-only, size-capped, crash-safe disk spool of encoded batches.
 
-Layout: one folder per source holding segment files ``<12-digit id>.seg``, a ``cursor`` file and a
-``lock`` file. A record is a 20-byte header followed by its payload (the exact ``POST /v1/events`` body)::
+Layout: one folder per source holding segment files ``<12-digit id>.seg``, a ``cursor`` file, a
+``lock`` file and the producer's key (``producer``, see ``Spool.producer_key``).
+A record is a 20-byte header followed by its payload (the exact ``POST /v1/events`` body)::
 
     magic b"CLS1" | payload length u32 | event count u32 | crc32(payload) u32 | crc32(first 12 bytes) u32
 
@@ -28,6 +29,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import secrets
 import struct
 import zlib
 from pathlib import Path
@@ -82,8 +84,33 @@ def _parse_header(raw: bytes) -> tuple[int, int, int] | None:
     return length, events, crc
 
 
+def new_producer_key() -> str:
+    """A producer key (``engine_hooks.events.PRODUCER_HEADER``): 192 random bits."""
+    return secrets.token_urlsafe(24)
+
+
 class Spool:
     """FIFO of records on disk; see the module docstring for the format and guarantees."""
+
+    def producer_key(self) -> str:
+        """The key of the producer owning this folder (``producer``, created on first use, owner-only):
+        a restarted exporter with its spool is the same producer, so the ledger takes its batches."""
+        path = self.directory / "producer"
+        try:
+            key = path.read_text().strip()
+        except FileNotFoundError:
+            key = ""
+        if key:
+            return key
+        key = new_producer_key()
+        tmp = self.directory / "producer.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return key
 
     def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int, segment_bytes: int, fsync: bool):
         self.directory = Path(directory)

@@ -21,6 +21,8 @@ from ledger.api.gate import RequestGate
 from ledger.config import Settings, get_settings
 from ledger.ingest import IngestWriter
 from ledger.metrics import LedgerMetrics
+from ledger.producers import ProducerBook
+from ledger.ratelimit import SourceLimits
 from ledger.reads import Reads
 from ledger.rules.service import RunawayService
 from ledger.sql.runners import open_runner as open_sql_runner
@@ -72,6 +74,7 @@ def create_app(
         own_store = store is None
         app.state.store = store or open_store(settings.db_url, persist_token_ids=settings.persist_token_ids)
         app.state.reads = Reads(app.state.store, settings)  # before the SQL runner: DuckDB's limits
+        app.state.producers = ProducerBook(app.state.store, lease_s=settings.producer_lease_s)
         app.state.sql = open_sql_runner(
             app.state.store, reader_url=settings.sql_reader_url, settings=settings
         )
@@ -116,7 +119,17 @@ def create_app(
 
     app = FastAPI(title="chunkledger", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
-    app.state.metrics = LedgerMetrics()
+    app.state.source_limits = SourceLimits(
+        events_per_s=settings.ingest_source_events_per_s,
+        bytes_per_s=settings.ingest_source_bytes_per_s,
+        burst_s=settings.ingest_source_burst_s,
+    )
+    app.state.metrics = LedgerMetrics(
+        max_models=settings.metrics_max_models,
+        max_sources=settings.metrics_max_sources,
+        max_reasons=settings.metrics_max_reasons,
+        max_label_length=settings.metrics_max_label_length,
+    )
     routers = [
         health.router,
         events.router,

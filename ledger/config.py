@@ -132,7 +132,45 @@ class Settings(BaseSettings):
         description="runaway policy (TOML/YAML/JSON) loaded at start; empty: the stored one, else the "
         "defaults",
     )
+    ingest_source_events_per_s: float = Field(
+        20_000.0,
+        ge=0,
+        description="events per second one source may send (a token bucket, burst ingest_source_burst_s "
+        "of it); over it a batch gets 429 with Retry-After. 0: no limit",
+    )
+    ingest_source_bytes_per_s: float = Field(
+        4 * 1024 * 1024,
+        ge=0,
+        description="request body bytes per second one source may send; over it a batch gets 429 before "
+        "its body is read. 0: no limit",
+    )
+    ingest_source_burst_s: float = Field(
+        2.0, gt=0, le=3600, description="seconds of its rate a source may send at once"
+    )
+    producer_lease_s: float = Field(
+        60.0,
+        gt=0,
+        le=86_400,
+        description="a source id stays bound to its producer's key while the producer sent a batch or "
+        "polled commands within this time; another key is fenced (409) until then",
+    )
     metrics_token: str = Field("", description="bearer token for GET /metrics (empty: the read token)")
+    metrics_max_models: int = Field(
+        8,
+        ge=1,
+        le=10_000,
+        description="distinct model label values with series of their own in /metrics; later ones are "
+        "exported as 'other' (counted in chunkledger_metric_label_overflow_total)",
+    )
+    metrics_max_sources: int = Field(
+        64, ge=1, le=100_000, description="distinct source label values in /metrics; the rest: 'other'"
+    )
+    metrics_max_reasons: int = Field(
+        8, ge=1, le=1000, description="distinct dropped-event reasons in /metrics; the rest: 'other'"
+    )
+    metrics_max_label_length: int = Field(
+        128, ge=8, le=1024, description="a longer label value a source sent is exported as 'other'"
+    )
     webhook_max_attempts: int = Field(
         8, ge=1, le=100, description="attempts before a webhook delivery is dead-lettered"
     )

@@ -2,7 +2,9 @@
 
 Names carry the ``chunkledger_`` prefix and base units; counters end in ``_total``; labels come from
 small sets only (model, source, kind, rule, action, layer, reason, channel, event_type): never a request
-id. Latency histograms are observed once per finished request, from its ``requests`` view row, a few
+id. The labels whose values sources choose (model, source, a dropped marker's reason) are bounded by
+``ledger.metric_labels``: capped in length and count, the rest folded into ``other`` and counted.
+Latency histograms are observed once per finished request, from its ``requests`` view row, a few
 seconds after the engine finished it (so the gateway's end has landed). Gauges about live requests are
 read from the rule engine when Prometheus scrapes.
 """
@@ -16,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ledger.metric_labels import OVERFLOW_REASONS, LabelValues
 from ledger.rules.rules import RULE_NAMES
 from ledger.rules.slo import itl_of
 
@@ -44,7 +47,8 @@ _instances: weakref.WeakSet[LedgerMetrics] = weakref.WeakSet()
 class _LiveCollector(Collector):
     """Gauges computed at scrape time from the rule engine."""
 
-    def __init__(self) -> None:
+    def __init__(self, models: LabelValues) -> None:
+        self.models = models
         self.live: Callable[[], dict[str, int]] = dict
         self.stalled: Callable[[], dict[str, int]] = dict
         self.stall_max: Callable[[], dict[str, float]] = dict
@@ -54,7 +58,8 @@ class _LiveCollector(Collector):
         g = GaugeMetricFamily(
             "chunkledger_live_requests", "Requests the rule engine tracks (not finished)", labels=["model"]
         )
-        for m, n in sorted(self.live().items()):
+        models = self.models
+        for m, n in sorted(models.fold(self.live(), _add).items()):
             g.add_metric([m], n)
         yield g
         g = GaugeMetricFamily(
@@ -62,7 +67,7 @@ class _LiveCollector(Collector):
             "Requests holding KV blocks that got no token in their engine's latest step",
             labels=["model"],
         )
-        for m, n in sorted(self.stalled().items()):
+        for m, n in sorted(models.fold(self.stalled(), _add).items()):
             g.add_metric([m], n)
         yield g
         g = GaugeMetricFamily(
@@ -70,7 +75,7 @@ class _LiveCollector(Collector):
             "Longest time a live request has gone without a new token",
             labels=["model"],
         )
-        for m, s in sorted(self.stall_max().items()):
+        for m, s in sorted(models.fold(self.stall_max(), max).items()):
             g.add_metric([m], s)
         yield g
         yield GaugeMetricFamily(
@@ -78,9 +83,32 @@ class _LiveCollector(Collector):
         )
 
 
+def _add(a: int, b: int) -> int:
+    return a + b
+
+
 class LedgerMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    """The ledger's metrics. ``max_models``, ``max_sources``, ``max_reasons``: how many distinct values
+    of those labels get series of their own; ``max_label_length``: the longest value exported as is."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        max_models: int = 8,
+        max_sources: int = 64,
+        max_reasons: int = 8,
+        max_label_length: int = 128,
+    ) -> None:
         r = self.registry = registry or CollectorRegistry(auto_describe=True)
+        overflow = self._overflow
+        self.models = LabelValues("model", cap=max_models, max_length=max_label_length, on_overflow=overflow)
+        self.sources = LabelValues(
+            "source", cap=max_sources, max_length=max_label_length, on_overflow=overflow
+        )
+        self.reasons = LabelValues(
+            "reason", cap=max_reasons, max_length=max_label_length, on_overflow=overflow
+        )
         self.layer_seconds = Histogram(
             "chunkledger_request_layer_seconds",
             "Per-request time in each layer (entry, admission, backend_wait = frontend + engine_queue, "
@@ -142,6 +170,12 @@ class LedgerMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
             registry=r,
         )
+        self.commands_refused = Counter(
+            "chunkledger_command_confirmations_refused_total",
+            "Confirmations (cutoff_applied, stream_cut) of a command from a source it was not sent to: "
+            "ignored",
+            registry=r,
+        )
         self.commands_expired = Counter(
             "chunkledger_commands_expired_total", "Commands given up unconfirmed after their ttl", registry=r
         )
@@ -177,7 +211,9 @@ class LedgerMetrics:
         )
         self.ingest_rejections = Counter(
             "chunkledger_ingest_rejections_total",
-            "Batches refused (reason: invalid, too_large, unavailable)",
+            "Batches refused (reason: invalid, too_large, unavailable, fenced: another producer owns the "
+            "source id, conflicting_replay: a seq already stored with other content, rate_limited: the "
+            "source is over its ingest limits)",
             ["reason"],
             registry=r,
         )
@@ -241,12 +277,21 @@ class LedgerMetrics:
             ["reason"],
             registry=r,
         )
-        self.live = _LiveCollector()
+        self.live = _LiveCollector(self.models)
         r.register(self.live)
+        # Registered after the live gauges, whose values are folded while a scrape collects them: the
+        # same scrape shows what they folded.
+        self.label_overflow = Counter(
+            "chunkledger_metric_label_overflow_total",
+            "Label values sources sent that were exported as 'other' (reason: too_many distinct values, "
+            "too_long, invalid: control characters)",
+            ["label", "reason"],
+            registry=r,
+        )
         for rule in RULE_NAMES:
             for action in _RULE_ACTIONS.get(rule, ("abort",)):
                 self.cutoffs.labels(rule, action)
-        for reason in ("invalid", "too_large", "unavailable"):
+        for reason in ("invalid", "too_large", "unavailable", "fenced", "conflicting_replay", "rate_limited"):
             self.ingest_rejections.labels(reason)
         for limit in REFUSAL_LIMITS:
             self.request_refusals.labels(limit)
@@ -254,14 +299,20 @@ class LedgerMetrics:
             self.auth_failures.labels(reason)
         for ch in ("ingest", "poll"):
             self.commands_delivered.labels(ch)
+        for label in ("model", "source", "reason"):
+            for why in OVERFLOW_REASONS:
+                self.label_overflow.labels(label, why)
         _instances.add(self)
+
+    def _overflow(self, label: str, reason: str) -> None:
+        self.label_overflow.labels(label, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def observe_request(self, row: dict[str, object]) -> None:
         """Latency histograms from one finished request's ``requests`` view row."""
-        model = str(row.get("model") or "")
+        model = self.models(str(row.get("model") or ""))
         for layer in LAYERS:
             v = row.get(f"{layer}_s")
             if isinstance(v, (int, float)) and v >= 0:
@@ -284,4 +335,4 @@ class LedgerMetrics:
 def set_advised_chunk(model: str, tokens: int) -> None:
     """Publish the advised chunk size for ``model`` on every live ledger's registry."""
     for m in list(_instances):
-        m.advised_chunk_tokens.labels(model).set(tokens)
+        m.advised_chunk_tokens.labels(m.models(model)).set(tokens)

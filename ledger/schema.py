@@ -1,6 +1,7 @@
 """Table definitions (SQLAlchemy Core). Alembic migrations in ``migrations/`` create and upgrade them.
 
-* ``sources``  one row per event source: its kind, model and high-water mark (``last_seq``).
+* ``sources``  one row per event source: its kind, model, high-water mark (``last_seq``) and the digest
+  of its producer's key (``producer``, see ``ledger.producers``).
 * ``events``   every accepted event, append-only; ``(source_id, seq)`` is unique. ``data`` holds the
   event's fields as JSON (output token ids removed unless configured). ``step`` events are stored
   here by identity only (``data`` NULL); their fields live in ``steps``.
@@ -40,6 +41,8 @@ sources = sa.Table(
     sa.Column("dropped_total", sa.BigInteger, nullable=False),
     sa.Column("first_seen_ts", sa.Double, nullable=False),
     sa.Column("last_seen_ts", sa.Double, nullable=False),
+    # A digest of the key of the producer that owns the id (ledger.producers; migration 0008).
+    sa.Column("producer", sa.Text),
 )
 
 events = sa.Table(

@@ -21,6 +21,7 @@ import msgspec
 
 from engine_hooks.events import Command, commands_decoder
 from engine_hooks.exporter.logonce import LogOnce
+from engine_hooks.exporter.transport import request_headers
 
 CommandCallback = Callable[[Command], None]
 
@@ -77,6 +78,7 @@ class CommandPoller:
         wait_s: float,
         token: str | None,
         connect_timeout_s: float,
+        producer_key: str | None = None,
         deliver: Callable[[Command], None],
         stop: threading.Event,
         log: LogOnce,
@@ -88,7 +90,7 @@ class CommandPoller:
         self._stop = stop
         self._log = log
         self._client = httpx.Client(
-            headers={"authorization": f"Bearer {token}"} if token else {},
+            headers=request_headers(token, producer_key),
             timeout=httpx.Timeout(wait_s + 10.0, connect=connect_timeout_s),
             trust_env=False,
         )

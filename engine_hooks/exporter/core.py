@@ -18,7 +18,9 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import quote
 
+import httpx
 import msgspec
 
 from engine_hooks.config import ExporterConfig
@@ -29,9 +31,9 @@ from engine_hooks.exporter.encode import Encoder, Prepared
 from engine_hooks.exporter.logonce import LogOnce, log
 from engine_hooks.exporter.queue import EventQueue, Layout
 from engine_hooks.exporter.stats import Counters, ExporterStats
-from engine_hooks.exporter.transport import Transport
+from engine_hooks.exporter.transport import Transport, request_headers
 from engine_hooks.exporter.window import Senders
-from engine_hooks.spool import Spool, SpoolError
+from engine_hooks.spool import Spool, SpoolError, new_producer_key
 
 _live: weakref.WeakSet[Exporter] = weakref.WeakSet()
 
@@ -82,12 +84,15 @@ class Exporter(EventQueue):
         self._spool = spool
         self._counters = Counters()
         self._commands = CommandDeduper(self._on_command, log_once) if self._on_command is not None else None
+        # The producer key binds the source id to this exporter at the ledger (ledger.producers); kept in
+        # the spool folder, so a restart with the spool is the same producer.
+        self._producer_key = spool.producer_key() if spool is not None else new_producer_key()
         seq_start = config.seq_start if config.seq_start is not None else time.time_ns() // 1000
         self._encoder = Encoder(self._source, config.batch_size, seq_start, log_once, self._record_drop)
         senders = Senders(
             count=config.max_in_flight,
             name=f"chunkledger-sender-{self._source.id}",
-            transport=Transport(config, self._counters, log_once),
+            transport=Transport(config, self._counters, log_once, producer_key=self._producer_key),
             counters=self._counters,
             record_drop=self._record_drop,
             hand_over=self._commands,
@@ -114,6 +119,7 @@ class Exporter(EventQueue):
                 source_id=self._source.id,
                 wait_s=config.command_poll_wait_s,
                 token=config.ingest_token,
+                producer_key=self._producer_key,
                 connect_timeout_s=config.connect_timeout_s,
                 deliver=self._commands,
                 stop=self._stop,
@@ -215,7 +221,24 @@ class Exporter(EventQueue):
             self._log(
                 logging.WARNING, "shutdown", "chunkledger exporter: shutdown timed out after %.1fs", timeout
             )
+        elif first and batcher.shutdown_ok and (self._spool is None or not self._spool.pending_events):
+            self._release_source()
         return batcher.shutdown_ok
+
+    def _release_source(self) -> None:
+        """Nothing is left to send: release the source id from this producer's key (``ledger.producers``),
+        so that a successor with another key (a restart without this spool) takes it over at once
+        instead of after the ledger's lease. Best effort: the lease still ends it."""
+        url = f"{self.config.url.rstrip('/')}/v1/sources/{quote(self._source.id, safe='')}/producer"
+        try:
+            httpx.delete(
+                url,
+                headers=request_headers(self.config.ingest_token, self._producer_key),
+                timeout=httpx.Timeout(min(2.0, self.config.timeout_s), connect=self.config.connect_timeout_s),
+                trust_env=False,
+            )
+        except httpx.HTTPError as exc:
+            log.info("chunkledger exporter: could not release source %s: %s", self._source.id, exc)
 
     def stats(self) -> ExporterStats:
         """The self-metrics as a snapshot (cheap; safe from any thread)."""

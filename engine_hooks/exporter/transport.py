@@ -7,7 +7,8 @@ answer                                         ``Outcome``         the worker th
                                                                    over by the sender)
 connection error, timeout, 5xx, 408, 429,      ``RETRY``           retries a fresh batch, then spools it;
 401/403/404 (the ledger or our config is                           ``retry_after`` carries the ledger's
-wrong, not the batch: keep it)                                     ``Retry-After`` hint
+wrong, not the batch: keep it), 409                                ``Retry-After`` hint
+``fenced`` (another producer holds the id)
 another 4xx, a merged replay of several        ``SPLIT``           sends its records again one per POST
 spool records
 another 4xx, one batch                         ``REJECTED``        drops it (counted, marker)
@@ -25,6 +26,7 @@ from typing import NamedTuple
 import httpx
 
 from engine_hooks.config import ExporterConfig
+from engine_hooks.events import PRODUCER_HEADER
 from engine_hooks.exporter.logonce import LogOnce
 from engine_hooks.exporter.stats import Counters
 
@@ -57,6 +59,23 @@ def backoff(config: ExporterConfig, attempt: int, hint: float | None) -> float:
     return min(config.backoff_max_s, max(delay, hint or 0.0))
 
 
+def request_headers(token: str | None, producer_key: str | None) -> dict[str, str]:
+    """The ingest token and the producer key (``engine_hooks.events.PRODUCER_HEADER``) as headers."""
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    if producer_key:
+        headers[PRODUCER_HEADER] = producer_key
+    return headers
+
+
+def _reason(response: httpx.Response) -> str | None:
+    """The ``reason`` of the ledger's error body, if it has one."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return body.get("reason") if isinstance(body, dict) else None
+
+
 def retry_after(response: httpx.Response) -> float | None:
     value = response.headers.get("retry-after")
     if value is None:
@@ -70,13 +89,13 @@ def retry_after(response: httpx.Response) -> float | None:
 class Transport:
     """POSTs encoded batches to the ledger over one pooled client (``max_in_flight`` connections)."""
 
-    def __init__(self, config: ExporterConfig, counters: Counters, log: LogOnce):
+    def __init__(
+        self, config: ExporterConfig, counters: Counters, log: LogOnce, *, producer_key: str | None = None
+    ):
         self._config = config
         self._counters = counters
         self._log = log
-        headers = {"content-type": "application/json"}
-        if config.ingest_token:
-            headers["authorization"] = f"Bearer {config.ingest_token}"
+        headers = {"content-type": "application/json", **request_headers(config.ingest_token, producer_key)}
         self._client = httpx.Client(
             headers=headers,
             timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s),
@@ -125,7 +144,7 @@ class Transport:
             return SendResult(Outcome.ACKED, None, response.content)
         with counters.lock:
             counters.send_failures += 1
-        if status >= 500 or status in _RETRY_STATUSES:
+        if status >= 500 or status in _RETRY_STATUSES or (status == 409 and _reason(response) == "fenced"):
             self._log(
                 logging.ERROR if status in (401, 403, 404) else logging.WARNING,
                 f"status:{status}",

@@ -301,6 +301,20 @@ class Gateway:
             body = error_body(str(exc), "invalid_request_error", 400, exc.param)
             await send_json(x.send, 400, body, x.request_id, self.id_header)
             return
+        if x.request_id in self._active:
+            # Two requests under one id would merge into one row at the ledger (and a cutoff for one
+            # would cut the other): the second is refused while the first is in flight. No event is
+            # sent for it, so nothing of it reaches the first one's row.
+            self.metrics.finished["duplicate_request_id"].inc()
+            body = error_body(
+                f"header {self.config.request_id_header}: request id {x.request_id!r} is in flight here "
+                "already; send each request with an id of its own",
+                "invalid_request_error",
+                409,
+                self.config.request_id_header,
+            )
+            await send_json(x.send, 409, body, x.request_id, self.id_header)
+            return
         model = payload.get("model")
         x.model = model if isinstance(model, str) else None
         xargs = payload.get("vllm_xargs")

@@ -18,6 +18,7 @@ OUTCOMES = (
     "rejected_queue_full",  # 429: the admission queue was full
     "rejected_wait_timeout",  # 503: waited longer than the admission bound
     "bad_request",  # 400: the gateway could not read the request
+    "duplicate_request_id",  # 409: the client's X-Request-Id is in flight here already
     "upstream_unreachable",  # 502: could not connect to the upstream
     "upstream_timeout",  # 504, or a stream ended by the read timeout
     "upstream_error",  # the upstream connection broke mid-response

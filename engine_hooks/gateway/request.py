@@ -27,7 +27,9 @@ HOP_BY_HOP = frozenset(
     }
 )
 DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding"}
-_REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,256}$")  # visible ASCII: fits a header and the contract
+# Visible ASCII but '/' (fits a header and the contract, and the ledger reads it back as one path
+# segment of /v1/requests/{id}); "." and ".." are refused too.
+_REQUEST_ID_RE = re.compile(r"^[\x21-\x2e\x30-\x7e]{1,256}$")
 _MAX_BODY = 64 << 20
 _decode = msgspec.json.decode
 
@@ -75,9 +77,11 @@ async def read_body(receive: Receive, timeout_s: float | None = None) -> bytes:
 
 def parse_request_id(value: bytes, header: str) -> str:
     text = value.decode("latin-1")
-    if not _REQUEST_ID_RE.match(text):
+    if not _REQUEST_ID_RE.match(text) or text in (".", ".."):
         raise BadRequest(
-            f"header {header} must be 1-256 visible ASCII characters, got {text[:300]!r}", header
+            f"header {header} must be 1-256 visible ASCII characters other than '/' (and not '.' or "
+            f"'..'), got {text[:300]!r}",
+            header,
         )
     return text
 

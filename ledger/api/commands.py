@@ -8,10 +8,12 @@ import msgspec
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
+from engine_hooks import events as ev
 from ledger.api import errors
 from ledger.api.deps import require
 from ledger.api.models import Cutoffs, json_response
 from ledger.api.policy import runaway
+from ledger.producers import ProducerBook, digest
 
 router = APIRouter(prefix="/v1", tags=["rules"])
 _encode = msgspec.json.Encoder().encode
@@ -29,7 +31,19 @@ async def get_commands(
     source_id: Annotated[str, Query(min_length=1, max_length=128, description="the source asking")],
     wait_s: Annotated[float, Query(ge=0, le=60, description="wait up to this long for a command")] = 0.0,
 ) -> Response:
-    """The source's unconfirmed commands (``{"commands": [...]}``); re-sent until confirmed."""
+    """The source's unconfirmed commands (``{"commands": [...]}``); re-sent until confirmed. Only the
+    source's producer may read them: with its key when the source is bound to one (``ledger.producers``)."""
+    producer = digest(request.headers.get(ev.PRODUCER_HEADER))
+    producers: ProducerBook = request.app.state.producers
+    if not producers.current(source_id, producer) and not await run_in_threadpool(
+        producers.owns, source_id, producer
+    ):
+        raise errors.ApiError(
+            403,
+            f"source_id: {source_id!r} is bound to another producer; only its own producer (its key in "
+            f"the {ev.PRODUCER_HEADER} header) may read its commands",
+            reason="not_source_owner",
+        )
     book = runaway(request).book
     commands = await book.wait(source_id, wait_s)
     if commands:

@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 from ledger import auth
 from ledger.config import Settings
 from ledger.ingest import IngestWriter
+from ledger.producers import ProducerBook
 from ledger.reads import Reads
 from ledger.store import Store
 
@@ -30,10 +31,15 @@ async def get_reads(request: Request) -> Reads:
     return request.app.state.reads  # type: ignore[no-any-return]
 
 
+async def get_producers(request: Request) -> ProducerBook:
+    return request.app.state.producers  # type: ignore[no-any-return]
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[Store, Depends(get_store)]
 WriterDep = Annotated[IngestWriter, Depends(get_writer)]
 ReadsDep = Annotated[Reads, Depends(get_reads)]
+ProducersDep = Annotated[ProducerBook, Depends(get_producers)]
 
 ROLE_ATTR = "chunkledger_role"
 

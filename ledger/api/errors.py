@@ -181,5 +181,6 @@ _DESCRIPTIONS = {
     409: "refused in this state (reason says why)",
     413: "body too large (too_large)",
     422: "invalid: detail names each field; errors lists FastAPI's validation errors",
+    429: "over a limit (rate_limited: detail and limit name it); retry after Retry-After seconds",
     503: "unavailable: retry later",
 }

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import APIRouter, Request, Response, status
@@ -12,28 +17,96 @@ from starlette.requests import ClientDisconnect
 
 from engine_hooks import events as ev
 from ledger.api import errors
-from ledger.api.deps import SettingsDep, WriterDep, require
-from ledger.api.models import BatchRejected
+from ledger.api.deps import ProducersDep, SettingsDep, WriterDep, require
+from ledger.api.models import BatchRejected, ProducerReleased, json_response
 from ledger.ingest import BadBatch, WriterUnavailable, clamp_future, decode_batch
+from ledger.producers import digest
+from ledger.ratelimit import Refusal, SourceLimits, peek_source_id
+from ledger.store import WriteResult
 
 router = APIRouter(prefix="/v1", tags=["ingest"])
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
+_DECODE_INLINE_BYTES = 1 << 20  # larger bodies are decoded off the event loop
+T = TypeVar("T")
 
 
-async def _read_body(request: Request, limit: int) -> bytes | None:
-    """The body, or None when it is larger than ``limit`` (checked before and while reading)."""
+def _on_ingest_pool(request: Request, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """Run ``fn`` on ingest's own threads (``app.state.ingest_pool``), never the worker threads that
+    slow reads can take."""
+    return asyncio.get_running_loop().run_in_executor(request.app.state.ingest_pool, fn, *args)
+
+
+@dataclass
+class _Body:
+    data: bytes | None  # None: larger than the limit
+    source_id: str | None = None  # the source id read from its first bytes and admitted by the limits
+    refusal: Refusal | None = None  # the source is over an ingest limit: the rest was not read
+
+
+async def _read_body(request: Request, limit: int, limits: SourceLimits) -> _Body:
+    """The body, or no data when it is larger than ``limit`` (checked before and while reading). The
+    source's ingest limits are checked on its first bytes (``ledger.ratelimit``): a source over them
+    gets its refusal before the rest is read, and an admitted one is charged the declared length."""
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        return None
-    chunks = []
+    declared = int(length) if length is not None and length.isdigit() else None
+    if declared is not None and declared > limit:
+        return _Body(None)
+    chunks: list[bytes] = []
     size = 0
+    peeked = None
     async for chunk in request.stream():
+        if not chunks and limits.enabled and chunk:
+            peeked = peek_source_id(chunk)
+            if peeked is not None:
+                refusal = limits.admit(peeked, declared or 0)
+                if refusal is not None:
+                    return _Body(None, peeked, refusal)
         size += len(chunk)
         if size > limit:
-            return None
+            return _Body(None)
         chunks.append(chunk)
-    return b"".join(chunks)
+    data = b"".join(chunks)
+    if peeked is not None and declared is None:
+        limits.charge_bytes(peeked, len(data))
+    return _Body(data, peeked)
+
+
+def _rate_limited(request: Request, source_id: str, refusal: Refusal) -> Response:
+    """429 naming the limit the source is over; ``Retry-After`` is when its bucket is paid back."""
+    runaway = getattr(request.app.state, "runaway", None)
+    if runaway is not None:
+        runaway.metrics.ingest_rejections.labels("rate_limited").inc()
+    wait = max(1, math.ceil(refusal.retry_after_s))
+    return errors.error_response(
+        status.HTTP_429_TOO_MANY_REQUESTS,
+        f"source.id: {source_id!r} sent more than its {refusal.limit} ({refusal.rate:g} {refusal.unit} per "
+        f"second, CHUNKLEDGER_{refusal.limit.upper()}); nothing stored, retry after {wait} s",
+        reason="rate_limited",
+        headers={"Retry-After": str(wait)},
+        limit=refusal.limit,
+    )
+
+
+def _conflict(request: Request, source_id: str, result: WriteResult) -> Response:
+    """409: the batch sent other events under seqs already stored; those are not replaced."""
+    seqs = result.conflicts
+    runaway = getattr(request.app.state, "runaway", None)
+    if runaway is not None:
+        runaway.metrics.ingest_rejections.labels("conflicting_replay").inc()
+    named = ", ".join(map(str, seqs[:10])) + (f" and {len(seqs) - 10} more" if len(seqs) > 10 else "")
+    log.warning(
+        "conflicting replay from source %s: seq %s already stored with other content", source_id, named
+    )
+    return errors.error_response(
+        status.HTTP_409_CONFLICT,
+        f"seq {named}: source {source_id!r} already stored other events under these seqs; they are not "
+        f"replaced (the batch's other {result.accepted} new events were stored)",
+        reason="conflicting_replay",
+        seqs=seqs[:1000],
+        accepted=result.accepted,
+        duplicates=result.duplicates,
+    )
 
 
 # The body is decoded with msgspec (the wire contract), not by FastAPI: ``ledger.api.openapi`` names its
@@ -42,12 +115,15 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
     "/events",
     dependencies=[require("ingest")],
     response_model=None,
-    responses=errors.responses(400, *errors.AUTH, 408, 413, 422, 503, models={422: BatchRejected}),
+    responses=errors.responses(400, *errors.AUTH, 408, 409, 413, 422, 429, 503, models={422: BatchRejected}),
 )
-async def ingest_events(request: Request, settings: SettingsDep, writer: WriterDep) -> Response:
+async def ingest_events(
+    request: Request, settings: SettingsDep, writer: WriterDep, producers: ProducersDep
+) -> Response:
     """Store a batch of events (ingest token); the answer carries the source's pending commands."""
+    limits: SourceLimits = request.app.state.source_limits
     try:
-        body = await _read_body(request, settings.max_body_bytes)
+        read = await _read_body(request, settings.max_body_bytes, limits)
     except ClientDisconnect:
         # The source gave up mid-upload (its timeout); nothing was stored, and it will send the batch
         # again. Not a server error: no traceback, and nobody is left to read an answer.
@@ -59,6 +135,9 @@ async def ingest_events(request: Request, settings: SettingsDep, writer: WriterD
         )
     received = time.monotonic()
     runaway = getattr(request.app.state, "runaway", None)
+    if read.refusal is not None and read.source_id is not None:
+        return _rate_limited(request, read.source_id, read.refusal)
+    body = read.data
     if body is None:
         if runaway is not None:
             runaway.metrics.ingest_rejections.labels("too_large").inc()
@@ -68,7 +147,13 @@ async def ingest_events(request: Request, settings: SettingsDep, writer: WriterD
             reason="too_large",
         )
     try:
-        batch = decode_batch(body, max_events=settings.max_events_per_batch)
+        if len(body) > _DECODE_INLINE_BYTES:
+            # A large body decodes on a worker thread: the event loop keeps answering other sources
+            # meanwhile (the interpreter switches threads every few ms) instead of stopping for it.
+            decode = functools.partial(decode_batch, max_events=settings.max_events_per_batch)
+            batch = await _on_ingest_pool(request, decode, body)
+        else:
+            batch = decode_batch(body, max_events=settings.max_events_per_batch)
     except BadBatch as exc:
         if runaway is not None:
             runaway.metrics.ingest_rejections.labels("invalid").inc()
@@ -78,6 +163,11 @@ async def ingest_events(request: Request, settings: SettingsDep, writer: WriterD
             reason="invalid",
             errors=[e.as_dict() for e in exc.errors],
         )
+    if read.source_id != batch.source.id:  # not found in its first bytes: admitted now
+        refusal = limits.admit(batch.source.id, len(body))
+        if refusal is not None:
+            return _rate_limited(request, batch.source.id, refusal)
+    limits.charge_events(batch.source.id, len(batch.events))
     ahead = clamp_future(batch, time.time(), settings.max_clock_ahead_s)
     if ahead:
         log.warning(
@@ -87,11 +177,30 @@ async def ingest_events(request: Request, settings: SettingsDep, writer: WriterD
             batch.source.id,
             settings.max_clock_ahead_s,
         )
-        request.app.state.metrics.ingest_future_timestamps.labels(batch.source.id).inc(ahead)
+        metrics = request.app.state.metrics
+        metrics.ingest_future_timestamps.labels(metrics.sources(batch.source.id)).inc(ahead)
+    # Only the source's own producer may send as it (ledger.producers): checked before the rule engine
+    # sees anything of the batch.
+    producer = digest(request.headers.get(ev.PRODUCER_HEADER))
+    sid = batch.source.id
+    if not producers.current(sid, producer):
+        left = await _on_ingest_pool(request, producers.claim, sid, producer)
+        if left is not None:
+            if runaway is not None:
+                runaway.metrics.ingest_rejections.labels("fenced").inc()
+            log.info("fenced a batch for source %s: another producer owns it", sid)
+            return errors.error_response(
+                status.HTTP_409_CONFLICT,
+                f"source.id: {sid!r} is bound to another producer (the key in the {ev.PRODUCER_HEADER} "
+                f"header); nothing stored. Retry after {math.ceil(left)} s, when that binding lapses if "
+                "its producer stopped",
+                reason="fenced",
+                headers={"Retry-After": str(math.ceil(left))},
+            )
     # The rule engine sees the batch now, beside the store's write: cutoffs never wait for a commit.
     observed = runaway.observe_arrival(batch, received) if runaway is not None else None
     try:
-        result = await writer.submit(batch)
+        result = await writer.submit(batch, producer, len(body))
     except WriterUnavailable as exc:
         if runaway is not None:
             runaway.metrics.ingest_rejections.labels("unavailable").inc()
@@ -103,14 +212,43 @@ async def ingest_events(request: Request, settings: SettingsDep, writer: WriterD
         )
     if observed is not None and runaway is not None:
         late = await asyncio.wrap_future(observed)
-        if late and result.accepted and not result.duplicates:
+        if late and result.accepted and not result.duplicates and not result.conflicts:
             await asyncio.wrap_future(runaway.observe_late(batch, late))
+    if result.conflicts:
+        return _conflict(request, sid, result)
     commands: list[ev.Command] = []
     if runaway is not None and runaway.book.has_pending(batch.source.id):
         # Re-sent in every response until the source confirms (ledger.rules.commands).
         commands = runaway.book.for_source(batch.source.id)
-        await asyncio.get_running_loop().run_in_executor(
-            request.app.state.ingest_pool, runaway.book.mark_delivered, batch.source.id, commands, "ingest"
-        )
+        await _on_ingest_pool(request, runaway.book.mark_delivered, batch.source.id, commands, "ingest")
     answer = ev.IngestResponse(accepted=result.accepted, duplicates=result.duplicates, commands=commands)
     return Response(_encode(answer), media_type="application/json")
+
+
+@router.delete(
+    "/sources/{source_id}/producer",
+    dependencies=[require("ingest")],
+    response_model=None,
+    responses={200: {"model": ProducerReleased}, **errors.responses(*errors.AUTH, 409, 422)},
+)
+async def release_producer(request: Request, producers: ProducersDep, source_id: str) -> Response:
+    """A producer stopping for good with nothing left to send releases its source id (ingest token and
+    its key in the producer header), so that its successor need not wait out the lease
+    (``ledger.producers``); 409 when another producer holds it."""
+    producer = digest(request.headers.get(ev.PRODUCER_HEADER))
+    if producer is None or not 0 < len(source_id) <= 128:
+        raise errors.ApiError(
+            422,
+            f"{ev.PRODUCER_HEADER}: the producer's key is required to release its source id"
+            if producer is None
+            else "source_id: 1 to 128 characters",
+            reason="invalid",
+        )
+    released = await _on_ingest_pool(request, producers.release, source_id, producer)
+    if released is None:
+        raise errors.ApiError(
+            409,
+            f"source_id: {source_id!r} is bound to another producer; only its own may release it",
+            reason="not_source_owner",
+        )
+    return json_response({"source_id": source_id, "released": released})

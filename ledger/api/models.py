@@ -90,6 +90,13 @@ class Readiness(BaseModel):
     problems: list[str] = Field(description="empty when ready")
 
 
+class ProducerReleased(BaseModel):
+    source_id: str = Field(description="the source id released")
+    released: bool = Field(
+        description="true: it was bound to this producer and is now free; false: it was not bound"
+    )
+
+
 # -- requests and sources ---------------------------------------------------------------------------
 def _doc(name: str) -> str:
     if name in AGGREGATES:
@@ -154,6 +161,9 @@ class SourceRow(BaseModel):
     dropped_total: int = Field(description="events the source reported lost before sending")
     first_seen_ts: float
     last_seen_ts: float
+    producer: str | None = Field(
+        None, description="digest of the producer key the id is bound to (null: unbound, an older exporter)"
+    )
 
 
 class Sources(BaseModel):

@@ -62,12 +62,14 @@ class CommandBook:
         clock: Callable[[], float] = time.time,
         on_delivered: Callable[[int, str], None] | None = None,
         on_applied: Callable[[Pending, str, float], None] | None = None,
+        on_refused: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine  # None: memory only (a null store)
         self._ttl_s = ttl_s
         self._clock = clock
         self._on_delivered = on_delivered
         self._on_applied = on_applied
+        self._on_refused = on_refused  # called for a confirmation from a source that is not a target
         self._lock = threading.Lock()
         self._db_lock = threading.Lock()
         self.by_id: dict[str, Pending] = {}
@@ -370,16 +372,35 @@ class CommandBook:
         with self._lock:
             p = self.by_id.get(command_id)
             role = p.targets.get(source_id) if p is not None else None
-            if p is not None and role is None and p.targets:
-                role = "engine" if "engine" in p.targets.values() else "gateway"  # an unexpected source
-                source_id = next(s for s, r in p.targets.items() if r == role)
-            closed = self._unindex_target(p, source_id) if p is not None else False
+            if p is not None and role is None:
+                # Not a target of this command (nor a target that confirmed already): only the sources it
+                # was sent to can apply it, so another source's confirmation is not one.
+                closed = False
+            else:
+                closed = self._unindex_target(p, source_id) if p is not None else False
+        if p is not None and role is None:
+            if source_id in p.delivered:  # a target that confirmed already (a second confirmation)
+                return None
+            log.warning(
+                "source %s confirmed command %s, which was not sent to it: ignored", source_id, command_id
+            )
+            if self._on_refused is not None:
+                self._on_refused()
+            return None
         if p is None:
-            # Not pending here: already confirmed, or decided by another replica. Record it anyway.
+            # Not pending here: already confirmed, or decided by another replica. Record it anyway, as
+            # the target it was sent to (another source's word does not count).
+            params = {"now": now, "sid": source_id, "id": command_id}
             self._exec(
                 "UPDATE cutoffs SET applied_ts = COALESCE(applied_ts, :now), "
-                "applied_source_id = COALESCE(applied_source_id, :sid) WHERE command_id = :id",
-                {"now": now, "sid": source_id, "id": command_id},
+                "applied_source_id = COALESCE(applied_source_id, :sid) "
+                "WHERE command_id = :id AND source_id = :sid",
+                params,
+            )
+            self._exec(
+                "UPDATE cutoffs SET gateway_applied_ts = COALESCE(gateway_applied_ts, :now) "
+                "WHERE command_id = :id AND gateway_source_id = :sid",
+                params,
             )
             return None
         if role == "gateway":

@@ -83,6 +83,7 @@ class RunawayService:
             clock=clock,
             on_delivered=self._delivered,
             on_applied=self._applied,
+            on_refused=metrics.commands_refused.inc,
         )
         self.webhooks = (
             Webhooks(engine, on_attempt=self._webhook_attempt, **(webhook_options or {})) if engine else None
@@ -248,7 +249,7 @@ class RunawayService:
 
     def on_commit(self, batch: ev.Batch, accepted: int, duplicates: int) -> None:
         m = self.metrics
-        sid = batch.source.id
+        sid = m.sources(batch.source.id)
         m.ingest_batches.labels(sid).inc()
         if accepted:
             m.ingest_events.labels(sid).inc(accepted)
@@ -312,7 +313,8 @@ class RunawayService:
         self._beside_intake(self.book.add_gateway, request_id, source_id)
 
     def dropped(self, source: ev.Source, count: int, reason: str, ts: float) -> None:
-        self.metrics.source_dropped.labels(source.id, reason).inc(count)
+        m = self.metrics
+        m.source_dropped.labels(m.sources(source.id), m.reasons(reason)).inc(count)
         self._beside_intake(
             self._alert,
             "data_loss",

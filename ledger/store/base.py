@@ -23,7 +23,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import sqlalchemy as sa
@@ -44,6 +44,8 @@ STEP_FIELDS = [c for c in STEP_COLUMNS if c not in ("source_id", "interval_s", "
 class WriteResult:
     accepted: int
     duplicates: int
+    # Seqs already stored with other content (a conflicting replay): not stored again, not duplicates.
+    conflicts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +53,7 @@ class _SourceState:
     source: ev.Source
     last_seq: int  # -1 when new
     exists: bool
+    producer: str | None = None  # the producer digest its accepted batches carried (ledger.producers)
     accepted: int = 0
     dropped: int = 0
     new_last_seq: int = -1
@@ -154,11 +157,15 @@ class Store:
         raise NotImplementedError
 
     # The driver's parameter style differs by backend ("?" for DuckDB, "%s" for psycopg).
-    _EXISTING_SEQS_SQL = "SELECT seq FROM events WHERE source_id = ? AND seq BETWEEN ? AND ?"
+    _EXISTING_SQL = (
+        "SELECT seq, kind, ts, request_id, data, ingested_ts FROM events WHERE source_id = ? "
+        "AND seq BETWEEN ? AND ?"
+    )
 
-    def _existing_seqs(self, conn: Any, source_id: str, lo: int, hi: int) -> set[int]:
-        rows = conn.execute(self._EXISTING_SEQS_SQL, (source_id, lo, hi)).fetchall()
-        return {r[0] for r in rows}
+    def _existing(self, conn: Any, source_id: str, lo: int, hi: int) -> dict[int, _Stored]:
+        """The stored events of ``source_id`` with seqs in ``lo..hi``, as the conflict check reads them."""
+        rows = conn.execute(self._EXISTING_SQL, (source_id, lo, hi)).fetchall()
+        return {r[0]: _Stored(*r[1:]) for r in rows}
 
     # The predecessor of a step (source, step - 1, an earlier seq, ts within MAX_STEP_GAP_S), when memory
     # cannot tell; and the interval of a stored successor whose predecessor arrived late. The ``ts`` range
@@ -200,8 +207,13 @@ class Store:
         self.engine.dispose()
 
     # -- write path ----------------------------------------------------------------------------
-    def write(self, batches: Sequence[ev.Batch]) -> list[WriteResult]:
-        """Store ``batches`` in one transaction; per batch, how many events were new / duplicates."""
+    def write(
+        self, batches: Sequence[ev.Batch], producers: Sequence[str | None] | None = None
+    ) -> list[WriteResult]:
+        """Store ``batches`` in one transaction; per batch, how many events were new / duplicates.
+
+        ``producers``: per batch, the digest of the producer key it came with (``ledger.producers``,
+        which decides who may send), stored as its source's ``producer``."""
         now = time.time()
         sources = {b.source.id: b.source for b in batches}
         ids = sorted(sources)  # one lock order for every writer: no deadlocks between replicas
@@ -214,6 +226,9 @@ class Store:
                 sid: _SourceState(source=sources[sid], last_seq=marks.get(sid, -1), exists=sid in marks)
                 for sid in ids
             }
+            for i, p in enumerate(producers or ()):
+                if p is not None:
+                    states[batches[i].source.id].producer = p
             t1 = clock()
             prepared = Prepared()
             results = [self._accept(conn, b, states[b.source.id], prepared, now) for b in batches]
@@ -256,10 +271,16 @@ class Store:
         mark = state.last_seq if state.new_last_seq < 0 else state.new_last_seq
         fresh = [e for e in evs if e.seq > mark]
         old = [e for e in evs if e.seq <= mark]
+        conflicts: list[int] = []
         if old:
             # Seqs at or below the high-water mark: retries (usual) or a batch overtaken by a later one.
-            seen = self._existing_seqs(conn, state.source.id, old[0].seq, old[-1].seq)
-            seen.update(_accepted_in_group(prepared, state.source.id, old[0].seq, old[-1].seq))
+            # One whose stored event differs is a conflicting replay: refused (the API answers 409
+            # naming it), never counted as a duplicate.
+            sid = state.source.id
+            seen = self._existing(conn, sid, old[0].seq, old[-1].seq)
+            seen.update(_accepted_in_group(prepared, sid, old[0].seq, old[-1].seq, now))
+            if seen:
+                conflicts = [e.seq for e in old if e.seq in seen and self._differs(e, seen[e.seq])]
             old = [e for e in old if e.seq not in seen]
             accepted = sorted(old + fresh, key=lambda e: e.seq) if old else fresh
         else:
@@ -268,7 +289,35 @@ class Store:
             state.new_last_seq = max(mark, accepted[-1].seq)
             state.accepted += len(accepted)
             self._prepare(batch.source, accepted, prepared, now, state)
-        return WriteResult(accepted=len(accepted), duplicates=len(evs) - len(accepted))
+        return WriteResult(
+            accepted=len(accepted), duplicates=len(evs) - len(accepted) - len(conflicts), conflicts=conflicts
+        )
+
+    def _differs(self, e: Any, stored: _Stored) -> bool:
+        """Whether ``e`` is another event than the one stored under its (source, seq).
+
+        Compared as stored: kind, request id, time and (for every kind but ``step``, whose fields live in
+        ``steps``) the JSON of its fields. A time the ledger clamped to its receive time (an event stamped
+        too far ahead, ``ledger.ingest.clamp_future``) is clamped again on a retry, to a later receive
+        time: a time at or after the stored event's ingest is taken as that clamp, not as a conflict.
+        """
+        if type(e) is not ev.EVENT_TYPES.get(stored.kind):
+            return True
+        if type(e) is ev.Step:
+            return e.ts != stored.ts and e.ts < stored.ingested_ts
+        if getattr(e, "request_id", None) != stored.request_id:
+            return True
+        if type(e) is ev.Tokens and not self.persist_token_ids and e.token_ids is not None:
+            e = msgspec.structs.replace(e, token_ids=None)
+        data = _encode(e).decode()
+        if data == stored.data:
+            return False
+        sent = msgspec.json.decode(data)
+        had = msgspec.json.decode(stored.data) if stored.data else {}
+        for key in _CLAMPED:
+            if key in sent and sent[key] != had.get(key) and sent[key] >= stored.ingested_ts:
+                sent[key] = had.get(key)
+        return bool(sent != had)
 
     def _prepare(
         self, source: ev.Source, accepted: list[Any], prepared: Prepared, now: float, state: _SourceState
@@ -473,6 +522,23 @@ class Store:
             out.append({"source_id": source_id, "seq": seq, "ts": ts, "kind": kind, **fields})
         return out
 
+    def source_producer(self, source_id: str) -> tuple[str | None, float | None]:
+        """The producer digest ``source_id`` is bound to and when it last sent ((None, None): unknown)."""
+        t = schema.sources
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                sa.select(t.c.producer, t.c.last_seen_ts).where(t.c.source_id == source_id)
+            ).first()
+        return (row[0], row[1]) if row is not None else (None, None)
+
+    def release_producer(self, source_id: str, producer: str) -> None:
+        """Unbind ``source_id`` from ``producer`` (when it is still bound to it)."""
+        t = schema.sources
+        with self.engine.begin() as conn:
+            conn.execute(
+                sa.update(t).where(t.c.source_id == source_id, t.c.producer == producer).values(producer=None)
+            )
+
     def source_rows(self, conn: sa.Connection | None = None) -> list[dict[str, Any]]:
         with self._reading(conn) as conn:
             rows = conn.execute(sa.select(schema.sources).order_by(schema.sources.c.source_id)).all()
@@ -483,8 +549,26 @@ class Store:
             return int(conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one())
 
 
-def _accepted_in_group(prepared: Prepared, source_id: str, lo: int, hi: int) -> set[int]:
-    """Seqs of ``source_id`` accepted earlier in the same group (two copies of a batch in one group)."""
-    sids = prepared.events["source_id"]
-    seqs = prepared.events["seq"]
-    return {s for sid, s in zip(sids, seqs, strict=True) if sid == source_id and lo <= s <= hi}
+class _Stored(NamedTuple):
+    """A stored event as the conflict check compares it."""
+
+    kind: str
+    ts: float
+    request_id: str | None
+    data: str | None
+    ingested_ts: float
+
+
+_CLAMPED = ("ts", "first_ts", "arrival_ts")  # the times ``clamp_future`` may set to the receive time
+
+
+def _accepted_in_group(
+    prepared: Prepared, source_id: str, lo: int, hi: int, now: float
+) -> dict[int, _Stored]:
+    """Events of ``source_id`` accepted earlier in the same group (two copies of a batch in one group)."""
+    e = prepared.events
+    return {
+        s: _Stored(e["kind"][i], e["ts"][i], e["request_id"][i], e["data"][i], now)
+        for i, (sid, s) in enumerate(zip(e["source_id"], e["seq"], strict=True))
+        if sid == source_id and lo <= s <= hi
+    }

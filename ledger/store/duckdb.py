@@ -113,6 +113,7 @@ _SOURCES_STAGE = pa.schema(
         ("accepted", pa.int64()),
         ("dropped", pa.int64()),
         ("model", pa.string()),
+        ("producer", pa.string()),
     ]
 )
 
@@ -194,17 +195,21 @@ class DuckDBStore(Store):
         )
         self._keys_new = True
 
-    def write(self, batches: Any) -> list[WriteResult]:
+    def write(self, batches: Any, producers: Any = None) -> list[WriteResult]:
         with self._lock:
             self._staged_parts = 0
             try:
-                return super().write(batches)
+                return super().write(batches, producers)
             except _KeyTaken:  # rolled back: an id the cache did not know was stored (a restart)
                 self._keys_new = False
                 try:
-                    return super().write(batches)
+                    return super().write(batches, producers)
                 finally:
                     self._keys_new = True
+
+    def release_producer(self, source_id: str, producer: str) -> None:
+        with self._lock:  # beside the writer's transaction, which updates the same rows
+            super().release_producer(source_id, producer)
 
     def compact_due(self) -> bool:
         since = self._parts_since
@@ -291,7 +296,7 @@ class DuckDBStore(Store):
     def _save_sources(self, conn: Any, states: list[_SourceState], now: float) -> None:
         # One statement per kind of change: DuckDB's per-statement cost is ~1 ms, and a group holds
         # batches of many sources.
-        changed = [st for st in states if st.exists and (st.accepted or st.dropped)]
+        changed = [st for st in states if st.exists and (st.accepted or st.dropped or st.producer)]
         if changed:
             stage = pa.table(
                 {
@@ -300,6 +305,7 @@ class DuckDBStore(Store):
                     "accepted": [st.accepted for st in changed],
                     "dropped": [st.dropped for st in changed],
                     "model": [st.source.model for st in changed],
+                    "producer": [st.producer for st in changed],
                 },
                 schema=_SOURCES_STAGE,
             )
@@ -307,7 +313,8 @@ class DuckDBStore(Store):
                 conn.execute(
                     "UPDATE sources SET last_seq = s.last_seq, events_total = events_total + s.accepted, "
                     "dropped_total = dropped_total + s.dropped, last_seen_ts = ?, "
-                    "model = coalesce(s.model, sources.model) FROM _src_stage s "
+                    "model = coalesce(s.model, sources.model), "
+                    "producer = coalesce(s.producer, sources.producer) FROM _src_stage s "
                     "WHERE sources.source_id = s.source_id",
                     (now,),
                 )
@@ -315,8 +322,19 @@ class DuckDBStore(Store):
             if not st.exists:
                 last = max(st.last_seq, st.new_last_seq)
                 conn.execute(
-                    "INSERT INTO sources VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (st.source.id, st.source.kind, st.source.model, last, st.accepted, st.dropped, now, now),
+                    "INSERT INTO sources (source_id, kind, model, last_seq, events_total, dropped_total, "
+                    "first_seen_ts, last_seen_ts, producer) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        st.source.id,
+                        st.source.kind,
+                        st.source.model,
+                        last,
+                        st.accepted,
+                        st.dropped,
+                        now,
+                        now,
+                        st.producer,
+                    ),
                 )
 
     def _after_commit(self, states: list[_SourceState]) -> None:

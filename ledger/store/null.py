@@ -17,7 +17,7 @@ class NullStore(Store):
     def __init__(self) -> None:
         super().__init__(sa.create_engine("duckdb:///:memory:"))
 
-    def write(self, batches: Any) -> list[WriteResult]:
+    def write(self, batches: Any, producers: Any = None) -> list[WriteResult]:
         prepared = Prepared()
         out = []
         for b in batches:
@@ -34,3 +34,9 @@ class NullStore(Store):
 
     def source_rows(self, conn: Any = None) -> list[dict[str, Any]]:
         return []
+
+    def source_producer(self, source_id: str) -> tuple[str | None, float | None]:
+        return None, None
+
+    def release_producer(self, source_id: str, producer: str) -> None:
+        pass

@@ -75,7 +75,7 @@ def _copy(pg: Any, table: str, columns: list[str], cols: dict[str, list[Any]]) -
 
 class PostgresStore(Store):
     dialect = "postgresql"
-    _EXISTING_SEQS_SQL = "SELECT seq FROM events WHERE source_id = %s AND seq BETWEEN %s AND %s"
+    _EXISTING_SQL = Store._EXISTING_SQL.replace("?", "%s")
     _PREDECESSOR_SQL = Store._PREDECESSOR_SQL.replace("?", "%s")
     _LINK_SUCCESSOR_SQL = Store._LINK_SUCCESSOR_SQL.replace("?", "%s")
 
@@ -87,7 +87,8 @@ class PostgresStore(Store):
         # replica takes the locks in the same order.
         with conn.pg.cursor() as cur:
             cur.executemany(
-                "INSERT INTO sources VALUES (%s, %s, %s, -1, 0, 0, %s, %s) ON CONFLICT DO NOTHING",
+                "INSERT INTO sources (source_id, kind, model, last_seq, events_total, dropped_total, "
+                "first_seen_ts, last_seen_ts) VALUES (%s, %s, %s, -1, 0, 0, %s, %s) ON CONFLICT DO NOTHING",
                 [(s.id, s.kind, s.model, now, now) for s in sources],
             )
         rows = conn.execute(
@@ -125,7 +126,7 @@ class PostgresStore(Store):
             cur.executemany(
                 "UPDATE sources SET last_seq = %s, events_total = events_total + %s, "
                 "dropped_total = dropped_total + %s, last_seen_ts = %s, kind = %s, "
-                "model = coalesce(%s, model) WHERE source_id = %s",
+                "model = coalesce(%s, model), producer = coalesce(%s, producer) WHERE source_id = %s",
                 [
                     (
                         max(st.last_seq, st.new_last_seq),
@@ -134,6 +135,7 @@ class PostgresStore(Store):
                         now,
                         st.source.kind,
                         st.source.model,
+                        st.producer,
                         st.source.id,
                     )
                     for st in states

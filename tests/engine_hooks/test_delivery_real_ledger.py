@@ -139,11 +139,11 @@ class _InThreadLedger:
         self.stall = threading.Event()  # set: the next write (group commit) sleeps stall_s first
         real_write = self.store.write
 
-        def slow_write(batches):
+        def slow_write(batches, *rest):
             if self.stall.is_set():
                 self.stall.clear()
                 time.sleep(stall_s)
-            return real_write(batches)
+            return real_write(batches, *rest)
 
         self.store.write = slow_write  # type: ignore[method-assign]
         settings = Settings(db_url=db_url, ingest_token="ing", read_token="rd", admin_token="adm")

@@ -3,15 +3,19 @@ for a server and to stop a process group."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import sqlalchemy as sa
 
 
 def free_port() -> int:
@@ -93,3 +97,31 @@ def stop_group(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+
+
+@contextlib.contextmanager
+def served_ledger(
+    backend: str, pg_base: str | None, tmp: Path, env: dict[str, str] | None = None
+) -> Iterator[LedgerServer]:
+    """A real ``chunkledger serve`` on a database of its own (a DuckDB file in ``tmp``, or a new
+    PostgreSQL database next to ``pg_base``, dropped afterwards), for a module's tests to share."""
+    name = None
+    if backend == "duckdb":
+        url = f"duckdb:///{tmp / 'ledger.duckdb'}"
+    else:
+        assert pg_base is not None
+        name = f"chunkledger_srv_{uuid.uuid4().hex[:10]}"
+        admin = sa.create_engine(pg_base, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+        url = pg_base.rsplit("/", 1)[0] + f"/{name}"
+    server = LedgerServer(url, tmp / "ledger.log", env=env)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        if name is not None:
+            with admin.connect() as conn:
+                conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            admin.dispose()

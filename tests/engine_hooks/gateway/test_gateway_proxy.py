@@ -127,6 +127,10 @@ def test_request_id_is_assigned_when_the_client_sends_none(upstream, make_gatewa
         (b'{"vllm_xargs": [1]}', {}, "vllm_xargs must be an object"),
         (b"{}", {"x-priority": "high"}, "x-priority must be an integer"),
         (b"{}", {"x-request-id": "has space"}, "x-request-id must be 1-256 visible ASCII"),
+        # the ledger reads an id back as one path segment: '/' and dot segments could not be read
+        (b"{}", {"x-request-id": "a/b"}, "other than '/'"),
+        (b"{}", {"x-request-id": ".."}, "other than '/'"),
+        (b"{}", {"x-request-id": "."}, "other than '/'"),
     ],
 )
 def test_bad_request_is_400_naming_the_reason_and_is_not_forwarded(
@@ -255,6 +259,43 @@ def test_client_disconnect_aborts_the_upstream_request(upstream, make_gateway, f
     event = next(e for e in fake_ledger.store.events if isinstance(e, ClientDisconnected))
     assert event.since_arrived_s is not None and event.since_arrived_s > 0
     assert wait_until(lambda: gw.gateway.queue.in_flight == 0)
+
+
+def test_a_second_request_with_an_id_in_flight_is_refused_with_409_and_sends_no_event(
+    upstream, make_gateway, fake_ledger
+):
+    gw = make_gateway(upstream.url, ledger_url=fake_ledger.url)
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream(
+            "POST",
+            gw.url + "/v1/chat/completions",
+            json={"model": "m", "stream": True, "max_tokens": 5},
+            headers={"x-fake-delay-ms": "50", "x-request-id": "twice"},
+        ) as first,
+    ):
+        second = client.post(
+            gw.url + "/v1/chat/completions",
+            json={"model": "m", "max_tokens": 2},
+            headers={"x-request-id": "twice"},
+        )
+        assert second.status_code == 409
+        assert "x-request-id" in second.json()["error"]["message"]
+        assert second.json()["error"]["param"] == "x-request-id"
+        first.read()
+    assert first.status_code == 200
+    gw.flush()
+    assert wait_until(lambda: "completed" in kinds_of(fake_ledger, "twice"))
+    assert kinds_of(fake_ledger, "twice").count("arrived") == 1  # one request's events in its row
+    assert [r.headers.get("x-request-id") for r in upstream.app.requests] == ["twice"]  # not forwarded
+    # once the first is done, the id may be used again
+    with httpx.Client(timeout=10) as client:
+        again = client.post(
+            gw.url + "/v1/chat/completions",
+            json={"model": "m", "max_tokens": 2},
+            headers={"x-request-id": "twice"},
+        )
+    assert again.status_code == 200
 
 
 def test_models_passes_through_without_admission(upstream, make_gateway):

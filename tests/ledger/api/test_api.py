@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Iterator
 
 import msgspec
@@ -83,6 +84,40 @@ def test_nul_in_any_text_field_is_a_422_naming_each_field_and_nothing_is_stored(
     # an escaped backslash before "u0000" is text, not a NUL
     fine = numbered([ev.Queued(seq=0, ts=5.0, request_id="back\\u0000slash", prompt_tokens=3)])
     assert _post(client, body(ENGINE, fine)).json()["accepted"] == 1
+
+
+def test_request_ids_that_cannot_be_read_back_or_are_not_nfc_are_a_422_naming_the_field(client):
+    # '/' and dot segments were stored and then 404 on /v1/requests/{id}; an NFD id was a second row
+    nfd = unicodedata.normalize("NFD", "caf\u00e9")
+    evs = numbered(
+        [
+            ev.Queued(seq=0, ts=5.0, request_id="a/b", prompt_tokens=3),
+            ev.Finished(seq=0, ts=6.0, request_id="..", reason="stop"),
+            ev.Queued(seq=0, ts=5.0, request_id=nfd, prompt_tokens=3),
+            ev.Step(
+                seq=0, ts=6.0, step=1, duration_s=0.01, request_ids=["ok", "x/y"], stalled_request_ids=["."]
+            ),
+        ]
+    )
+    r = _post(client, body(ENGINE, evs))
+    assert r.status_code == 422
+    assert [(e["index"], e["field"]) for e in r.json()["errors"]] == [
+        (0, "request_id"),
+        (1, "request_id"),
+        (2, "request_id"),
+        (3, "request_ids[1]"),
+        (3, "stalled_request_ids[0]"),
+    ]
+    assert "NFC" in r.json()["errors"][2]["reason"] and "'/'" in r.json()["errors"][0]["reason"]
+    # NFC text, dots inside an id and escaped non-ASCII are fine
+    nfc = unicodedata.normalize("NFC", nfd)
+    fine = numbered([ev.Queued(seq=0, ts=5.0, request_id=i, prompt_tokens=3) for i in (nfc, "v1.2", "...")])
+    assert _post(client, body(ENGINE, fine)).json()["accepted"] == 3
+    escaped = body(ENGINE, numbered([ev.Queued(seq=10, ts=5.0, request_id=nfd, prompt_tokens=3)]))
+    escaped = escaped.replace("\u0301".encode(), b"\\u0301")  # all ASCII: the accent as a JSON escape
+    assert escaped.isascii()
+    assert _post(client, escaped).status_code == 422
+    assert client.get(f"/v1/requests/{nfc}", headers=RD).status_code == 200
 
 
 @pytest.mark.parametrize(

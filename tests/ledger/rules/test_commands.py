@@ -319,10 +319,10 @@ def test_a_cutoff_is_decided_and_polled_while_the_store_is_still_committing(db_u
     stall = threading.Event()
     real_write = store.write
 
-    def slow_write(batches):
+    def slow_write(batches, *rest):
         if stall.is_set():
             time.sleep(3.0)
-        return real_write(batches)
+        return real_write(batches, *rest)
 
     store.write = slow_write  # type: ignore[method-assign]
     try:

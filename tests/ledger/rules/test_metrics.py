@@ -30,6 +30,7 @@ ALLOWED_LABELS = {
     "target",
     "event_type",
     "le",
+    "label",  # chunkledger_metric_label_overflow_total: which bounded label folded a value
 }
 
 EXPECTED = {
@@ -56,6 +57,7 @@ EXPECTED = {
     "chunkledger_auth_failures": ("counter", {"reason"}),
     "chunkledger_ingest_future_timestamps": ("counter", {"source"}),
     "chunkledger_source_dropped_events": ("counter", {"source", "reason"}),
+    "chunkledger_metric_label_overflow": ("counter", {"label", "reason"}),
     "chunkledger_advised_chunk_tokens": ("gauge", {"model"}),
     "chunkledger_live_requests": ("gauge", {"model"}),
     "chunkledger_kv_stalled_requests": ("gauge", {"model"}),
