@@ -269,24 +269,21 @@ class Reporter(HookState):
         fast = self._cl_fast and not self.options.admission_step_target_s
         chunk_rows = []
         ids: list[str] = []
-        add_id = ids.append
         rids: list[str] = []  # with step_tokens only (the default path pays nothing for them)
         outs: list[int] = []
         in_step = self.options.step_tokens
-        get = states.get
-        # Decodes on the fast path are counted at the end: the step's tokens and requests less the rest.
-        prefill_tokens = n_prefill = depth = max_depth = 0
-        skipped = 0  # tokens of scheduled requests not reported (not tracked, or gone)
+        prefill_tokens = decode_tokens = n_prefill = n_decode = depth = max_depth = 0
         work = 0.0  # attention work, for the step-time fit
         for rid, n in scheduled.items():
-            st = get(rid)
+            st = states.get(rid)
             if st is None:
-                skipped += n
                 continue
-            if not st.fast or (n != 1 and rid not in spec):  # else a decode on the fast path
+            if st.fast and (n == 1 or rid in spec):
+                decode_tokens += n
+                n_decode += 1
+            else:
                 req = requests.get(rid)
                 if req is None:
-                    skipped += n
                     continue
                 computed = req.num_computed_tokens
                 before = computed - n
@@ -327,18 +324,18 @@ class Reporter(HookState):
                     if before > max_depth:
                         max_depth = before
                 else:
+                    decode_tokens += n
+                    n_decode += 1
                     work += n * before
                     st.fast = fast and kv is not None and not st.streamed
                 if computed > st.hw:
                     st.hw = computed
-            add_id(st.ext)
+            ids.append(st.ext)
             if in_step:
                 rids.append(rid)
                 outs.append(st.output)
             st.last_active = now  # for the policies: the KV-idle victim, slow_pool's starvation
             st.sat_out = 0
-        n_decode = len(ids) - n_prefill
-        decode_tokens = output.total_num_scheduled_tokens - skipped - prefill_tokens
         if chunk_rows:
             self._e_chunk.many(chunk_rows)
         stalled_ids = []
