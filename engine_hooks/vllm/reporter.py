@@ -380,36 +380,39 @@ class Reporter(HookState):
     # -- after update_from_output(): tokens, finishes, the step ---------------------------------------
 
     def _cl_report_outputs(self, outputs: list[list[Any]], ts: float, now: float) -> None:
-        """A step's new tokens (coalesced: :meth:`_cl_flush`, or kept for its step event with
-        ``step_tokens``) and finished requests. ``outputs``: the ``EngineCoreOutput`` lists of
+        """A step's new tokens (kept for its step event with ``step_tokens``, else coalesced:
+        :meth:`_cl_flush`) and finished requests. ``outputs``: the ``EngineCoreOutput`` lists of
         ``update_from_output()``'s result, one per front end."""
-        if self.options.step_tokens:
-            self._cl_outputs_in_step(outputs, ts, now)
-            return
         get = self._cl_states.get
         pending = self._cl_pending
         keep_ids = self.options.token_ids
         flush_n = self.options.tokens_flush
+        in_step = self.options.step_tokens
+        new_rows, new_ids = self._cl_new, self._cl_new_ids
         for outs in outputs:
             for out in outs:
-                st = get(out.request_id)
+                rid = out.request_id
+                st = get(rid)
                 if st is None:
                     continue
                 new = out.new_token_ids
                 if new:
-                    st.output += len(new)
-                    held = st.pending
-                    if not held:
-                        st.pending_first_ts = ts
-                        pending[out.request_id] = st
-                    held += new if keep_ids else [0] * len(new)
-                    if out.finish_reason is None:
-                        if len(held) >= flush_n:
-                            self._cl_flush(out.request_id, st, ts)
-                        continue
-                elif out.finish_reason is None:
-                    continue
-                self._cl_output_finished(out, st, ts, now)
+                    n = len(new)
+                    st.output += n
+                    if in_step:
+                        new_rows.append((rid, st.ext, n, st.output))
+                        if keep_ids:
+                            new_ids += new
+                    else:
+                        held = st.pending
+                        if not held:
+                            st.pending_first_ts = ts
+                            pending[rid] = st
+                        held += new if keep_ids else [0] * n
+                if out.finish_reason is not None:
+                    self._cl_output_finished(out, st, ts, now)
+                elif new and not in_step and len(st.pending) >= flush_n:
+                    self._cl_flush(rid, st, ts)
         if pending:
             # Oldest first: a request enters ``pending`` with its first unsent token and leaves it when
             # they are sent, so the dict's order is that of pending_first_ts.
@@ -419,27 +422,6 @@ class Reporter(HookState):
                 if st.pending_first_ts > oldest:
                     break
                 self._cl_flush(rid, st, ts)
-
-    def _cl_outputs_in_step(self, outputs: list[list[Any]], ts: float, now: float) -> None:
-        """:meth:`_cl_report_outputs` with ``step_tokens``: each output's new tokens are kept for the
-        step event (:meth:`_cl_report_step`)."""
-        get = self._cl_states.get
-        keep_ids = self.options.token_ids
-        new_rows, new_ids = self._cl_new, self._cl_new_ids
-        for outs in outputs:
-            for out in outs:
-                st = get(out.request_id)
-                if st is None:
-                    continue
-                new = out.new_token_ids
-                if new:
-                    n = len(new)
-                    st.output += n
-                    new_rows.append((out.request_id, st.ext, n, st.output))
-                    if keep_ids:
-                        new_ids += new
-                if out.finish_reason is not None:
-                    self._cl_output_finished(out, st, ts, now)
 
     def _cl_output_finished(self, out: Any, st: ReqState, ts: float, now: float) -> None:
         stop = out.stop_reason
