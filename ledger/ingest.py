@@ -280,6 +280,7 @@ class _Slicing:
     accepted: int = 0
     duplicates: int = 0
     conflicts: list[int] = field(default_factory=list)
+    foreign: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -478,6 +479,7 @@ class IngestWriter:
             job.accepted += res.accepted
             job.duplicates += res.duplicates
             job.conflicts += res.conflicts
+            job.foreign.update(res.foreign)
             job.stored = piece.end
             if job.stored < len(job.item[0].events) or job.failed:
                 continue
@@ -488,4 +490,4 @@ class IngestWriter:
                     self.on_commit(batch, job.accepted, job.duplicates)
                 except Exception:  # stored is stored: a hook failure must not fail the batch
                     log.exception("post-commit hook failed for a batch from %s", batch.source.id)
-            fut.set_result(WriteResult(job.accepted, job.duplicates, job.conflicts))
+            fut.set_result(WriteResult(job.accepted, job.duplicates, job.conflicts, sorted(job.foreign)))

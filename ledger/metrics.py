@@ -212,8 +212,9 @@ class LedgerMetrics:
         self.ingest_rejections = Counter(
             "chunkledger_ingest_rejections_total",
             "Batches refused (reason: invalid, too_large, unavailable, fenced: another producer owns the "
-            "source id, conflicting_replay: a seq already stored with other content, rate_limited: the "
-            "source is over its ingest limits)",
+            "source id, conflicting_replay: a seq already stored with other content, not_request_owner: "
+            "events about requests another source serves, rate_limited: the source is over its ingest "
+            "limits)",
             ["reason"],
             registry=r,
         )
@@ -291,7 +292,15 @@ class LedgerMetrics:
         for rule in RULE_NAMES:
             for action in _RULE_ACTIONS.get(rule, ("abort",)):
                 self.cutoffs.labels(rule, action)
-        for reason in ("invalid", "too_large", "unavailable", "fenced", "conflicting_replay", "rate_limited"):
+        for reason in (
+            "invalid",
+            "too_large",
+            "unavailable",
+            "fenced",
+            "conflicting_replay",
+            "not_request_owner",
+            "rate_limited",
+        ):
             self.ingest_rejections.labels(reason)
         for limit in REFUSAL_LIMITS:
             self.request_refusals.labels(limit)

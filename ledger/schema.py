@@ -10,6 +10,8 @@
   their ids as text cost the write path more than the rest of the step (docs/benchmarks.md).
 * ``request_keys`` one row per request a step named: its id and the key steps store for it, assigned
   from the sequence ``request_key_seq`` the first time a step names it (so keys rise with time).
+* ``request_sources`` one row per request: the engine source and the gateway source that own it, the
+  first of each kind to name it (``ledger.store.request_owners``, migration 0009).
 * ``request_rows`` one row per request, the merge of its events (see ``ledger.fold``); only the
   write path touches it.
 * ``request_parts`` partial request rows not merged into ``request_rows`` yet: the DuckDB write path
@@ -87,6 +89,15 @@ request_keys = sa.Table(
     metadata,
     sa.Column("request_id", sa.Text, primary_key=True),
     sa.Column("request_key", sa.BigInteger, nullable=False),
+)
+
+
+request_sources = sa.Table(
+    "request_sources",
+    metadata,
+    sa.Column("request_id", sa.Text, primary_key=True),
+    sa.Column("engine_source_id", sa.Text),
+    sa.Column("gateway_source_id", sa.Text),
 )
 
 

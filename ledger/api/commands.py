@@ -10,7 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from engine_hooks import events as ev
 from ledger.api import errors
-from ledger.api.deps import require
+from ledger.api.deps import on_ingest_pool, require
 from ledger.api.models import Cutoffs, json_response
 from ledger.api.policy import runaway
 from ledger.producers import ProducerBook, digest
@@ -35,8 +35,8 @@ async def get_commands(
     source's producer may read them: with its key when the source is bound to one (``ledger.producers``)."""
     producer = digest(request.headers.get(ev.PRODUCER_HEADER))
     producers: ProducerBook = request.app.state.producers
-    if not producers.current(source_id, producer) and not await run_in_threadpool(
-        producers.owns, source_id, producer
+    if not producers.current(source_id, producer) and not await on_ingest_pool(
+        request, producers.owns, source_id, producer
     ):
         raise errors.ApiError(
             403,
@@ -47,7 +47,7 @@ async def get_commands(
     book = runaway(request).book
     commands = await book.wait(source_id, wait_s)
     if commands:
-        await run_in_threadpool(book.mark_delivered, source_id, commands, "poll")
+        await on_ingest_pool(request, book.mark_delivered, source_id, commands, "poll")
     return Response(_encode({"commands": commands}), media_type="application/json")
 
 

@@ -3,7 +3,9 @@ thread, and ingest must not wait for one behind slow reads)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import asyncio
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 
@@ -42,6 +44,13 @@ ReadsDep = Annotated[Reads, Depends(get_reads)]
 ProducersDep = Annotated[ProducerBook, Depends(get_producers)]
 
 ROLE_ATTR = "chunkledger_role"
+T = TypeVar("T")
+
+
+def on_ingest_pool(request: Request, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """Run ``fn`` on ingest's own threads (``app.state.ingest_pool``), never the worker threads that
+    reads take (and run nicer: ``ledger.reads.read_priority``)."""
+    return asyncio.get_running_loop().run_in_executor(request.app.state.ingest_pool, fn, *args)
 
 
 def require(role: auth.Role) -> Any:

@@ -7,9 +7,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 import msgspec
 from fastapi import APIRouter, Request, Response, status
@@ -17,7 +15,7 @@ from starlette.requests import ClientDisconnect
 
 from engine_hooks import events as ev
 from ledger.api import errors
-from ledger.api.deps import ProducersDep, SettingsDep, WriterDep, require
+from ledger.api.deps import ProducersDep, SettingsDep, WriterDep, on_ingest_pool, require
 from ledger.api.models import BatchRejected, ProducerReleased, json_response
 from ledger.ingest import BadBatch, WriterUnavailable, clamp_future, decode_batch
 from ledger.producers import digest
@@ -28,13 +26,6 @@ router = APIRouter(prefix="/v1", tags=["ingest"])
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 _DECODE_INLINE_BYTES = 1 << 20  # larger bodies are decoded off the event loop
-T = TypeVar("T")
-
-
-def _on_ingest_pool(request: Request, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """Run ``fn`` on ingest's own threads (``app.state.ingest_pool``), never the worker threads that
-    slow reads can take."""
-    return asyncio.get_running_loop().run_in_executor(request.app.state.ingest_pool, fn, *args)
 
 
 @dataclass
@@ -109,6 +100,26 @@ def _conflict(request: Request, source_id: str, result: WriteResult) -> Response
     )
 
 
+def _not_owner(request: Request, source_id: str, result: WriteResult) -> Response:
+    """409: the batch named requests another source of its kind serves (``ledger.store.request_owners``);
+    its events about them were refused."""
+    ids = result.foreign
+    runaway = getattr(request.app.state, "runaway", None)
+    if runaway is not None:
+        runaway.metrics.ingest_rejections.labels("not_request_owner").inc()
+    named = ", ".join(map(repr, ids[:10])) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+    log.warning("source %s sent events about requests another source serves: %s", source_id, named)
+    return errors.error_response(
+        status.HTTP_409_CONFLICT,
+        f"request_id {named}: served by another source; source {source_id!r}'s events about them were "
+        f"refused, not stored (the batch's other {result.accepted} new events were stored)",
+        reason="not_request_owner",
+        request_ids=ids[:1000],
+        accepted=result.accepted,
+        duplicates=result.duplicates,
+    )
+
+
 # The body is decoded with msgspec (the wire contract), not by FastAPI: ``ledger.api.openapi`` names its
 # schema (Batch) and the 200 answer's (IngestResponse). Nothing here is validated by pydantic.
 @router.post(
@@ -151,7 +162,7 @@ async def ingest_events(
             # A large body decodes on a worker thread: the event loop keeps answering other sources
             # meanwhile (the interpreter switches threads every few ms) instead of stopping for it.
             decode = functools.partial(decode_batch, max_events=settings.max_events_per_batch)
-            batch = await _on_ingest_pool(request, decode, body)
+            batch = await on_ingest_pool(request, decode, body)
         else:
             batch = decode_batch(body, max_events=settings.max_events_per_batch)
     except BadBatch as exc:
@@ -184,7 +195,7 @@ async def ingest_events(
     producer = digest(request.headers.get(ev.PRODUCER_HEADER))
     sid = batch.source.id
     if not producers.current(sid, producer):
-        left = await _on_ingest_pool(request, producers.claim, sid, producer)
+        left = await on_ingest_pool(request, producers.claim, sid, producer)
         if left is not None:
             if runaway is not None:
                 runaway.metrics.ingest_rejections.labels("fenced").inc()
@@ -216,11 +227,13 @@ async def ingest_events(
             await asyncio.wrap_future(runaway.observe_late(batch, late))
     if result.conflicts:
         return _conflict(request, sid, result)
+    if result.foreign:
+        return _not_owner(request, sid, result)
     commands: list[ev.Command] = []
     if runaway is not None and runaway.book.has_pending(batch.source.id):
         # Re-sent in every response until the source confirms (ledger.rules.commands).
         commands = runaway.book.for_source(batch.source.id)
-        await _on_ingest_pool(request, runaway.book.mark_delivered, batch.source.id, commands, "ingest")
+        await on_ingest_pool(request, runaway.book.mark_delivered, batch.source.id, commands, "ingest")
     answer = ev.IngestResponse(accepted=result.accepted, duplicates=result.duplicates, commands=commands)
     return Response(_encode(answer), media_type="application/json")
 
@@ -244,7 +257,7 @@ async def release_producer(request: Request, producers: ProducersDep, source_id:
             else "source_id: 1 to 128 characters",
             reason="invalid",
         )
-    released = await _on_ingest_pool(request, producers.release, source_id, producer)
+    released = await on_ingest_pool(request, producers.release, source_id, producer)
     if released is None:
         raise errors.ApiError(
             409,

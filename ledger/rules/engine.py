@@ -197,17 +197,22 @@ class RuleEngine:
         self, rid: str, source: ev.Source, touched: dict[str, R.LiveRequest], mono: float
     ) -> R.LiveRequest | None:
         """The live request ``rid`` (made on its first event), marked as touched by ``source``; None
-        when it has finished already (a late event)."""
+        when it has finished already (a late event), or when another source of ``source``'s kind
+        serves it (its first engine and its first gateway do: ``ledger.store.request_owners``, whose
+        409 refuses the same events at the store)."""
         r = self.live.get(rid)
+        engine = source.kind == "engine"
         if r is None:
             if rid in self._done:
                 return None
             r = self.live[rid] = R.LiveRequest(request_id=rid)
         else:
+            if _served_by_another(r, source):
+                return None
             self.live.move_to_end(rid)
         r.touched_mono = mono
         touched[rid] = r
-        if source.kind == "engine":
+        if engine:
             r.engine_source_id = source.id
             if source.model:
                 r.model = source.model
@@ -266,10 +271,12 @@ class RuleEngine:
             return
         rid = e.request_id
         if kind in ("finished", "completed", "client_disconnected", "stream_cut"):
+            r = self.live.get(rid)
+            if r is not None and _served_by_another(r, source):
+                return
             if kind == "stream_cut" and e.command_id:
                 signals.append(("confirmed", source.id, e.command_id, t))
             signals.append(("done", rid, source.id, kind))
-            r = self.live.get(rid)
             if r is None:
                 return
             if kind == "finished" or r.engine_source_id is None:
@@ -303,15 +310,16 @@ class RuleEngine:
 
     def _step(self, source: ev.Source, e: ev.Step, t: float, touched: dict[str, R.LiveRequest]) -> None:
         live = self.live
+        ours = (source.id, None)  # requests another engine serves are not this step's
         if not e.token_counts:  # with them, each runner got a token (``_step_tokens``) or a chunk
             for rid in e.request_ids:
                 r = live.get(rid)
-                if r is not None:
+                if r is not None and r.engine_source_id in ours:
                     r.last_progress_ts = t
         stalled = 0
         for rid in e.stalled_request_ids:
             r = live.get(rid)
-            if r is not None:
+            if r is not None and r.engine_source_id in ours:
                 r.forced_waits += 1
                 stalled += 1
                 touched[rid] = r  # the forced-wait limit is checked with the batch's counter rules
@@ -412,3 +420,9 @@ class RuleEngine:
     def get(self, request_id: str) -> R.LiveRequest | None:
         with self._lock:
             return self.live.get(request_id)
+
+
+def _served_by_another(r: R.LiveRequest, source: ev.Source) -> bool:
+    """Whether another source of ``source``'s kind serves the live request ``r``."""
+    owner = r.engine_source_id if source.kind == "engine" else r.gateway_source_id
+    return owner is not None and owner != source.id

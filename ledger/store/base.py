@@ -32,6 +32,7 @@ from engine_hooks import events as ev
 from ledger import schema
 from ledger.fold import AGGREGATES, SUM_COLUMNS, Row, fold_into, fold_steps
 from ledger.store.request_keys import KeyCache, keys_for
+from ledger.store.request_owners import Owners, foreign_ids, names_any
 from ledger.store.step_memory import MAX_STEP_GAP_S, _follows, _StepEnd, _StepMemory
 
 EVENT_COLUMNS = [c.name for c in schema.events.columns]
@@ -46,6 +47,9 @@ class WriteResult:
     duplicates: int
     # Seqs already stored with other content (a conflicting replay): not stored again, not duplicates.
     conflicts: list[int] = field(default_factory=list)
+    # Request ids another source of the batch's kind owns (``ledger.store.request_owners``): the events
+    # naming them were refused, neither stored nor counted as duplicates.
+    foreign: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -146,7 +150,8 @@ class Store:
         self._step_memory: dict[str, _StepMemory] = {}
         # Seconds per phase of the last write (the writer logs them for a slow group).
         self.last_write_phases: dict[str, float] = {}
-        self._keys = KeyCache()  # request id -> request_keys.request_key, for the ids met lately
+        self._keys: KeyCache[int] = KeyCache()  # request id -> request_keys.request_key, met lately
+        self._owners: KeyCache[Owners] = KeyCache(1 << 16)  # request id -> its owners, met lately
 
     # -- backend hooks -------------------------------------------------------------------------
     def _connect(self) -> Any:
@@ -190,6 +195,11 @@ class Store:
         """The stored keys of ``ids``."""
         raise NotImplementedError
 
+    def _claim_owners(self, conn: Any, claims: dict[str, Owners]) -> dict[str, Owners]:
+        """Store ``claims`` where no owner of that kind is stored; the stored owners of every claimed id
+        (``ledger.store.request_owners``)."""
+        raise NotImplementedError
+
     def _save_sources(self, conn: Any, states: list[_SourceState], now: float) -> None:
         raise NotImplementedError
 
@@ -231,7 +241,11 @@ class Store:
                     states[batches[i].source.id].producer = p
             t1 = clock()
             prepared = Prepared()
-            results = [self._accept(conn, b, states[b.source.id], prepared, now) for b in batches]
+            foreign, owners = foreign_ids(self._owners, conn, batches, self._claim_owners)
+            results = [
+                self._accept(conn, b, states[b.source.id], prepared, now, foreign[i])
+                for i, b in enumerate(batches)
+            ]
             prepared.fold()
             if prepared.steps["seq"]:
                 prepared.steps["request_keys"], prepared.new_keys = keys_for(
@@ -254,6 +268,8 @@ class Store:
         self._remember_steps(prepared, states)
         if prepared.new_keys:
             self._keys.learn(prepared.new_keys)
+        if owners:
+            self._owners.learn(owners)
         self._after_commit(list(states.values()))
         self.last_write_phases = {
             "lock": t1 - t0,
@@ -265,9 +281,17 @@ class Store:
         return results
 
     def _accept(
-        self, conn: Any, batch: ev.Batch, state: _SourceState, prepared: Prepared, now: float
+        self,
+        conn: Any,
+        batch: ev.Batch,
+        state: _SourceState,
+        prepared: Prepared,
+        now: float,
+        foreign: set[str],
     ) -> WriteResult:
         evs = batch.events
+        if foreign:  # events about requests another source owns: refused
+            evs = [e for e in evs if not names_any(e, foreign)]
         mark = state.last_seq if state.new_last_seq < 0 else state.new_last_seq
         fresh = [e for e in evs if e.seq > mark]
         old = [e for e in evs if e.seq <= mark]
@@ -290,7 +314,10 @@ class Store:
             state.accepted += len(accepted)
             self._prepare(batch.source, accepted, prepared, now, state)
         return WriteResult(
-            accepted=len(accepted), duplicates=len(evs) - len(accepted) - len(conflicts), conflicts=conflicts
+            accepted=len(accepted),
+            duplicates=len(evs) - len(accepted) - len(conflicts),
+            conflicts=conflicts,
+            foreign=sorted(foreign),
         )
 
     def _differs(self, e: Any, stored: _Stored) -> bool:

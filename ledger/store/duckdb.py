@@ -25,6 +25,7 @@ from ledger.store.base import (
     merge_sql,
     request_columns,
 )
+from ledger.store.request_owners import Owners
 
 _ARROW = {"float": pa.float64(), "int": pa.int64(), "str": pa.string()}
 EVENTS_SCHEMA = pa.schema(
@@ -70,6 +71,23 @@ _INSERT_NEW_KEYS = (
 _INSERT_KEYS = _INSERT_NEW_KEYS + " ON CONFLICT DO NOTHING RETURNING request_id, request_key"
 _LOOKUP_KEYS = (
     "SELECT request_id, request_key FROM request_keys WHERE request_id IN (SELECT request_id FROM _key_stage)"
+)
+
+# Owners (ledger.store.request_owners): the file has one writer, so a lookup and then a plain insert of
+# the ids no one claimed (1 + 1 ms a group) instead of an upsert returning the rows (3.2 ms).
+_OWNER_STAGE = pa.schema(
+    [("request_id", pa.string()), ("engine_source_id", pa.string()), ("gateway_source_id", pa.string())]
+)
+_LOOKUP_OWNERS = (
+    "SELECT request_id, engine_source_id, gateway_source_id FROM request_sources "
+    "WHERE request_id IN (SELECT request_id FROM _owner_stage)"
+)
+_INSERT_OWNERS = "INSERT INTO request_sources SELECT * FROM _owner_stage"
+_FILL_OWNERS = (
+    "UPDATE request_sources SET "
+    "engine_source_id = coalesce(request_sources.engine_source_id, o.engine_source_id), "
+    "gateway_source_id = coalesce(request_sources.gateway_source_id, o.gateway_source_id) "
+    "FROM _owner_stage o WHERE request_sources.request_id = o.request_id"
 )
 
 
@@ -284,6 +302,34 @@ class DuckDBStore(Store):
     def _lookup_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:
         with self._staged("_key_stage", pa.table([ids], names=["request_id"])) as duck:
             return dict(duck.execute(_LOOKUP_KEYS).fetchall())
+
+    def _claim_owners(self, conn: Any, claims: dict[str, Owners]) -> dict[str, Owners]:
+        def stage(rows: dict[str, Owners]) -> pa.Table:
+            return pa.table(
+                [list(rows), [o[0] for o in rows.values()], [o[1] for o in rows.values()]],
+                schema=_OWNER_STAGE,
+            )
+
+        with self._staged("_owner_stage", stage(claims)) as duck:
+            stored: dict[str, Owners] = {rid: (e, g) for rid, e, g in duck.execute(_LOOKUP_OWNERS).fetchall()}
+        new = {rid: o for rid, o in claims.items() if rid not in stored}
+        if new:
+            with self._staged("_owner_stage", stage(new)) as duck:
+                duck.execute(_INSERT_OWNERS)
+        # Stored ids whose kind no one owned yet and the group claims (a gateway's request the engine
+        # names now): filled in, never replaced.
+        fill = {
+            rid: claims[rid]
+            for rid, (e, g) in stored.items()
+            if (e is None and claims[rid][0] is not None) or (g is None and claims[rid][1] is not None)
+        }
+        if fill:
+            with self._staged("_owner_stage", stage(fill)) as duck:
+                duck.execute(_FILL_OWNERS)
+        for rid, (e, g) in fill.items():
+            old = stored[rid]
+            stored[rid] = (old[0] if old[0] is not None else e, old[1] if old[1] is not None else g)
+        return {**new, **stored}
 
     def _link_successors(self, conn: Any, links: list[tuple[float, str, int, int, float, float]]) -> None:
         if len(links) == 1:

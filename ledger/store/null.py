@@ -26,6 +26,9 @@ class NullStore(Store):
         prepared.fold()
         return out
 
+    def _claim_owners(self, conn: Any, claims: dict[str, Any]) -> dict[str, Any]:
+        return claims
+
     def get_request(self, request_id: str, conn: Any = None) -> dict[str, Any] | None:
         return None
 

@@ -15,6 +15,7 @@ from ledger.store.base import (
     merge_sql,
     request_columns,
 )
+from ledger.store.request_owners import Owners
 
 _MERGE = merge_sql("request_rows", "_req_stage", wide_int="NUMERIC")
 _REQ_COLS = ["request_id", *AGGREGATES]
@@ -23,6 +24,16 @@ _INSERT_KEYS = (
     "RETURNING request_id, request_key"
 )
 _LOOKUP_KEYS = "SELECT request_id, request_key FROM request_keys WHERE request_id = ANY(%s)"
+# Each claim stored where no owner of its kind is; every claimed row comes back with its owners. The
+# update takes the row's lock, so another replica claiming the id waits for this commit and reads it.
+_CLAIM_OWNERS = (
+    "INSERT INTO request_sources (request_id, engine_source_id, gateway_source_id) "
+    "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]) "
+    "ON CONFLICT (request_id) DO UPDATE SET "
+    "engine_source_id = coalesce(request_sources.engine_source_id, excluded.engine_source_id), "
+    "gateway_source_id = coalesce(request_sources.gateway_source_id, excluded.gateway_source_id) "
+    "RETURNING request_id, engine_source_id, gateway_source_id"
+)
 
 
 class _Tx:
@@ -120,6 +131,12 @@ class PostgresStore(Store):
 
     def _lookup_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:
         return dict(conn.execute(_LOOKUP_KEYS, (ids,)).fetchall())
+
+    def _claim_owners(self, conn: Any, claims: dict[str, Owners]) -> dict[str, Owners]:
+        engines = [o[0] for o in claims.values()]
+        gateways = [o[1] for o in claims.values()]
+        rows = conn.execute(_CLAIM_OWNERS, (list(claims), engines, gateways)).fetchall()
+        return {rid: (engine, gateway) for rid, engine, gateway in rows}
 
     def _save_sources(self, conn: Any, states: list[_SourceState], now: float) -> None:
         with conn.pg.cursor() as cur:

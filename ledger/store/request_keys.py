@@ -13,14 +13,16 @@ not hold.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 # ids -> their keys, for the ids a transaction resolves; a backend's insert or lookup
 Resolver = Callable[[Any, list[str]], dict[str, int]]
+V = TypeVar("V")
 
 
-class KeyCache:
-    """The keys of the ids met lately, in two generations of at most ``size`` ids each.
+class KeyCache(Generic[V]):
+    """What the ids met lately map to (their keys; their owners in ``ledger.store.request_owners``), in
+    two generations of at most ``size`` ids each.
 
     A lookup that finds an id in the old generation moves it to the young one; when the young one is
     full it becomes the old one (the old one is dropped). So a request named in every step stays,
@@ -29,18 +31,18 @@ class KeyCache:
 
     def __init__(self, size: int = 1 << 18) -> None:
         self.size = size
-        self._young: dict[str, int] = {}
-        self._old: dict[str, int] = {}
+        self._young: dict[str, V] = {}
+        self._old: dict[str, V] = {}
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
 
-    def known(self, ids: Iterable[str]) -> tuple[dict[str, int], list[str]]:
-        """The keys of ``ids`` (distinct) found here, and the ids not found."""
+    def known(self, ids: Iterable[str]) -> tuple[dict[str, V], list[str]]:
+        """The values of ``ids`` (distinct) found here, and the ids not found."""
         young, old = self._young, self._old
-        found: dict[str, int] = {}
+        found: dict[str, V] = {}
         missing: list[str] = []
-        promoted: dict[str, int] = {}
+        promoted: dict[str, V] = {}
         for rid in ids:
             key = young.get(rid)
             if key is None:
@@ -54,7 +56,7 @@ class KeyCache:
             self.learn(promoted)
         return found, missing
 
-    def learn(self, keys: dict[str, int]) -> None:
+    def learn(self, keys: dict[str, V]) -> None:
         """Remember ``keys`` (after the transaction that resolved them committed)."""
         if len(self._young) + len(keys) > self.size:
             self._old, self._young = self._young, {}
@@ -62,7 +64,7 @@ class KeyCache:
 
 
 def keys_for(
-    cache: KeyCache,
+    cache: KeyCache[int],
     conn: Any,
     id_lists: Sequence[list[str]],
     insert: Resolver,

@@ -33,11 +33,17 @@ def _source(name: str) -> ev.Source:
 
 
 def _engine_run(
-    n: int, *, t0: float = T0, first_seq: int = 1, skip: tuple[int, ...] = (40,), seed: int = 0
+    n: int,
+    *,
+    t0: float = T0,
+    first_seq: int = 1,
+    skip: tuple[int, ...] = (40,),
+    seed: int = 0,
+    prefix: str = "",
 ) -> list[Any]:
     """``n`` steps of one engine (numbers in ``skip`` were empty schedules: no event), each followed by a
     tokens event; the next step is scheduled after the previous one ended or, as with async
-    scheduling, before it ended."""
+    scheduling, before it ended. Its requests' ids start with ``prefix`` (a request is one engine's)."""
     rng = random.Random(seed)
     out: list[Any] = []
     t = t0
@@ -58,10 +64,10 @@ def _engine_run(
                 num_prefill_reqs=0 if k else 1,
                 num_decode_reqs=decode,
                 running=4,
-                request_ids=[f"r{j}" for j in range(4)],
+                request_ids=[f"{prefix}r{j}" for j in range(4)],
             )
         )
-        out.append(ev.Tokens(seq=0, ts=t + d, request_id=f"r{k % 4}", count=1, total=k // 4 + 1))
+        out.append(ev.Tokens(seq=0, ts=t + d, request_id=f"{prefix}r{k % 4}", count=1, total=k // 4 + 1))
         t += d * rng.choice((1.0, 0.7))
     return numbered(out, first_seq)
 
@@ -104,12 +110,12 @@ def _write_in_groups(store: Any, src: ev.Source, batches: list[list[Any]], rng: 
 
 
 def test_steps_get_the_in_order_interval_whatever_order_their_batches_arrive_in(store):
-    evs = _engine_run(160)
-    want = _expected(evs)
+    want = _expected(_engine_run(160))
     assert want[0] is None and want[41] is None and sum(v is not None for v in want.values()) == 157
     rng = random.Random(3)
     for trial in range(4):
         src = _source(f"engine-{trial}")
+        evs = _engine_run(160, prefix=f"{src.id}-")
         batches = _cut(evs, rng)
         if trial:
             rng.shuffle(batches)
@@ -131,7 +137,7 @@ def test_a_late_batch_links_both_its_own_first_step_and_the_stored_step_after_it
 
 
 def test_late_batches_of_several_sources_in_one_group_commit_link_every_stored_successor(store):
-    runs = {f"engine-{k}": _engine_run(60, skip=(), seed=k) for k in range(3)}
+    runs = {f"engine-{k}": _engine_run(60, skip=(), seed=k, prefix=f"engine-{k}-") for k in range(3)}
     parts = {sid: [evs[i : i + 20] for i in range(0, len(evs), 20)] for sid, evs in runs.items()}
     for sid, b in parts.items():  # every source's second batch is overtaken by its third
         store.write([batch(_source(sid), p) for p in (b[0], b[2])])

@@ -91,6 +91,84 @@ def test_a_conflicting_replay_is_a_409_naming_the_seq_counted_and_the_rest_is_st
     assert httpx.get(f"{ledger.url}/v1/requests/{sid}-c", timeout=10).status_code == 200
 
 
+def _request(server: LedgerServer, rid: str) -> dict:
+    r = httpx.get(f"{server.url}/v1/requests/{rid}", timeout=10)
+    assert r.status_code == 200, r.text
+    return {**r.json()["request"], "events": r.json()["events"]}
+
+
+def test_another_engine_cannot_rewrite_finish_or_feed_the_rules_of_a_request_it_does_not_serve(ledger):
+    """A ``finished`` under a victim's request id set its model and output tokens, and its ``tokens``
+    went to the victim's rules (whose cutoff then went to the attacker): now a 409 naming the id."""
+    victim, attacker = f"v-{time.monotonic_ns()}", f"a-{time.monotonic_ns()}"
+    rid = f"{victim}-req"
+    t = time.time()
+    r = _post(
+        ledger,
+        victim,
+        [_queued(1, rid, t), ev.Tokens(seq=2, ts=t + 0.1, request_id=rid, count=2, total=2)],
+        "vk",
+    )
+    assert r.json()["accepted"] == 2
+    before = _rejections(ledger, "not_request_owner")
+    evil = [
+        ev.Tokens(seq=1, ts=t + 0.2, request_id=rid, count=50, total=50),
+        _queued(2, f"{attacker}-own", t),
+        ev.Finished(seq=3, ts=t + 0.3, request_id=rid, reason="stop", output_tokens=999_999),
+    ]
+    src = ev.Source(id=attacker, kind="engine", model="zzz-model")
+    r = httpx.post(
+        f"{ledger.url}/v1/events",
+        content=ev.encode_batch(src, evil),
+        headers={ev.PRODUCER_HEADER: "ak"},
+        timeout=30,
+    )
+    assert r.status_code == 409, r.text
+    answer = r.json()
+    assert answer["reason"] == "not_request_owner" and answer["request_ids"] == [rid]
+    assert rid in answer["detail"] and (answer["accepted"], answer["duplicates"]) == (1, 0)
+    assert _rejections(ledger, "not_request_owner") == before + 1
+    row = _request(ledger, rid)
+    assert (row["model"], row["engine_source_id"], row["output_tokens"]) == (MODEL, victim, 2)
+    assert row["finished_ts"] is None and row["finish_reason"] is None
+    assert {e["source_id"] for e in row["events"]} == {victim}
+    assert _request(ledger, f"{attacker}-own")["engine_source_id"] == attacker
+    # The victim's own rules still run: past its cap of 4 tokens its request gets the command.
+    r = _post(ledger, victim, [ev.Tokens(seq=3, ts=t + 0.4, request_id=rid, count=3, total=5)], "vk")
+    assert r.status_code == 200
+    deadline = time.monotonic() + 10
+    commands = r.json()["commands"]
+    while not commands and time.monotonic() < deadline:
+        time.sleep(0.2)
+        commands = _poll(ledger, victim, "vk").json()["commands"]
+    assert [c["request_id"] for c in commands] == [rid]
+    r = _post(
+        ledger, victim, [ev.Finished(seq=4, ts=t + 0.5, request_id=rid, reason="stop", output_tokens=5)], "vk"
+    )
+    assert r.status_code == 200
+    row = _request(ledger, rid)
+    assert (row["finish_reason"], row["output_tokens"]) == ("stop", 5)
+
+
+def test_a_gateway_and_an_engine_both_serve_a_request_and_a_second_gateway_or_a_step_cannot_join(ledger):
+    gw, engine, other = (f"{n}-{time.monotonic_ns()}" for n in ("gw", "eng", "gw2"))
+    rid = f"{gw}-req"
+    t = time.time()
+    assert _post(ledger, gw, [ev.Arrived(seq=1, ts=t, request_id=rid)], "gk", "gateway").status_code == 200
+    assert _post(ledger, engine, [_queued(1, rid, t + 0.01)], "ek").status_code == 200
+    r = _post(
+        ledger, other, [ev.Completed(seq=1, ts=t + 1, request_id=rid, status_code=500)], "ok", "gateway"
+    )
+    assert r.status_code == 409 and r.json()["request_ids"] == [rid]
+    # a step of another engine naming the request (its idle time, its participation) is refused whole
+    step = ev.Step(seq=1, ts=t + 0.5, step=1, duration_s=0.01, request_ids=[], stalled_request_ids=[rid])
+    r = _post(ledger, f"{engine}-x", [step], "xk")
+    assert r.status_code == 409 and r.json()["request_ids"] == [rid]
+    row = _request(ledger, rid)
+    assert (row["gateway_source_id"], row["engine_source_id"]) == (gw, engine)
+    assert row["status_code"] is None and row["stalled_steps"] == 0
+
+
 def test_a_retried_event_the_ledger_clamped_to_its_receive_time_is_a_duplicate(ledger):
     sid = f"clamp-{time.monotonic_ns()}"
     batch = [_queued(1, f"{sid}-a", time.time() + 100_000)]  # stamped a day ahead: stored at receive time
@@ -132,7 +210,8 @@ def test_a_confirmation_from_another_source_does_not_apply_the_command(ledger):
     fake = ev.CutoffApplied(
         seq=1, ts=time.time(), request_id=cmd.request_id, command_id=cmd.id, action=cmd.action, rule=cmd.rule
     )
-    assert _post(ledger, f"{sid}-attacker", [fake], "attacker-key").status_code == 200
+    r = _post(ledger, f"{sid}-attacker", [fake], "attacker-key")
+    assert r.status_code == 409 and r.json()["request_ids"] == [cmd.request_id]  # not its request
     time.sleep(0.3)  # confirmations are recorded beside the rule engine's intake
     rows = httpx.get(f"{ledger.url}/v1/cutoffs", params={"request_id": cmd.request_id}, timeout=10).json()
     assert [(c["state"], c["applied_ts"]) for c in rows["cutoffs"]] == [("pending", None)]

@@ -92,20 +92,14 @@ def test_two_writers_naming_the_same_requests_share_their_keys(db_url):
         pytest.skip("replicas write to PostgreSQL; a DuckDB file has one writer")
     one, two = open_store(db_url), open_store(db_url)
     a = ev.Source(id="engine-a", kind="engine")
-    b = ev.Source(id="engine-b", kind="engine")
     one.write([batch(a, numbered([_step(0, ["p", "q"])]))])
-    two.write([batch(b, numbered([_step(0, ["q", "p", "s"])]))])
+    two.write([batch(a, numbered([_step(1, ["q", "p", "s"])], 2))])  # its next batch, to the other
     keys = _key_table(one)
     with one.engine.connect() as conn:
-        rows = conn.exec_driver_sql(
-            f"SELECT source_id, {step_request_ids_sql()} FROM steps ORDER BY source_id"
-        ).all()
+        rows = conn.exec_driver_sql(f"SELECT step, {step_request_ids_sql()} FROM steps ORDER BY step").all()
     one.close()
     two.close()
-    assert [(sid, list(ids)) for sid, ids in rows] == [
-        ("engine-a", ["p", "q"]),
-        ("engine-b", ["q", "p", "s"]),
-    ]
+    assert [(step, list(ids)) for step, ids in rows] == [(0, ["p", "q"]), (1, ["q", "p", "s"])]
     assert sorted(keys) == ["p", "q", "s"] and len(set(keys.values())) == 3
 
 

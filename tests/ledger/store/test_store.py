@@ -154,8 +154,9 @@ def test_step_participant_ids_with_quotes_backslashes_and_separators_round_trip(
 
 
 def test_output_token_ids_are_not_persisted_unless_configured(db_url):
-    evs = numbered([ev.Tokens(seq=0, ts=5.0, request_id="a", count=3, total=3, token_ids=[1, 2, 3])])
     for persist, expected in ((False, None), (True, [1, 2, 3])):
+        tokens = ev.Tokens(seq=0, ts=5.0, request_id=f"a-{persist}", count=3, total=3, token_ids=[1, 2, 3])
+        evs = numbered([tokens])
         s = open_store(db_url, persist_token_ids=persist)
         try:
             s.write([batch(ev.Source(id=f"e-{persist}", kind="engine"), evs)])
