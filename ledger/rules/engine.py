@@ -25,7 +25,9 @@ first, when more than ``max_live`` requests are live. A loop detector keeps at m
 
 from __future__ import annotations
 
+import heapq
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -65,6 +67,9 @@ class Hooks(Protocol):
     def starving(self, r: R.LiveRequest, waited_s: float, now: float) -> None: ...
 
 
+_TICK_SLICE = 2000  # requests the ticker looks at under one hold of the lock
+
+
 class RuleEngine:
     def __init__(
         self,
@@ -87,6 +92,9 @@ class RuleEngine:
         self._done: OrderedDict[str, None] = OrderedDict()  # recently finished ids (late events ignored)
         self._rules_cache: tuple[Policy | None, dict[str | None, RuleSettings]] = (None, {})
         self._stalled: dict[str, tuple[str, int]] = {}  # source -> (model, KV-stalled in its last step)
+        self._ticked_policy: Policy | None = None  # the policy of the last tick's deadlines
+        self._deadlines: list[tuple[float, str]] = []  # heap of (LiveRequest.scheduled, request id)
+        self._changed: dict[str, R.LiveRequest] = {}  # touched since the last tick
 
     # -- policy ------------------------------------------------------------------------------------
     def rules_for(self, model: str | None) -> RuleSettings:
@@ -211,6 +219,7 @@ class RuleEngine:
                 return None
             self.live.move_to_end(rid)
         r.touched_mono = mono
+        self._changed[rid] = r  # its deadlines may move: the ticker looks at it again
         touched[rid] = r
         if engine:
             r.engine_source_id = source.id
@@ -360,23 +369,54 @@ class RuleEngine:
 
     # -- time --------------------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> list[Decision]:
-        """Time rules, the starvation alert and idle eviction over every live request."""
+        """Time rules, the starvation alert and idle eviction.
+
+        Only the live requests whose earliest deadline (``rules.next_deadline``) has passed, from a heap,
+        and the ones an event changed since the last tick are evaluated. A pass over every live request
+        held the interpreter for 90 ms per 100,000 requests every tick (most of them waiting,
+        untouched), and the ingest writer waited for it."""
         now = self._clock() if now is None else now
         mono = self._mono()
         policy = self._policy()
         starve = policy.alerts.starvation_wait_s
         with self._lock:
-            decisions = self._decide(list(self.live.values()), R.TIME_RULES, now)
-            starving = []
-            if starve is not None:
-                for r in self.live.values():
+            if policy is not self._ticked_policy:  # other limits: every deadline moves
+                self._ticked_policy = policy
+                self._changed.update(self.live)
+            due, self._changed = self._changed, {}
+            heap, live = self._deadlines, self.live
+            while heap and heap[0][0] <= now:
+                at, rid = heapq.heappop(heap)
+                r = live.get(rid)
+                if r is not None and r.scheduled == at:  # else finished, evicted, or rescheduled
+                    r.scheduled = math.inf
+                    due[rid] = r
+        decisions: list[Decision] = []
+        starving = []
+        looked = list(due.items())
+        # In slices, each under the lock: the batches that arrive meanwhile are observed in between (100,000
+        # new requests take 0.3 s to look at, and every ingest answer waits for its batch's observation).
+        for i in range(0, len(looked), _TICK_SLICE):
+            with self._lock:
+                part = looked[i : i + _TICK_SLICE]
+                decisions += self._decide([r for _, r in part], R.TIME_RULES, now)
+                for rid, r in part:
                     if (
-                        r.waiting_since is not None
+                        starve is not None
+                        and r.waiting_since is not None
                         and not r.starvation_alerted
                         and now - r.waiting_since > starve
                     ):
                         r.starvation_alerted = True
                         starving.append((r, now - r.waiting_since))
+                    at = R.next_deadline(r, self.rules_for(r.model), starve)
+                    if at < r.scheduled and live.get(rid) is r:  # later: its entry pops first, then this
+                        r.scheduled = at
+                        heapq.heappush(heap, (at, rid))
+        with self._lock:
+            if len(heap) > 2 * len(live) + 10_000:  # entries of requests gone or rescheduled
+                self._deadlines = [(r.scheduled, rid) for rid, r in live.items() if r.scheduled < math.inf]
+                heapq.heapify(self._deadlines)
             while self.live:
                 _rid, r = next(iter(self.live.items()))
                 if mono - r.touched_mono <= self.idle_evict_s:

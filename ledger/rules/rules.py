@@ -24,6 +24,7 @@ rule                   fires when                                               
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,6 +62,8 @@ class LiveRequest:
     decided: set[str] = field(default_factory=set)  # rules and actions already decided (once each)
     starvation_alerted: bool = False
     touched_mono: float = 0.0  # ledger monotonic time of its newest event (eviction)
+    # The deadline of its entry in the ticker's heap (``next_deadline`` when last computed; inf: none).
+    scheduled: float = math.inf
 
 
 def token_cap(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
@@ -93,22 +96,35 @@ def near_loop(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
     )
 
 
-def wall_clock_timeout(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+# Each time rule fires once the time passes its deadline: a function of the request's state and the
+# policy, None while it cannot fire. The ticker visits a request again only when the earliest of them
+# has passed or an event changed its state (``next_deadline``).
+
+
+def wall_clock_deadline(r: LiveRequest, p: RuleSettings) -> float | None:
     limit = p.wall_clock_timeout_s
-    if limit is None or r.admitted_ts is None:
-        return None
-    age = now - r.admitted_ts
-    if age > limit:
+    return None if limit is None or r.admitted_ts is None else r.admitted_ts + limit
+
+
+def wall_clock_timeout(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+    deadline = wall_clock_deadline(r, p)
+    if deadline is not None and now > deadline:
+        age, limit = now - r.admitted_ts, p.wall_clock_timeout_s  # type: ignore[operator]
         return Verdict("wall_clock_timeout", "abort", f"{age:.1f} s since admission, limit {limit:g} s")
     return None
 
 
-def stall_timeout(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+def stall_deadline(r: LiveRequest, p: RuleSettings) -> float | None:
     limit = p.stall_timeout_s
     if limit is None or not r.running or r.last_progress_ts is None:
         return None
-    idle = now - r.last_progress_ts
-    if idle > limit:
+    return r.last_progress_ts + limit
+
+
+def stall_timeout(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+    deadline = stall_deadline(r, p)
+    if deadline is not None and now > deadline:
+        idle, limit = now - r.last_progress_ts, p.stall_timeout_s  # type: ignore[operator]
         return Verdict(
             "stall_timeout", "abort", f"no new token for {idle:.1f} s while running, limit {limit:g} s"
         )
@@ -131,13 +147,18 @@ def forced_wait_limit(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | 
     return None
 
 
-def slow_pool_starved(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+def slow_pool_deadline(r: LiveRequest, p: RuleSettings) -> float | None:
     limit = p.slow_pool_max_wait_s
     if limit is None or r.slow_pool_ts is None:
         return None
-    since = max(r.slow_pool_ts, r.last_progress_ts or 0.0)
-    starved = now - since
-    if starved > limit:
+    return max(r.slow_pool_ts, r.last_progress_ts or 0.0) + limit
+
+
+def slow_pool_starved(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+    deadline = slow_pool_deadline(r, p)
+    if deadline is not None and now > deadline:
+        limit = p.slow_pool_max_wait_s
+        starved = now - deadline + limit  # type: ignore[operator]
         return Verdict(
             "slow_pool_starved",
             "promote",
@@ -153,6 +174,27 @@ EVENT_RULES: tuple[Rule, ...] = (token_cap, loop, near_loop, preemption_limit, f
 TIME_RULES: tuple[Rule, ...] = (wall_clock_timeout, stall_timeout, slow_pool_starved)
 ALL_RULES = EVENT_RULES + TIME_RULES
 RULE_NAMES = tuple(f.__name__ for f in ALL_RULES)
+_DEADLINES = (
+    (wall_clock_timeout.__name__, wall_clock_deadline),
+    (stall_timeout.__name__, stall_deadline),
+    (slow_pool_starved.__name__, slow_pool_deadline),
+)
+
+
+def next_deadline(r: LiveRequest, p: RuleSettings, starvation_wait_s: float | None) -> float:
+    """The earliest time a time rule (not decided yet) or the starvation alert can fire for ``r`` as it
+    is now; infinity when none can until its state changes."""
+    if r.finished or "abort" in r.decided:
+        return math.inf
+    out = math.inf
+    for name, deadline in _DEADLINES:
+        if name not in r.decided:
+            d = deadline(r, p)
+            if d is not None and d < out:
+                out = d
+    if starvation_wait_s is not None and r.waiting_since is not None and not r.starvation_alerted:
+        out = min(out, r.waiting_since + starvation_wait_s)
+    return out
 
 
 def evaluate(

@@ -287,3 +287,52 @@ def test_a_steps_tokens_for_a_request_finished_earlier_in_the_batch_are_ignored(
     # the plugin sends a request's finish before the step that carries its last tokens
     eng.observe(ENGINE, seqs([queued, fin, _step(1, {"r": [5] * 64}, {"r": 64})]), T0)
     assert hooks.decisions == [] and eng.get("r") is None
+
+
+def _counting_evaluate(monkeypatch) -> list[str]:
+    from ledger.rules import rules as R
+
+    seen: list[str] = []
+    real = R.evaluate
+
+    def counted(r, p, now, rules=R.ALL_RULES):
+        seen.append(r.request_id)
+        return real(r, p, now, rules)
+
+    monkeypatch.setattr(R, "evaluate", counted)
+    return seen
+
+
+def test_the_ticker_looks_only_at_requests_whose_deadline_passed_or_whose_state_changed(monkeypatch):
+    eng, _hooks, clock = make({"rules": {"stall_timeout_s": 10}, "alerts": {"starvation_wait_s": 60}})
+    waiting = [ev.Queued(seq=0, ts=T0, request_id=f"w{i}", prompt_tokens=5) for i in range(1000)]
+    eng.observe(ENGINE, seqs([*waiting, tokens("run", 16)]), T0)
+    seen = _counting_evaluate(monkeypatch)
+    assert eng.tick() == [] and len(seen) == 1001  # new: each looked at once
+    seen.clear()
+    clock.t = T0 + 5
+    eng.observe(ENGINE, seqs([tokens("run", 32, ts=T0 + 5)], 1002), T0 + 5)
+    seen.clear()  # (the event rules looked at it)
+    assert eng.tick() == [] and seen == ["run"]  # only what an event changed
+    seen.clear()
+    clock.t = T0 + 14
+    # none of the waiting ones; "run" once more, at the deadline it had before its last token
+    assert eng.tick() == [] and seen == ["run"]
+    seen.clear()
+    clock.t = T0 + 16  # 11 s after its last token
+    assert [(d.request_id, d.rule) for d in eng.tick()] == [("run", "stall_timeout")] and seen == ["run"]
+    seen.clear()
+    clock.t = T0 + 61  # the waiting ones pass the starvation deadline together
+    eng.tick()
+    assert len(seen) == 1000 and len(_hooks.starved) == 1000
+
+
+def test_a_lower_limit_in_a_new_policy_reaches_requests_no_event_touched():
+    hooks, clock = Hooks(), Clock(T0)
+    box = {"p": parse_policy({"rules": {"wall_clock_timeout_s": 1000}})}
+    eng = RuleEngine(lambda: box["p"], hooks, clock=clock, mono=clock)
+    eng.observe(ENGINE, seqs([ev.Queued(seq=0, ts=T0, request_id="q", prompt_tokens=5)]), T0)
+    clock.t = T0 + 50
+    assert eng.tick() == []  # its deadline is T0 + 1000
+    box["p"] = parse_policy({"rules": {"wall_clock_timeout_s": 30}})
+    assert [(d.request_id, d.rule) for d in eng.tick()] == [("q", "wall_clock_timeout")]
