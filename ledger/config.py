@@ -92,6 +92,14 @@ class Settings(BaseSettings):
         "this caps what reads and writes together may hold; a read over it gets 4xx resources)",
     )
     duckdb_threads: int = Field(2, ge=1, le=256, description="DuckDB threads of the ledger's instance")
+    read_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="the threads that run reads (queries, exports, analytics, what-if) run this much nicer "
+        "than ingest (Linux thread priority; DuckDB's helper threads too): on a busy host the writer "
+        "gets the CPU first. 0: the same priority",
+    )
     duckdb_max_temp_directory_size: str = Field(
         "4GB",
         pattern=r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$",

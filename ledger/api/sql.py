@@ -15,6 +15,7 @@ from ledger.api import errors
 from ledger.api.deps import ReadsDep, SettingsDep, require
 from ledger.api.models import PARQUET, SqlResult
 from ledger.api.streams import ThreadedStream
+from ledger.reads import read_priority
 from ledger.sql.base import SqlError
 from ledger.sql.runners import SqlRunner
 from ledger.sql.values import dumps, to_csv
@@ -64,6 +65,7 @@ def run_sql(
         return _error(
             SqlError("max_rows", f"max_rows: {max_rows} is above this ledger's limit {limit} (sql_max_rows)")
         )
+    read_priority(settings.read_nice)
     try:
         result = _runner(request).run(
             body.sql,
@@ -146,4 +148,5 @@ def export_table(
         body(),  # type: ignore[arg-type]
         media_type="application/vnd.apache.parquet",
         headers={"Content-Disposition": f'attachment; filename="{table}.parquet"'},
+        nice=reads.settings.read_nice,
     )

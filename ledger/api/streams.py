@@ -17,8 +17,11 @@ from typing import Any
 import anyio
 from starlette.responses import Response
 
+from ledger.reads import read_priority
 
-def _next(chunks: Generator[bytes, None, None]) -> bytes | None:
+
+def _next(chunks: Generator[bytes, None, None], nice: int) -> bytes | None:
+    read_priority(nice)  # a stream is a read: whichever worker thread makes its next part runs nicer
     return next(chunks, None)
 
 
@@ -29,8 +32,10 @@ class ThreadedStream(Response):
         *,
         media_type: str,
         headers: Mapping[str, str] | None = None,
+        nice: int = 0,
     ) -> None:
         self.chunks = chunks
+        self.nice = nice
         self.status_code = 200
         self.media_type = media_type
         self.background = None
@@ -49,7 +54,7 @@ class ThreadedStream(Response):
             start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             await send(start)
             while not gone.is_set():
-                chunk = await anyio.to_thread.run_sync(_next, self.chunks)
+                chunk = await anyio.to_thread.run_sync(_next, self.chunks, self.nice)
                 if chunk is None:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                     break
