@@ -68,14 +68,11 @@ missing) prints ``n/a (column missing)`` and fails its goal.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import shlex
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -87,7 +84,7 @@ from typing import IO, Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.toolkit import Proc, free_port, percentile, stop_all
 
 MODEL_NAME = "tiny"
 MODEL_LAYERS, MODEL_KV_HIDDEN = 2, 128  # build_tiny_model's defaults (KV bytes per token)
@@ -104,108 +101,11 @@ MISSING = "n/a (column missing)"
 # -- processes --------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def log(msg: str) -> None:
     print(f"[agreement] {msg}", file=sys.stderr, flush=True)
 
 
-class Proc:
-    """A child in its own process group (vLLM forks its engine core): stopped as a group."""
-
-    def __init__(
-        self, name: str, cmd: list[str], logfile: Path, env: dict[str, str], stdin: int | None = None
-    ):
-        self.name, self.cmd, self.logfile = name, cmd, logfile
-        self._log = open(logfile, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=stdin,
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-
-    def tail(self, n: int = 3000) -> str:
-        """The log's end, after its first lines naming an error (vLLM's root cause comes early)."""
-        try:
-            text = self.logfile.read_text(errors="replace")
-        except OSError:
-            return ""
-        errors = [line for line in text.splitlines() if "Error: " in line][:3]
-        return "\n".join([*errors, "...", text[-n:]]) if errors else text[-n:]
-
-    def wait_ready(self, url: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} not ready in {timeout:.0f} s ({url}):\n{self.tail()}")
-            time.sleep(0.25)
-
-    def go(self) -> None:
-        """Close the child's stdin (the client driver starts when it reads EOF)."""
-        if self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-
-    def stop(self) -> None:
-        pgid = self.proc.pid
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
-                self.proc.wait(10)
-        # what the leader left behind in its group (a PID is not reused while its group lives)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, 0)
-            os.killpg(pgid, signal.SIGKILL)
-        self.go()
-        self._log.close()
-
-
-def stop_all(procs: list[Proc], work: Path, *, keep: bool) -> None:
-    """Stop the children, newest first (one failing does not keep the others running), then remove
-    the work folder unless asked to keep it."""
-    for p in reversed(procs):
-        try:
-            p.stop()
-        except Exception as exc:  # keep stopping the others
-            log(f"stopping {p.name}: {exc}")
-    if keep:
-        log(f"kept {work}")
-    else:
-        shutil.rmtree(work, ignore_errors=True)
-
-
 # -- pieces that need no server (unit-testable) ----------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    xs = sorted(values)
-    if not xs:
-        return math.nan
-    pos = q * (len(xs) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def dist(values: list[float]) -> dict[str, Any]:
@@ -864,7 +764,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         )
         return summary
     finally:
-        stop_all(procs, work, keep=args.keep)
+        stop_all(procs, work, keep=args.keep, log=log)
 
 
 def _clean(v: Any) -> Any:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.toolkit import free_port, percentile, rss
 from engine_hooks import events as ev
 
 ING = {"Authorization": "Bearer ing"}
@@ -44,19 +45,6 @@ SQL = {
     "duckdb": "SELECT count(*) FROM generate_series(1, 3000000000) t(x)",
     "postgresql": "SELECT sum(x) FROM (SELECT generate_series(1, 3000000000) AS x) s",
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _batch(sid: str, seq: int, n: int, *, pad: str = "") -> bytes:
@@ -117,12 +105,8 @@ class _Normal(threading.Thread):
                     status = 599
                 seq += 4
                 self.acks.append((time.monotonic() - t0, status))
-                self.peak_rss = max(self.peak_rss, _rss(self.pid))
+                self.peak_rss = max(self.peak_rss, rss(self.pid))
                 self.halt.wait(max(0.0, 0.2 - (time.monotonic() - t0)))
-
-
-def _pct(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(len(values) * q))]
 
 
 def _measure(url: str, port: int, pid: int, dialect: str, attack: str, seconds: float) -> str:
@@ -148,13 +132,13 @@ def _measure(url: str, port: int, pid: int, dialect: str, attack: str, seconds: 
     time.sleep(3)  # recovery before the next attack
     times = sorted(t for t, _ in normal.acks)
     statuses = sorted({s for _, s in normal.acks})
-    ms = [f"{_pct(times, q) * 1e3:.0f}" for q in (0.5, 0.9, 0.99)] + [f"{times[-1] * 1e3:.0f}"]
+    ms = [f"{percentile(times, q) * 1e3:.0f}" for q in (0.5, 0.9, 0.99)] + [f"{times[-1] * 1e3:.0f}"]
     rss = f"{normal.peak_rss / 2**20:.0f}"
     return f"| {dialect} | {attack} | {len(times)} | {' | '.join(ms)} | {statuses} | {rss} |"
 
 
 def _serve(db: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str, int]:
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "CHUNKLEDGER_INGEST_TOKEN": "ing",

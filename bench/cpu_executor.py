@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from bench.head_of_line import _free_port, _pct
+from bench.toolkit import free_port, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,7 +58,7 @@ def run_row(model: str, executor: str, rps: float, seconds: float, seed: int) ->
 
     settings = engine_settings(environ={})
     extra_env, extra_args = EXECUTORS[executor]
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="clexec-", dir="/tmp") as tmp:
         env = {**os.environ, **vllm_env(tmp), **settings.env, **extra_env}
         env.pop("CHUNKLEDGER_URL", None)
@@ -155,8 +155,8 @@ def _load(url: str, rps: float, seconds: float, seed: int) -> dict[str, Any]:
     client.close()
     return {
         "shorts": len(ttfts),
-        "ttft_p50_ms": _pct(ttfts, 0.5) * 1e3,
-        "ttft_p99_ms": _pct(ttfts, 0.99) * 1e3,
+        "ttft_p50_ms": percentile(ttfts, 0.5) * 1e3,
+        "ttft_p99_ms": percentile(ttfts, 0.99) * 1e3,
         "probe_max_gap_ms": max(gaps) * 1e3,
         "probe_gaps_over_100ms": sum(1 for g in gaps if g > 0.1),
     }

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,15 +34,10 @@ from typing import Any
 
 import httpx
 
+from bench.toolkit import free_port, percentile
 from tests.support.fake_ledger import FakeLedger
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
@@ -136,11 +130,6 @@ def cpu_seconds(pid: int) -> float | None:
     return total / 1e9
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=400, help="latency samples per path")
@@ -212,8 +201,8 @@ def main() -> None:
         ledger.stop()
 
     ms = 1000.0
-    d50, d99 = pct(lat["direct"], 0.5) * ms, pct(lat["direct"], 0.99) * ms
-    p50, p99 = pct(lat["proxy"], 0.5) * ms, pct(lat["proxy"], 0.99) * ms
+    d50, d99 = percentile(lat["direct"], 0.5) * ms, percentile(lat["direct"], 0.99) * ms
+    p50, p99 = percentile(lat["proxy"], 0.5) * ms, percentile(lat["proxy"], 0.99) * ms
     added50 = p50 - d50
     paired50 = statistics.median(paired) * ms
     print(f"latency, streamed request of {args.tokens_latency} tokens, {args.requests} per path, alternated")

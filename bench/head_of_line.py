@@ -50,13 +50,14 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.toolkit import free_port, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -157,17 +158,6 @@ DEFAULT_CONFIGS = (
 VLLM_KNOBS = ("unchunked", "chunk-")  # name prefixes of the configurations that use vLLM's knobs only
 SHORT_PROMPT = (32, 64)
 MAX_LONG_TOKENS = 32000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def scene(args: argparse.Namespace) -> list[tuple[float, str, int, int]]:
@@ -311,15 +301,15 @@ def worker(args: argparse.Namespace) -> None:
         "long_steps": len(during),
         "long_step_ms": 1e3 * sum(during) / len(during) if during else float("nan"),
         "shorts": len(shorts),
-        "ttft_p50": _pct(ttft, 0.5),
-        "ttft_p99": _pct(ttft, 0.99),
+        "ttft_p50": percentile(ttft, 0.5),
+        "ttft_p99": percentile(ttft, 0.99),
         "ttft_max": max(ttft) if ttft else float("nan"),
-        "itl_p99": _pct(window or [g for _, g in gaps], 0.99),
+        "itl_p99": percentile(window or [g for _, g in gaps], 0.99),
         "itl_max": max(window or [g for _, g in gaps] or [float("nan")]),
         "long_ttft": (long_end - long_start) if long_start is not None and long_end is not None else None,
         "busy": sum(steps) / max(time.monotonic() - start, 1e-9),
-        "step_p50": _pct(steps, 0.5),
-        "step_p99": _pct(steps, 0.99),
+        "step_p50": percentile(steps, 0.5),
+        "step_p99": percentile(steps, 0.99),
         "hook_errors": sum(getattr(s, "hook_errors", 0) for s in _schedulers(llm)),
         "step_caps": sum(len(getattr(s, "step_caps", ())) for s in _schedulers(llm)),
         "step_fit": next((s.step_times.coefficients() for s in _schedulers(llm) if s.step_caps), None),
@@ -594,7 +584,7 @@ def main() -> None:
     if not args.duration:
         predicted = sizing["predicted_long_prefill_s"] if sizing else 4.0
         args.duration = args.long_at + max(6.0, 1.5 * predicted)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     ledger_log = open(tmp / "ledger.log", "wb")  # noqa: SIM115 - closed at the end
     ledger = subprocess.Popen(

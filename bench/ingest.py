@@ -35,7 +35,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.fleet_workload import STEP_S, Cycle, build_cycle, render
+from bench.toolkit import free_port
 from engine_hooks import events as ev
 from engine_hooks.config import ExporterConfig
 
@@ -322,12 +322,6 @@ def _machine_busy() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rss_peak_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -354,7 +348,7 @@ def run_backend(
         # server_root: run the server from another checkout (e.g. a git worktree of an older commit),
         # so old and new code are measured side by side in one run under the same load and workload.
         for i in range(replicas):
-            port = _free_port()
+            port = free_port()
             url = f"http://127.0.0.1:{port}"
             log = open(workdir / f"{name.replace('/', '_')}-{i}.log", "wb")  # noqa: SIM115
             servers.append(

@@ -34,14 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.toolkit import percentile
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CONFIGS = ("fcfs", "escape-finish", "escape-predicted")
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def scene(args: argparse.Namespace) -> list[tuple[float, str, int, int]]:
@@ -153,11 +150,11 @@ def worker(args: argparse.Namespace) -> None:
         "recomputed": recomputed,
         "grants": len(sch.escape_grants),
         "lapses": sch.escape_lapses,
-        "ttft_p50": _pct([first[r] - arrived[r] for r in short if r in first], 0.5),
-        "ttft_p99": _pct([first[r] - arrived[r] for r in short if r in first], 0.99),
-        "e2e_p50": _pct([done[r] - arrived[r] for r in short if r in done], 0.5),
-        "e2e_p99": _pct([done[r] - arrived[r] for r in short if r in done], 0.99),
-        "long_e2e_p50": _pct([done[r] - arrived[r] for r in long if r in done], 0.5),
+        "ttft_p50": percentile([first[r] - arrived[r] for r in short if r in first], 0.5),
+        "ttft_p99": percentile([first[r] - arrived[r] for r in short if r in first], 0.99),
+        "e2e_p50": percentile([done[r] - arrived[r] for r in short if r in done], 0.5),
+        "e2e_p99": percentile([done[r] - arrived[r] for r in short if r in done], 0.99),
+        "long_e2e_p50": percentile([done[r] - arrived[r] for r in long if r in done], 0.5),
         "long_e2e_max": max((done[r] - arrived[r] for r in long if r in done), default=float("nan")),
         "wall_s": wall,
         "tok_s": out_tokens / wall if wall > 0 else 0.0,

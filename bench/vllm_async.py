@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.gateway import free_port, wait_ready
+from bench.gateway import wait_ready
+from bench.toolkit import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 LEDGER_CLASS = "engine_hooks.vllm.LedgerScheduler"  # built as AsyncLedgerScheduler under async scheduling

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,18 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.toolkit import free_port, percentile
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 # -- worker: one engine, one round per "run" line on stdin -------------------------------------------
@@ -129,7 +119,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="chunkledger-vllm-overhead-"))
     model = build_tiny_model(tmp / "model", hidden=args.hidden, layers=args.layers, heads=4)
-    port = _free_port()
+    port = free_port()
     ledger_log = open(tmp / "ledger.log", "wb")  # noqa: SIM115 - closed at the end
     ledger = subprocess.Popen(
         [sys.executable, "-m", "ledger.cli", "serve", "--db", "null://", "--port", str(port)],
@@ -201,8 +191,8 @@ def main() -> None:
         steps = [s for r in rounds for s in r["steps"]]
         return (
             statistics.median(r["tokens_per_s"] for r in rounds),
-            _pct(steps, 0.5) * 1e3,
-            _pct(steps, 0.99) * 1e3,
+            percentile(steps, 0.5) * 1e3,
+            percentile(steps, 0.99) * 1e3,
             len(steps),
             sum(r["hook_s"] for r in rounds) / max(len(steps), 1) * 1e6,
         )

@@ -54,7 +54,7 @@ from typing import Any
 
 import httpx
 
-from bench.agreement import Proc, free_port, stop_all  # process groups, ports
+from bench.toolkit import Proc, free_port, stop_all  # process groups, ports
 
 ROOT = Path(__file__).resolve().parent.parent
 
