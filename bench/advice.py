@@ -39,7 +39,7 @@ def bench(url: str, steps: list[ev.Step], max_steps: int, target: float) -> dict
     try:
         t0 = time.perf_counter()
         for i in range(0, len(steps), 5000):
-            store.write([ev.Batch(source=SOURCE, events=steps[i : i + 5000])])
+            store.write([ev.Batch(source=SOURCE, events=list[ev.Event](steps[i : i + 5000]))])
         write_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         window = read_steps(store.engine, max_steps=max_steps)

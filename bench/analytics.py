@@ -82,7 +82,7 @@ def generate(n_requests: int, engines: int, seed: int, batch_events: int) -> Ite
         en = Sink(ev.Source(id=f"bench-engine-{k}", kind="engine", model=f"model-{k % 2}"), batch_events)
         t = t_start
         # Arrivals at ~90 % of what the engine can serve, so queues form and drain.
-        arrivals = deque()
+        arrivals: deque[Req] = deque()
         at = t
         for i in range(per_engine):
             at += rng.expovariate(1 / 0.045)

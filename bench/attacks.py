@@ -49,7 +49,7 @@ SQL = {
 
 def _batch(sid: str, seq: int, n: int, *, pad: str = "") -> bytes:
     t = time.time()
-    events = [
+    events: list[ev.Event] = [
         ev.Queued(seq=seq + i, ts=t, request_id=f"{uuid.uuid4().hex}{pad}", prompt_tokens=3) for i in range(n)
     ]
     return ev.encode_batch(ev.Source(id=sid, kind="engine", model="m"), events)
@@ -169,7 +169,7 @@ def _serve(db: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str, int]:
     with httpx.Client(base_url=url, headers=ING, timeout=60) as http:
         src = ev.Source(id="bulk", kind="engine", model="m")
         for b in range(20):
-            events = [
+            events: list[ev.Event] = [
                 ev.Queued(seq=1 + b * 5000 + i, ts=1e9 + i, request_id=secrets.token_hex(48), prompt_tokens=3)
                 for i in range(5000)
             ]

@@ -21,6 +21,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
+
+from engine_hooks.vllm.cpu import DType
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +48,7 @@ def worker(model: str, dtype: str, workdir: str) -> None:
         kv_cache_memory_bytes=256 << 20,
         max_num_batched_tokens=4096,
         max_model_len=8192,
-        dtype=dtype,
+        dtype=cast("DType", dtype),  # a row of ROWS: vLLM's own dtype names
         enable_prefix_caching=False,
     )
     eng = llm.llm_engine

@@ -124,7 +124,10 @@ def build_cycle(
             pending.append(ev.Preempted(seq=0, ts=ts, request_id=rid(r), kv_blocks_freed=40))
             preempted.append(r)
         budget = BUDGET
-        ids, counts, totals, new_ids = [], [], [], []
+        ids: list[str] = []
+        counts: list[int] = []
+        totals: list[int] = []
+        new_ids: list[int] = []
         prefill = depth = max_depth = n_prefill = 0
         finished: list[_Req] = []
         for r in running:
@@ -208,11 +211,9 @@ def build_cycle(
             request_ids=ids,
             prefill_depth_tokens=depth,
             max_prefill_depth=max_depth,
-            **(
-                {"token_counts": counts, "token_totals": totals, "token_ids": new_ids}
-                if form == "steps"
-                else {}
-            ),
+            token_counts=counts if form == "steps" else [],
+            token_totals=totals if form == "steps" else [],
+            token_ids=new_ids if form == "steps" else [],
         )
         pending.append(step)
         tokens_in_batch += sum(counts)

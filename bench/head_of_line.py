@@ -187,7 +187,7 @@ def worker(args: argparse.Namespace) -> None:
     import logging
 
     logging.disable(logging.WARNING)
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, RequestOutput, SamplingParams
     from vllm.inputs import TokensPrompt
 
     cfg = CONFIGS[args.config]
@@ -262,7 +262,7 @@ def worker(args: argparse.Namespace) -> None:
             continue
         shapes.clear()
         t0 = time.monotonic()
-        outs = engine.step()
+        outs = [o for o in engine.step() if isinstance(o, RequestOutput)]
         t1 = time.monotonic()
         steps.append(t1 - t0)
         if len(shapes) == 1:

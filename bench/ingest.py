@@ -79,7 +79,7 @@ def batch_template(source: ev.Source) -> str:
     rnd = random.Random(0)
     vocab = list(range(32_000))
     weights = [1.0 / (rank + 10) for rank in range(len(vocab))]
-    evs = []
+    evs: list[ev.Event] = []
     for i in range(BATCH):
         seq, rid, t = 900_000_000 + i, f"REQ{i:04d}X", 1.7e9 + i * 1e-4
         k = i % 10
@@ -182,7 +182,7 @@ def _client(url: str, source_id: str, duration: float, start_at: float, out: mp.
             time.sleep(0.001)
         deadline = time.perf_counter() + duration
         while time.perf_counter() < deadline:
-            args = []
+            args: list[int | str] = []
             s = seq
             for k in kinds:
                 if k == "d":

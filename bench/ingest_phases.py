@@ -54,7 +54,12 @@ def _phases(form: str, steps: int, workdir: str) -> dict[str, float]:
     policy = parse_policy({})
     rules = RuleEngine(lambda: policy, _Hooks())
     timed("rules", lambda: [rules.observe(b.source, b.events) for b in batches])
-    timed("fold", lambda: [fold_into({}, b.source, b.events) for b in batches])
+
+    def fold_all() -> None:
+        for b in batches:
+            fold_into({}, b.source, b.events)
+
+    timed("fold", fold_all)
     store = open_store(f"duckdb:///{workdir}/{form}-{time.monotonic_ns()}.duckdb")
     timed("store", lambda: [store.write(batches[i : i + 4]) for i in range(0, len(batches), 4)])
     store.close()

@@ -143,8 +143,8 @@ def measure(name: str, first: Callable[[Sample], int | None], legit: list, loops
         sel = [r for r in rows if r[0].kind == kind]
         if not sel:
             continue
-        delays = [r[3] for r in sel if r[2]]
-        over = [r[3] - 2 * r[0].period for r in sel if r[2]]
+        delays = [r[3] for r in sel if r[3] is not None]  # None: not caught
+        over = [r[3] - 2 * r[0].period for r in sel if r[3] is not None]
         q = statistics.quantiles(delays, n=10) if len(delays) > 1 else [delays[0] if delays else 0] * 9
         qo = statistics.quantiles(over, n=10) if len(over) > 1 else [over[0] if over else 0] * 9
         buckets: dict[str, list] = {}
@@ -177,7 +177,9 @@ def measure(name: str, first: Callable[[Sample], int | None], legit: list, loops
     return out
 
 
-def ns_per_token(make: Callable[[], LoopDetector], samples: list, rounds: int = 3, group: int = 16) -> float:
+def ns_per_token(
+    make: Callable[[], LoopDetector | PyLoopDetector], samples: list, rounds: int = 3, group: int = 16
+) -> float:
     """Best-of-``rounds`` ns per token, fed ``group`` tokens per call as the ledger does, one detector
     per output (none fires: thresholds out of reach, so every token is paid for)."""
     groups = [[s.tokens[k : k + group] for k in range(0, len(s.tokens), group)] for s in samples]

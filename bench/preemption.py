@@ -67,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
     import logging
 
     logging.disable(logging.WARNING)
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, RequestOutput, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from engine_hooks.vllm.scheduler import external_request_id, iter_schedulers
@@ -119,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
             continue
         for req in (*sch.running, *sch.waiting):
             seen[req.request_id] = (req.num_preemptions, req.num_computed_tokens)
-        outs = engine.step()
+        outs = [o for o in engine.step() if isinstance(o, RequestOutput)]
         steps += 1
         for req in (*sch.running, *sch.waiting):
             before = seen.get(req.request_id)

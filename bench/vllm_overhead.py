@@ -47,7 +47,7 @@ def worker(args: argparse.Namespace) -> None:
     import logging
 
     logging.disable(logging.WARNING)
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, RequestOutput, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(
@@ -79,7 +79,7 @@ def worker(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
-            outs = engine.step()
+            outs = [o for o in engine.step() if isinstance(o, RequestOutput)]
             steps.append(time.perf_counter() - t0)
             out_tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
         wall = time.perf_counter() - start

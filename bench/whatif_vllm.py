@@ -73,7 +73,7 @@ MODELLED_PLUGIN = ("admission_reserve", "admission_aging_s")  # the plugin optio
 HOL_JSON, LEDGER_DB, PROFILE_JSON = "hol.json", "ledger.duckdb", "profile.json"
 PROFILE_SOURCE = "profile-scene"
 SERVE = (sys.executable, "-m", "ledger.cli", "serve", "--db")
-PROFILE_PLAN = ("--chunk-sizes", "256,1024,4096,8192,16384", "--max-depth", "32768")
+PROFILE_PLAN: tuple[str, ...] = ("--chunk-sizes", "256,1024,4096,8192,16384", "--max-depth", "32768")
 PROFILE_PLAN += ("--decode-batches", "1,4,8")
 
 

@@ -43,9 +43,19 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, TypedDict, cast, get_args
 
 # CPU flags (x86 /proc/cpuinfo "flags", aarch64 "Features") that mean bf16 matmuls run natively.
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16", "sve_bf16"})
+
+# The dtypes vLLM's ``--dtype`` takes.
+DType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
+
+
+class LLMKwargs(TypedDict, total=False):
+    """What ``EngineSettings.llm_kwargs()`` gives ``vllm.LLM(...)``."""
+
+    dtype: DType
 
 
 @dataclass(frozen=True)
@@ -54,7 +64,7 @@ class EngineSettings:
     for the engine process."""
 
     device: str  # "cpu" or "gpu"
-    dtype: str | None = None
+    dtype: DType | None = None
     executor: str | None = None  # "uni": the model runs in the engine-core process
     env: dict[str, str] = field(default_factory=dict)
     reasons: tuple[str, ...] = ()
@@ -64,9 +74,9 @@ class EngineSettings:
         value = self.env.get("OMP_NUM_THREADS")
         return int(value) if value else None
 
-    def llm_kwargs(self) -> dict[str, str]:
+    def llm_kwargs(self) -> LLMKwargs:
         """Keyword arguments for ``vllm.LLM(...)`` / ``EngineArgs``."""
-        return {"dtype": self.dtype} if self.dtype else {}
+        return LLMKwargs(dtype=self.dtype) if self.dtype else LLMKwargs()
 
     def cli_args(self) -> list[str]:
         """Arguments for ``vllm serve`` / the OpenAI API server."""
@@ -154,12 +164,14 @@ def engine_settings(
     ``dtype``: the user's (wins; "auto" counts as no choice). ``shared_cores``: the engine shares the
     cores with other busy processes (the ledger, gateway and clients of a test, bench or demo).
     """
+    if dtype is not None and dtype not in get_args(DType):
+        raise ValueError(f"dtype: {dtype!r} is not one of vLLM's {', '.join(get_args(DType))}")
     device = device or engine_device()
     env = os.environ if environ is None else environ
+    chosen: DType | None = cast("DType", dtype) if dtype not in (None, "auto") else None
     if device != "cpu":
-        return EngineSettings(device=device, dtype=dtype if dtype not in (None, "auto") else None)
+        return EngineSettings(device=device, dtype=chosen)
     reasons: list[str] = []
-    chosen = dtype if dtype not in (None, "auto") else None
     if chosen is not None:
         reasons.append(f"dtype {chosen}: given")
     elif has_native_bf16(flags):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from engine_hooks.vllm.cpu import cpu_flags, engine_settings, has_native_bf16
 
 EPYC_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
@@ -90,3 +92,9 @@ def test_module_prints_cli_args_and_env_for_shell_scripts():
     assert out.stdout.strip() == "OMP_NUM_THREADS=3 VLLM_ENABLE_V1_MULTIPROCESSING=0"
     out = subprocess.run(run, capture_output=True, text=True, env=env, check=True)
     assert out.stdout.startswith("engine settings: device cpu")
+
+
+def test_a_dtype_vllm_does_not_know_is_refused_naming_the_ones_it_does():
+    with pytest.raises(ValueError, match=r"dtype: 'fp32' is not one of vLLM's auto, half, .*float32"):
+        engine_settings(device="cpu", dtype="fp32", environ={}, flags=frozenset(), cores=2)
+    assert engine_settings(device="gpu", dtype="float16").dtype == "float16"

@@ -143,7 +143,7 @@ def linear_device_time(scheduler_output: Any) -> float:
 class DeviceStep(NamedTuple):
     """One step as the synthetic device ran it (virtual seconds)."""
 
-    index: int  # launches so far (every execute_model, empty steps included)
+    launches: int  # launches so far (every execute_model, empty steps included)
     tokens: int
     launched: float  # execute_model was called
     started: float  # the device took it: max(launched, the previous step's finish)
@@ -628,7 +628,8 @@ class SyntheticEngine(Stepping):
         self.executor.scheduler = self.scheduler
         self._clocked = clocked_modules(self.clock) if clocked else contextlib.nullcontext()
         if clocked:
-            self.scheduler.clock = self.clock.now
+            ledger_scheduler: Any = self.scheduler  # the plugin's, which reads its clock from here
+            ledger_scheduler.clock = self.clock.now
         self._clocked.__enter__()
         self.core = SyntheticFrontend(self.engine_core, self.clock, min(eos) if eos else None)
         self.finished: dict[str, Any] = {}
