@@ -56,6 +56,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench.head_of_line import CONFIGS as HOL_CONFIGS
+from bench.toolkit import free_port
 from bench.whatif_compare import TAILS, TOLERANCE, aggregate, best, render
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,14 +123,11 @@ def run_scene(args: argparse.Namespace, work: Path) -> None:
 def run_profile_into(work: Path, hidden: int, layers: int) -> None:
     """``chunkledger profile`` on the scene's model size, its steps sent to ``work``'s ledger database
     as ``PROFILE_SOURCE`` (a ledger is started on it for that), its report kept in ``PROFILE_JSON``."""
-    import socket
     import time
 
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(work / "profile-ledger.log", "wb") as log:
         server = subprocess.Popen(

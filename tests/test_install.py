@@ -29,8 +29,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.toolkit import free_port
 from tests.support import ROOT
-from tests.support.servers import free_port, stop_group, wait_serving
+from tests.support.servers import stop_group, wait_serving
 
 PACKAGES = ("ledger", "engine_hooks", "dashboard", "migrations")
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -22,9 +22,10 @@ from urllib.parse import parse_qs, urlencode, urlparse
 
 import pytest
 
+from bench.toolkit import free_port
 from tests.dashboard.dash_browser import Browser, PageState, find_chromium
 from tests.support import ROOT
-from tests.support.servers import LedgerServer, free_port, stop_group, wait_serving
+from tests.support.servers import LedgerServer, stop_group, wait_serving
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.toolkit import free_port
 from tests.support import ROOT
-from tests.support.servers import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -8,7 +8,6 @@ checked only with ``max_in_flight=1``; exactly-once is checked always.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from bench.toolkit import free_port
 from engine_hooks.config import ExporterConfig
 from engine_hooks.events import Command, Queued, Step, Tokens
 from engine_hooks.exporter import Exporter
@@ -148,9 +148,7 @@ class _InThreadLedger:
         self.store.write = slow_write  # type: ignore[method-assign]
         settings = Settings(db_url=db_url, ingest_token="ing", read_token="rd", admin_token="adm")
         app = create_app(settings, store=self.store)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

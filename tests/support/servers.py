@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,11 +16,7 @@ from pathlib import Path
 import httpx
 import sqlalchemy as sa
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from bench.toolkit import free_port
 
 
 class LedgerServer:

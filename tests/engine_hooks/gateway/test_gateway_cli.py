@@ -9,9 +9,9 @@ import time
 
 import httpx
 
+from bench.toolkit import free_port
 from tests.engine_hooks.gateway.gateway_helpers import kinds_of
 from tests.support.fake_ledger import wait_until
-from tests.support.servers import free_port
 
 
 def test_cli_serves_the_proxy_and_sends_events_to_the_ledger(upstream, fake_ledger, tmp_path):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import socket
 import time
 
 import httpx
 import pytest
 
+from bench.toolkit import free_port
 from engine_hooks.events import ClientDisconnected, Completed
 from engine_hooks.gateway.config import GatewayConfig, GatewayConfigError
 from engine_hooks.gateway.responses import last_finish_reason
@@ -166,9 +166,7 @@ def test_upstream_500_passes_through(upstream, make_gateway, fake_ledger):
 
 
 def test_upstream_unreachable_is_502_with_an_openai_error(make_gateway):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens there once closed
+    port = free_port()  # nothing listens there
     gw = make_gateway(f"http://127.0.0.1:{port}", connect_timeout_s=1.0)
     with httpx.Client() as client:
         r = client.post(gw.url + "/v1/chat/completions", json={"model": "m", "stream": True})

@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.toolkit import free_port
 from tests.support.fake_ledger import wait_until
-from tests.support.servers import free_port
 
 # pytest-timeout counts fixture setup: the first test pays for starting the ledger (60 s at most) and
 # vLLM (300 s at most), whose own deadlines should fire first, with the server's log in the message.

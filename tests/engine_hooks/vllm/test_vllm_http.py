@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.toolkit import free_port
 from engine_hooks.events import Command, CutoffApplied, Finished, Queued
 from engine_hooks.vllm.cpu import engine_settings
 from engine_hooks.vllm.tiny_model import vllm_env
 from tests.support.fake_ledger import FakeLedger, wait_until
-from tests.support.servers import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.needs_model]  # a real model and front end
 

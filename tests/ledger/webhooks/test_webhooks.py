@@ -14,6 +14,7 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
+from bench.toolkit import free_port
 from engine_hooks import events as ev
 from ledger.app import create_app
 from ledger.config import Settings
@@ -24,7 +25,7 @@ from ledger.webhooks.outbox import Webhooks
 from ledger.webhooks.signing import BadSignature, sign, verify
 from ledger.webhooks.targets import TargetPolicy, TargetRefused
 from tests.support.fake_ledger import wait_until
-from tests.support.servers import LedgerServer, free_port
+from tests.support.servers import LedgerServer
 
 SECRET = "s3cret-s3cret-s3cret"
 ADM = {"Authorization": "Bearer adm"}
