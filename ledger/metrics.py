@@ -109,6 +109,28 @@ class LedgerMetrics:
         self.reasons = LabelValues(
             "reason", cap=max_reasons, max_length=max_label_length, on_overflow=overflow
         )
+        # Registered in this order (the exposition follows it).
+        self._requests(r)
+        self._commands(r)
+        self._webhooks(r)
+        self._ingest(r)
+        self._service(r)
+        self.live = _LiveCollector(self.models)
+        r.register(self.live)
+        # Registered after the live gauges, whose values are folded while a scrape collects them: the
+        # same scrape shows what they folded.
+        self.label_overflow = Counter(
+            "chunkledger_metric_label_overflow_total",
+            "Label values sources sent that were exported as 'other' (reason: too_many distinct values, "
+            "too_long, invalid: control characters)",
+            ["label", "reason"],
+            registry=r,
+        )
+        self._prime_labels()
+        _instances.add(self)
+
+    def _requests(self, r: CollectorRegistry) -> None:
+        """Per finished request: the latency histograms and the count."""
         self.layer_seconds = Histogram(
             "chunkledger_request_layer_seconds",
             "Per-request time in each layer (entry, admission, backend_wait = frontend + engine_queue, "
@@ -148,6 +170,9 @@ class LedgerMetrics:
         self.requests_finished = Counter(
             "chunkledger_requests_finished_total", "Requests observed finished", ["model"], registry=r
         )
+
+    def _commands(self, r: CollectorRegistry) -> None:
+        """Rule decisions and the commands that carry them to sources."""
         self.cutoffs = Counter(
             "chunkledger_cutoffs_total", "Rule decisions (commands issued)", ["rule", "action"], registry=r
         )
@@ -179,6 +204,9 @@ class LedgerMetrics:
         self.commands_expired = Counter(
             "chunkledger_commands_expired_total", "Commands given up unconfirmed after their ttl", registry=r
         )
+
+    def _webhooks(self, r: CollectorRegistry) -> None:
+        """Alerts and their webhook deliveries."""
         self.webhook_attempts = Counter(
             "chunkledger_webhook_attempts_total", "Webhook delivery attempts", ["event_type"], registry=r
         )
@@ -197,6 +225,9 @@ class LedgerMetrics:
         self.alerts = Counter(
             "chunkledger_alerts_total", "Alerts raised (webhook event types)", ["event_type"], registry=r
         )
+
+    def _ingest(self, r: CollectorRegistry) -> None:
+        """What sources sent, what was stored or refused, and how long storing took."""
         self.ingest_events = Counter(
             "chunkledger_ingest_events_total", "Events stored (new, not duplicates)", ["source"], registry=r
         )
@@ -231,12 +262,6 @@ class LedgerMetrics:
             ["source", "reason"],
             registry=r,
         )
-        self.advised_chunk_tokens = Gauge(
-            "chunkledger_advised_chunk_tokens",
-            "Advised prefill chunk size (tokens per step) from the chunk-size advice",
-            ["model"],
-            registry=r,
-        )
         self.ingest_group_seconds = Histogram(
             "chunkledger_ingest_group_seconds",
             "Time to store one group commit (the batches queued together), first statement to commit",
@@ -254,6 +279,15 @@ class LedgerMetrics:
             "chunkledger_ingest_group_events",
             "Events per group commit",
             buckets=(10, 50, 100, 500, 1000, 5000, 10_000, 50_000),
+            registry=r,
+        )
+
+    def _service(self, r: CollectorRegistry) -> None:
+        """The service itself: advice published, event-loop stalls, refusals at the door, token checks."""
+        self.advised_chunk_tokens = Gauge(
+            "chunkledger_advised_chunk_tokens",
+            "Advised prefill chunk size (tokens per step) from the chunk-size advice",
+            ["model"],
             registry=r,
         )
         self.event_loop_stalls = Counter(
@@ -278,17 +312,9 @@ class LedgerMetrics:
             ["reason"],
             registry=r,
         )
-        self.live = _LiveCollector(self.models)
-        r.register(self.live)
-        # Registered after the live gauges, whose values are folded while a scrape collects them: the
-        # same scrape shows what they folded.
-        self.label_overflow = Counter(
-            "chunkledger_metric_label_overflow_total",
-            "Label values sources sent that were exported as 'other' (reason: too_many distinct values, "
-            "too_long, invalid: control characters)",
-            ["label", "reason"],
-            registry=r,
-        )
+
+    def _prime_labels(self) -> None:
+        """Every known label value at 0 from the start, so a rate() sees the first increment."""
         for rule in RULE_NAMES:
             for action in _RULE_ACTIONS.get(rule, ("abort",)):
                 self.cutoffs.labels(rule, action)
@@ -311,7 +337,6 @@ class LedgerMetrics:
         for label in ("model", "source", "reason"):
             for why in OVERFLOW_REASONS:
                 self.label_overflow.labels(label, why)
-        _instances.add(self)
 
     def _overflow(self, label: str, reason: str) -> None:
         self.label_overflow.labels(label, reason).inc()
