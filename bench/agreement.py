@@ -84,7 +84,7 @@ from typing import IO, Any
 
 import httpx
 
-from bench.toolkit import Proc, free_port, percentile, stop_all
+from bench.toolkit import Proc, free_port, percentile, stop_all, vllm_server_cmd
 
 MODEL_NAME = "tiny"
 MODEL_LAYERS, MODEL_KV_HIDDEN = 2, 128  # build_tiny_model's defaults (KV bytes per token)
@@ -612,20 +612,18 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         max_len = args.max_model_len or int(math.ceil((longest * 1.1 + 64) / 128) * 128)
         kv_bytes = int(args.kv_cache_gib * (1 << 30))
         kv_per_token = settings.kv_bytes_per_token(MODEL_LAYERS, MODEL_KV_HIDDEN)
-        vllm_cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model, "--served-model-name", MODEL_NAME, "--port", str(vllm_port),
-            "--enforce-eager", *settings.cli_args(),
-            "--max-model-len", str(max_len), "--max-num-seqs", str(args.max_num_seqs),
-            "--kv-cache-memory-bytes", str(kv_bytes),
-            "--scheduler-cls", "engine_hooks.vllm.LedgerScheduler",
-        ]  # fmt: skip
-        if args.max_num_batched_tokens:
-            vllm_cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        if args.num_gpu_blocks_override:
-            vllm_cmd += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
-        for extra in args.vllm_arg:
-            vllm_cmd += shlex.split(extra)
+        vllm_cmd = vllm_server_cmd(
+            model,
+            vllm_port,
+            served_name=MODEL_NAME,
+            engine_args=settings.cli_args(),
+            max_model_len=max_len,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_memory_bytes=kv_bytes,
+            max_num_batched_tokens=args.max_num_batched_tokens or None,
+            num_gpu_blocks_override=args.num_gpu_blocks_override or None,
+            extra=[a for extra in args.vllm_arg for a in shlex.split(extra)],
+        )
         ledger_cmd = [
             sys.executable, "-m", "ledger.cli", "serve",
             "--db", f"duckdb:///{work / 'ledger.duckdb'}", "--port", str(ledger_port),

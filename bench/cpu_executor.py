@@ -19,9 +19,6 @@ import json
 import multiprocessing
 import os
 import random
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -30,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from bench.toolkit import free_port, percentile
+from bench.toolkit import Proc, free_port, percentile, vllm_server_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,56 +60,25 @@ def run_row(model: str, executor: str, rps: float, seconds: float, seed: int) ->
         env = {**os.environ, **vllm_env(tmp), **settings.env, **extra_env}
         env.pop("CHUNKLEDGER_URL", None)
         args = [a for a in settings.cli_args() if a not in ("--distributed-executor-backend", "uni")]
-        log = open(Path(tmp) / "server.log", "wb")  # noqa: SIM115 - closed below
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                model,
-                "--served-model-name",
-                "tiny",
-                "--port",
-                str(port),
-                "--enforce-eager",
-                "--max-model-len",
-                "4096",
-                "--kv-cache-memory-bytes",
-                str(256 << 20),
-                "--max-num-seqs",
-                "64",
-                "--max-num-batched-tokens",
-                "256",
-                *args,
-                *extra_args,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
+        cmd = vllm_server_cmd(
+            model,
+            port,
+            served_name="tiny",
+            engine_args=args,
+            plugin=False,
+            max_model_len=4096,
+            kv_cache_memory_bytes=256 << 20,
+            max_num_seqs=64,
+            max_num_batched_tokens=256,
+            extra=extra_args,
         )
+        server = Proc("vllm", cmd, Path(tmp) / "server.log", env)
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise RuntimeError((Path(tmp) / "server.log").read_text()[-2000:])
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.25)
+            server.wait_ready(f"{url}/health", 300)
             return _load(url, rps, seconds, seed)
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-            log.close()
+            server.stop()
 
 
 def _load(url: str, rps: float, seconds: float, seed: int) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import httpx
@@ -46,6 +46,33 @@ def rss(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def vllm_server_cmd(
+    model: str,
+    port: int,
+    *,
+    served_name: str,
+    engine_args: Sequence[str] = (),
+    plugin: bool = True,
+    extra: Sequence[str] = (),
+    **options: int | str | bool | None,
+) -> list[str]:
+    """vLLM's OpenAI server on ``port`` run by this interpreter, eager (no graph capture on CPU), with
+    ``engine_args`` (``EngineSettings.cli_args()``), the chunkledger scheduler plugin unless ``plugin``
+    is false, and ``options`` as flags (``max_num_seqs=64`` -> ``--max-num-seqs 64``; True: the flag
+    alone; False or None: left out), then ``extra`` as given."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    cmd += ["--served-model-name", served_name, "--port", str(port), "--enforce-eager", *engine_args]
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value is not False and value is not None:
+            cmd += [flag, str(value)]
+    if plugin:
+        cmd += ["--scheduler-cls", "engine_hooks.vllm.LedgerScheduler"]
+    return [*cmd, *extra]
 
 
 def say(msg: str) -> None:

@@ -54,7 +54,7 @@ from typing import Any
 
 import httpx
 
-from bench.toolkit import Proc, free_port, stop_all  # process groups, ports
+from bench.toolkit import Proc, free_port, stop_all, vllm_server_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -224,15 +224,17 @@ def record(args: argparse.Namespace) -> dict[str, Any]:
         procs[0].wait_ready(ledger + "/readyz", 60)
         proxy = CaptureProxy(ledger)
         kv_bytes = args.kv_cache_tokens * settings.kv_bytes_per_token(MODEL_LAYERS, MODEL_KV_HIDDEN)
-        vllm_cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model, "--served-model-name", MODEL_NAME, "--port", str(vllm_port),
-            "--enforce-eager", *settings.cli_args(),
-            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.budget),
-            "--kv-cache-memory-bytes", str(kv_bytes), "--no-scheduler-reserve-full-isl",
-            "--scheduler-cls", "engine_hooks.vllm.LedgerScheduler",
-        ]  # fmt: skip
+        vllm_cmd = vllm_server_cmd(
+            model,
+            vllm_port,
+            served_name=MODEL_NAME,
+            engine_args=settings.cli_args(),
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.budget,
+            kv_cache_memory_bytes=kv_bytes,
+            no_scheduler_reserve_full_isl=True,
+        )
         exp_env = {"CHUNKLEDGER_SPOOL_FSYNC": "0", "CHUNKLEDGER_FLUSH_INTERVAL_S": "0.05"}
         procs.append(
             Proc(

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.toolkit import free_port
+from bench.toolkit import free_port, vllm_server_cmd
 from tests.support.fake_ledger import wait_until
 
 # pytest-timeout counts fixture setup: the first test pays for starting the ledger (60 s at most) and
@@ -102,27 +102,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     }
     try:
         vllm = Proc(
-            [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
+            vllm_server_cmd(
                 model,
-                "--port",
-                str(vllm_port),
-                "--served-model-name",
-                MODEL,
-                "--enforce-eager",
-                *settings.cli_args(),
-                "--max-model-len",
-                "2048",
-                "--max-num-seqs",
-                "16",
-                "--kv-cache-memory-bytes",
-                str(8 << 20),
-                "--scheduler-cls",
-                "engine_hooks.vllm.LedgerScheduler",
-            ],
+                vllm_port,
+                served_name=MODEL,
+                engine_args=settings.cli_args(),
+                max_model_len=2048,
+                max_num_seqs=16,
+                kv_cache_memory_bytes=8 << 20,
+            ),
             base / "vllm.log",
             env,
             f"http://127.0.0.1:{vllm_port}/v1/models",

@@ -7,14 +7,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from bench.toolkit import free_port
+from bench.toolkit import free_port, vllm_server_cmd
 from engine_hooks.events import Command, CutoffApplied, Finished, Queued
 from engine_hooks.vllm.cpu import engine_settings
 from engine_hooks.vllm.tiny_model import vllm_env
@@ -39,27 +38,15 @@ def server(tiny_model: str, tmp_path: Path):
     }
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
+        vllm_server_cmd(
             tiny_model,
-            "--served-model-name",
-            "tiny",
-            "--port",
-            str(port),
-            "--enforce-eager",
-            *settings.cli_args(),
-            "--kv-cache-memory-bytes",
-            str(64 << 20),
-            "--max-num-batched-tokens",
-            "128",
-            "--max-model-len",
-            "4096",
-            "--scheduler-cls",
-            "engine_hooks.vllm.LedgerScheduler",
-        ],
+            port,
+            served_name="tiny",
+            engine_args=settings.cli_args(),
+            kv_cache_memory_bytes=64 << 20,
+            max_num_batched_tokens=128,
+            max_model_len=4096,
+        ),
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
