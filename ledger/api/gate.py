@@ -28,6 +28,7 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi.routing import APIRoute
+from starlette.responses import Response
 from starlette.routing import Match
 
 from ledger import auth
@@ -107,99 +108,102 @@ class RequestGate:
                 return role
         return None
 
-    async def _refuse(
-        self, scope: Message, receive: Any, send: Any, status: int, limit: str, detail: str, **kw: Any
-    ) -> None:
+    def _refusal(self, status: int, limit: str, detail: str, **kw: Any) -> Response:
+        """The error answer naming ``limit``, counted in ``chunkledger_request_refusals_total``."""
         self.metrics.request_refusals.labels(limit).inc()
         reason = kw.pop("reason", None)
-        response = errors.error_response(status, detail, reason=reason, limit=limit, **kw)
-        await response(scope, receive, send)
+        return errors.error_response(status, detail, reason=reason, limit=limit, **kw)
 
     async def __call__(self, scope: Message, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        settings = self.settings
         headers = _Headers(scope)
         role = self._route_role(scope)
         client = (scope.get("client") or ("unknown", 0))[0]
-
-        if role is not None and not auth.required_token(settings, role):
-            why = origin.foreign(headers.get("host"), headers.get("origin"))
-            if why is not None:
-                await self._refuse(
-                    scope,
-                    receive,
-                    send,
-                    403,
-                    "not_loopback",
-                    f"{why}: this ledger runs without a {role} token, so it answers only requests from "
-                    "this machine (set the tokens to serve others)",
-                    reason="not_loopback",
+        refusal = (
+            self._origin_refusal(headers, role)
+            or self._content_type_refusal(scope, headers)
+            or self._token_refusal(headers, role, client)
+        )
+        slot = refusal is None and role == "read"
+        if slot:
+            busy = self.slots.acquire(client)
+            if busy is not None:
+                slot = False
+                refusal = self._refusal(
+                    429, busy.limit, busy.detail, reason="read_busy", headers={"Retry-After": "1"}
                 )
-                return
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        try:
+            await self._serve(scope, receive, send, ingest=role == "ingest")
+        finally:
+            if slot:
+                self.slots.release(client)
 
+    def _origin_refusal(self, headers: _Headers, role: auth.Role | None) -> Response | None:
+        """1. A route whose role has no token answers only this machine."""
+        if role is None or auth.required_token(self.settings, role):
+            return None
+        why = origin.foreign(headers.get("host"), headers.get("origin"))
+        if why is None:
+            return None
+        return self._refusal(
+            403,
+            "not_loopback",
+            f"{why}: this ledger runs without a {role} token, so it answers only requests from "
+            "this machine (set the tokens to serve others)",
+            reason="not_loopback",
+        )
+
+    def _content_type_refusal(self, scope: Message, headers: _Headers) -> Response | None:
+        """2. A body is JSON or says nothing of its type."""
         has_body = scope.get("method") in _BODY_METHODS and (
             headers.get("content-length", "0") != "0" or headers.get("transfer-encoding") is not None
         )
         content_type = headers.get("content-type")
-        if has_body and content_type is not None and not _json_type(content_type):
-            await self._refuse(
-                scope,
-                receive,
-                send,
-                415,
-                "content_type",
-                f"content-type: {content_type!r} is not JSON; send the body as application/json",
-                reason="unsupported_media_type",
-            )
-            return
+        if not has_body or content_type is None or _json_type(content_type):
+            return None
+        return self._refusal(
+            415,
+            "content_type",
+            f"content-type: {content_type!r} is not JSON; send the body as application/json",
+            reason="unsupported_media_type",
+        )
 
-        if role is not None and auth.required_token(settings, role):
-            if headers.get("authorization") is not None:
-                wait = self.failed.retry_after(client)
-                if wait is not None:
-                    self.metrics.auth_failures.labels("limited").inc()
-                    await self._refuse(
-                        scope,
-                        receive,
-                        send,
-                        429,
-                        "auth_failures_per_minute",
-                        f"auth_failures_per_minute: {settings.auth_failures_per_minute} failed token checks "
-                        f"from {client} within a minute; retry in {wait} s",
-                        reason="too_many_failed_tokens",
-                        headers={"Retry-After": str(wait)},
-                    )
-                    return
-            try:
-                auth.check(settings, _Request(headers), role)  # type: ignore[arg-type]
-            except auth.AuthError as exc:
-                self.metrics.auth_failures.labels(exc.reason).inc()
-                if exc.reason == "unknown_token":
-                    self.failed.failed(client, exc.reason, role)
-                response = errors.error_response(
-                    exc.status_code, str(exc.detail), reason=exc.reason, headers=exc.headers
-                )
-                await response(scope, receive, send)
-                return
-
-        slot = role == "read"
-        if slot:
-            busy = self.slots.acquire(client)
-            if busy is not None:
-                await self._refuse(
-                    scope,
-                    receive,
-                    send,
+    def _token_refusal(self, headers: _Headers, role: auth.Role | None, client: str) -> Response | None:
+        """3. The route's token, with failed checks limited per client address."""
+        settings = self.settings
+        if role is None or not auth.required_token(settings, role):
+            return None
+        if headers.get("authorization") is not None:
+            wait = self.failed.retry_after(client)
+            if wait is not None:
+                self.metrics.auth_failures.labels("limited").inc()
+                return self._refusal(
                     429,
-                    busy.limit,
-                    busy.detail,
-                    reason="read_busy",
-                    headers={"Retry-After": "1"},
+                    "auth_failures_per_minute",
+                    f"auth_failures_per_minute: {settings.auth_failures_per_minute} failed token checks "
+                    f"from {client} within a minute; retry in {wait} s",
+                    reason="too_many_failed_tokens",
+                    headers={"Retry-After": str(wait)},
                 )
-                return
+        try:
+            auth.check(settings, _Request(headers), role)  # type: ignore[arg-type]
+        except auth.AuthError as exc:
+            self.metrics.auth_failures.labels(exc.reason).inc()
+            if exc.reason == "unknown_token":
+                self.failed.failed(client, exc.reason, role)
+            return errors.error_response(
+                exc.status_code, str(exc.detail), reason=exc.reason, headers=exc.headers
+            )
+        return None
 
+    async def _serve(self, scope: Message, receive: Any, send: Any, *, ingest: bool) -> None:
+        """5-6. The app, its body guarded, every part of its answer sent within ``send_timeout_s``."""
+        settings = self.settings
         abandoned = False
         send_timeout_s = settings.send_timeout_s
 
@@ -214,7 +218,6 @@ class RequestGate:
                 abandoned = True
                 raise SendTimeout from None
 
-        ingest = role == "ingest"
         try:
             await guard_body(
                 self.app,
@@ -235,9 +238,6 @@ class RequestGate:
                 scope.get("path"),
                 send_timeout_s,
             )
-        finally:
-            if slot:
-                self.slots.release(client)
 
 
 def _caused_by_send_timeout(exc: BaseException) -> bool:
