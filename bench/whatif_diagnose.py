@@ -25,11 +25,12 @@ from typing import Any
 import numpy as np
 import sqlalchemy as sa
 
-from ledger.advice.fit import StepTimeFit, fit_step_time
-from ledger.advice.query import read_steps
+from ledger.advice.fit import StepTimeFit
 from ledger.advice.terms import COLUMNS, StepData
 from ledger.schema import step_request_ids_sql
+from ledger.whatif.query import WhatIfQuery
 from ledger.whatif.results import weighted_quantile
+from ledger.whatif.service import fit_cost, load_window
 
 STALL_FACTOR, STALL_EXTRA_S = 2.0, 0.005
 Window = Callable[[sa.Engine, Mapping[str, Any]], tuple[float, float]]
@@ -153,10 +154,12 @@ def diagnose_one(
 def diagnose(
     engine: sa.Engine, results: list[dict[str, Any]], ev: Mapping[str, Any], window: Window
 ) -> dict[str, Any]:
-    """Per configuration (the recorded window's fit applied to each): see the module docstring."""
+    """Per configuration (the recorded window's fit, the what-if's, applied to each): see the module
+    docstring."""
     rec = next(r for r in results if r["config"] == ev["recorded"])
     since, until = window(engine, rec)
-    fit = fit_step_time(read_steps(engine, source_id=rec["source_id"], since=since, until=until).data)
+    query = WhatIfQuery(source_id=rec["source_id"], since=repr(since), until=repr(until), step_noise=False)
+    fit = fit_cost(engine, load_window(engine, query), query).fit
     per = {r["config"]: diagnose_one(engine, r, fit, window) for r in results}
     coef = {c.term: c.value_s for c in fit.coefficients}
     return {"fit": coef, "per_config": per}

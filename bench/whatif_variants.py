@@ -27,12 +27,11 @@ import numpy as np
 import sqlalchemy as sa
 
 from ledger.advice.fit import fit_step_time
-from ledger.advice.query import read_steps
 from ledger.advice.terms import StepData
 from ledger.whatif.cost import fitted_cost
-from ledger.whatif.service import pooled_replay, recorded_settings
-from ledger.whatif.trace import read_recorded
-from ledger.whatif.types import EngineSettings, StepCost, StepShape
+from ledger.whatif.query import WhatIfQuery
+from ledger.whatif.service import asked_setting, load_window, pooled_replay, recorded_settings
+from ledger.whatif.types import StepCost, StepShape
 
 VARIANTS = ("shipped", "work", "loop", "work+loop")
 
@@ -94,20 +93,19 @@ def predict_variants(
     cut: int,
     variants: Sequence[str] = VARIANTS,
 ) -> dict[str, Any]:
-    """Per variant: the fit and the predicted tails of every candidate (name -> its settings)."""
-    steps = read_steps(engine, source_id=source_id, since=window[0], until=window[1])
-    with engine.connect() as conn:
-        rec = read_recorded(
-            conn, model=steps.model, source_ids=steps.source_ids, since=steps.since, until=steps.until
-        )
-    base, _ = recorded_settings(rec, recorded)
+    """Per variant: the fit and the predicted tails of every candidate (name -> its settings): the
+    what-if's window (:func:`ledger.whatif.service.load_window`) and recorded setting, the variant's
+    step cost."""
+    query = WhatIfQuery(source_id=source_id, since=repr(window[0]), until=repr(window[1]))
+    loaded = load_window(engine, query)
+    base, _ = recorded_settings(loaded.recorded, recorded)
     out: dict[str, Any] = {}
     for variant in variants:
-        cost, info = step_cost(steps.data, variant)
-        tails = {}
-        for name, values in candidates.items():
-            settings = EngineSettings(**{**dataclasses.asdict(base), **values})
-            tails[name] = pooled_replay(rec.requests, settings, cost).summary(cut)
+        cost, info = step_cost(loaded.steps.data, variant)
+        tails = {
+            name: pooled_replay(loaded.recorded.requests, asked_setting(base, values), cost).summary(cut)
+            for name, values in candidates.items()
+        }
         out[variant] = {**info, "predicted": tails}
     return out
 

@@ -51,13 +51,17 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import sqlalchemy as sa
 
 from bench.head_of_line import CONFIGS as HOL_CONFIGS
 from bench.toolkit import free_port
 from bench.whatif_compare import TAILS, TOLERANCE, aggregate, best, render
+
+if TYPE_CHECKING:
+    from ledger.whatif.answer import WhatIf
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIGS = ("unchunked", "chunk-256", "chunk-512", "chunk-2048", "chunk-2048-thr256", "reserve")
@@ -176,15 +180,12 @@ def window_of(engine: sa.Engine, result: Mapping[str, Any]) -> tuple[float, floa
 
 def measured_of(engine: sa.Engine, result: Mapping[str, Any], cut: int) -> dict[str, Any]:
     """The ledger's tails of one configuration's window (what a calibration compares with)."""
-    from ledger.whatif.trace import read_recorded
+    from ledger.whatif.query import WhatIfQuery
+    from ledger.whatif.service import load_window
 
     since, until = window_of(engine, result)
-    with engine.connect() as conn:
-        model = conn.execute(
-            sa.text("SELECT model FROM sources WHERE source_id = :s"), {"s": result["source_id"]}
-        ).scalar()
-        rec = read_recorded(conn, model=model, source_ids=[result["source_id"]], since=since, until=until)
-    return rec.summary(cut)
+    query = WhatIfQuery(source_id=result["source_id"], since=repr(since), until=repr(until))
+    return load_window(engine, query).recorded.summary(cut)
 
 
 def what_if_on(
@@ -196,20 +197,19 @@ def what_if_on(
     fit_source: str | None = None,
     step_noise: bool = True,
     attention_source: str | None = None,
-) -> dict[str, Any]:
+) -> WhatIf:
     """:func:`ledger.whatif.service.what_if` on one configuration's window, forced past a failed
     calibration (this bench reports the error instead); ``fit_source``: the steps the step time is
-    fitted on (default: the window's own)."""
+    fitted on (default: the window's own); no ``candidates``: the calibration alone."""
+    from ledger.whatif.query import WhatIfQuery, setting_text
     from ledger.whatif.service import what_if
 
     since, until = window_of(engine, result)
-    return what_if(
-        engine,
-        candidates=candidates,
-        recorded=settings_of(result["config"], result["engine"]),
+    query = WhatIfQuery(
+        recorded=setting_text(settings_of(result["config"], result["engine"])),
         source_id=result["source_id"],
-        since=since,
-        until=until,
+        since=repr(since),
+        until=repr(until),
         long_prompt_tokens=cut,
         itl_target_ms=itl_target_ms,
         force=True,
@@ -217,19 +217,26 @@ def what_if_on(
         step_noise=step_noise,
         attention_source=attention_source,
     )
+    return what_if(engine, query, candidates=candidates)
 
 
 def self_replay(
     engine: sa.Engine, result: Mapping[str, Any], cut: int, step_noise: bool = True
 ) -> dict[str, Any] | None:
     """A configuration's own calibration (its setting, its window's fit); None when it has none."""
-    from ledger.whatif.service import WhatIfError
+    from ledger.whatif.answer import WhatIfError
 
     try:
         answer = what_if_on(engine, result, [], cut, None, step_noise=step_noise)
-        return dict(answer["calibration"]["predicted"])
+        return _builtins(answer.calibration.predicted)
     except WhatIfError as exc:
         return {"refused": exc.reason}
+
+
+def _builtins(record: Any) -> dict[str, Any]:
+    out = msgspec.to_builtins(record)
+    assert isinstance(out, dict)
+    return out
 
 
 def evaluate(engine: sa.Engine, results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -250,9 +257,9 @@ def evaluate(engine: sa.Engine, results: list[dict[str, Any]], args: argparse.Na
         args.step_noise,
         PROFILE_SOURCE if args.attention_profile else None,
     )
-    predicted = {args.recorded: answer["calibration"]["predicted"]}
+    predicted = {args.recorded: _builtins(answer.calibration.predicted)}
     predicted.update(
-        {r["config"]: row["predicted"] for r, row in zip(others, answer["candidates"], strict=True)}
+        {r["config"]: _builtins(row.predicted) for r, row in zip(others, answer.candidates, strict=True)}
     )
     rows = []
     for r in results:
@@ -272,8 +279,8 @@ def evaluate(engine: sa.Engine, results: list[dict[str, Any]], args: argparse.Na
         "recorded": args.recorded,
         "long_prompt_tokens": args.long_prompt_tokens,
         "itl_target_ms": target_ms,
-        "fit": answer["fit"],
-        "calibration_error": answer["calibration"]["error"],
+        "fit": _builtins(answer.fit),
+        "calibration_error": _builtins(answer.calibration.error),
         "rows": rows,
     }
 

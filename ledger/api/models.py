@@ -379,27 +379,3 @@ class ChunkSizeAdvice(BaseModel):
 
 
 PARQUET = "application/vnd.apache.parquet"  # GET /v1/export/{table}.parquet
-
-
-class WhatIf(BaseModel):
-    """Predicted tails of the window's traffic under each asked setting, beside the recorded one."""
-
-    model_config = ConfigDict(extra="allow")
-
-    window: dict[str, Any] = Field(description="model, source_ids, since, until, requests, skipped, observed")
-    fit: dict[str, Any] = Field(description="the step-time fit the replay uses: r2, cv_rel_error, terms")
-    step_noise: dict[str, Any] = Field(
-        description="the factors each replayed decode-only step's fitted time is multiplied by, drawn from "
-        "the window's decode-only steps' actual / fitted: applied, decode_steps, mean, p50, p99; and the "
-        "engine loop's time added before a step that follows another (loop_ms: decode, prefill: p50, "
-        "p99, mean); or why not"
-    )
-    long_prompt_tokens: int | None
-    targets: dict[str, Any]
-    calibration: dict[str, Any] = Field(
-        description="the recorded setting: settings, inferred, measured and predicted tails, error, max_error"
-    )
-    candidates: list[dict[str, Any]] = Field(
-        description="per asked setting: name, set, settings, predicted, relative, meets, frontier, best"
-    )
-    elapsed_s: float

@@ -4,7 +4,8 @@
 own JSON, so FastAPI knows neither body: their request schemas come from ``engine_hooks.events.Batch``
 (msgspec's JSON Schema) and ``ledger.rules.policy.Policy`` (pydantic's), and the answers of
 ``POST /v1/events`` and ``GET /v1/commands`` from the contract's ``IngestResponse`` and
-``CommandsResponse``. Every other answer is a pydantic model of ``ledger.api.models``.
+``CommandsResponse``. ``GET /v1/whatif`` answers ``ledger.whatif.answer.WhatIf`` (msgspec's schema, its
+records named ``whatif.<record>``). Every other answer is a pydantic model of ``ledger.api.models``.
 
 Every error answer is one body, ``ErrorBody``: ``{"reason": "<machine word>", "detail": "<field>:
 <reason>"}``, with ``errors`` where there is a list (FastAPI's validation errors on a 422 ``invalid``;
@@ -25,6 +26,7 @@ from fastapi.openapi.utils import get_openapi
 
 from engine_hooks import events as ev
 from ledger.rules.policy import Policy
+from ledger.whatif.answer import WhatIf
 
 _REF = "#/components/schemas/{name}"
 
@@ -50,6 +52,19 @@ def _json(name: str, description: str) -> dict[str, Any]:
 
 def _body(name: str) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(name=name)}}}}
+
+
+def _install_whatif(schemas: dict[str, Any], operation: dict[str, Any]) -> None:
+    """The what-if answer's records under ``whatif.<name>`` (apart from the API's models of the same
+    names), and its 200 answer."""
+    _, records = msgspec.json.schema_components([WhatIf], ref_template=_REF.format(name="whatif.{name}"))
+    named = {f"whatif.{name}": schema for name, schema in records.items()}
+    clash = set(named) & set(schemas)
+    assert not clash, f"the what-if records clash with the API's schemas: {sorted(clash)}"
+    schemas.update(named)
+    operation["responses"]["200"] = _json(
+        "whatif.WhatIf", "predicted tails under each asked setting, beside the recorded one"
+    )
 
 
 def install(app: FastAPI) -> None:
@@ -80,6 +95,7 @@ def install(app: FastAPI) -> None:
             "CommandsResponse", "the source's unconfirmed commands (re-sent until confirmed)"
         )
         paths["/v1/policy"]["put"]["requestBody"] = _body("Policy")
+        _install_whatif(schemas, paths["/v1/whatif"]["get"])
         app.openapi_schema = doc
         return doc
 

@@ -17,6 +17,7 @@ from ledger.cli_options import (
     UntilOpt,
 )
 from ledger.cli_reads import answer
+from ledger.whatif.query import MAX_CALIBRATION_ERROR, WhatIfQuery
 
 
 def whatif(
@@ -58,7 +59,7 @@ def whatif(
     ] = None,
     max_error: Annotated[
         float, typer.Option(min=0.0, help="refuse when the recorded setting replayed misses a tail by more")
-    ] = 0.25,
+    ] = MAX_CALIBRATION_ERROR,
     force: Annotated[bool, typer.Option(help="answer even over --max-error")] = False,
     fit_source: Annotated[
         str | None, typer.Option(help="fit step time on this engine's steps (e.g. a chunkledger profile run)")
@@ -91,31 +92,35 @@ def whatif(
     replayed first: its error against the measured tails is printed beside every prediction, and the
     answer is refused when it is over --max-error. Exit status 1 when there is no answer.
     """
-    params: dict[str, Any] = {
-        "set": set_ or [],
-        "sweep": sweep,
-        "policy": policy,
-        "recorded": recorded,
-        "model": model,
-        "source_id": source,
-        "since": since,
-        "until": until,
-        "long_prompt_tokens": long_prompt_tokens,
-        "itl_target_ms": itl_target_ms,
-        "ttft_target_ms": ttft_target_ms,
-        "max_error": max_error,
-        "force": force,
-        "fit_source": fit_source,
-        "fit_since": fit_since,
-        "fit_until": fit_until,
-        "attention_source": attention_source,
-        "step_noise": step_noise,
-    }
+    query = WhatIfQuery(
+        set=set_ or [],
+        sweep=sweep,
+        policy=policy,
+        recorded=recorded,
+        model=model,
+        source_id=source,
+        since=since,
+        until=until,
+        long_prompt_tokens=long_prompt_tokens,
+        itl_target_ms=itl_target_ms,
+        ttft_target_ms=ttft_target_ms,
+        max_error=max_error,
+        force=force,
+        fit_source=fit_source,
+        fit_since=fit_since,
+        fit_until=fit_until,
+        attention_source=attention_source,
+        step_noise=step_noise,
+    )
 
     def compute(engine: Any) -> dict[str, Any]:
-        from ledger.whatif.service import what_if_request
+        import msgspec
 
-        return what_if_request(engine, **params)
+        from ledger.whatif.service import what_if
+
+        out = msgspec.to_builtins(what_if(engine, query))
+        assert isinstance(out, dict)
+        return out
 
     def render(status: int, body: dict[str, Any]) -> str:
         from ledger.whatif.report import render_refusal, render_whatif
@@ -128,7 +133,7 @@ def whatif(
         ledger=ledger,
         token=token,
         path="/v1/whatif",
-        params=params,
+        params=query.params(),
         compute=compute,
         render=render,
     )

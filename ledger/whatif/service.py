@@ -1,13 +1,19 @@
 """What-if: the window's own traffic replayed under the recorded setting and under the asked ones.
 
-1. Read the window (:mod:`ledger.whatif.trace`) and fit its steps' duration (:mod:`ledger.advice.fit`).
-2. **Calibrate**: replay the recorded setting and compare its tails with the measured ones; the
+:func:`what_if` answers a :class:`~ledger.whatif.query.WhatIfQuery` with a
+:class:`~ledger.whatif.answer.WhatIf` in named stages, which the benches call too:
+
+1. :func:`load_window`: the window's steps and finished requests (:mod:`ledger.whatif.trace`).
+2. :func:`fit_cost`: the step cost, from the fit of the window's steps' duration (or another engine's,
+   :mod:`ledger.advice.fit`), and the step noise drawn from the window's own spread.
+3. :func:`calibrate`: replay the recorded setting and compare its tails with the measured ones; the
    relative error of each is printed next to every prediction, and the answer is refused
    (``calibration_failed``) when the largest is over ``max_error``, unless ``force``.
-3. Replay each candidate; report its predicted tails, their ratio to the recorded setting's
-   predicted tails (the model's bias cancels in it), whether it meets the targets, and which
-   candidates are on the frontier (no other is as good on short TTFT p99, long TTFT and ITL p99 and
-   better on one).
+4. :func:`replay_candidates`: replay each candidate; report its predicted tails, their ratio to the
+   recorded setting's predicted tails (the model's bias cancels in it), whether it meets the targets,
+   and which candidates are on the frontier (no other is as good on short TTFT p99, long TTFT and ITL
+   p99 and better on one).
+5. :func:`assemble`: the answer.
 
 The recorded setting is what the caller states (``recorded``), the rest inferred from the window's
 steps: the token budget as the most tokens one step ran, ``max_num_seqs`` as the most requests
@@ -21,96 +27,63 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
-from typing import Any, get_type_hints
+from dataclasses import dataclass, replace
+from typing import Any
 
+import msgspec
 import numpy as np
 import sqlalchemy as sa
 
 from ledger.advice.advisor import AdviceError
 from ledger.advice.fit import FitError, StepTimeFit, fit_step_time
-from ledger.advice.query import read_steps
+from ledger.advice.query import StepWindow, read_steps
 from ledger.advice.terms import CANDIDATE_TERMS, TERMS, Term
-from ledger.refusal import Refusal
+from ledger.whatif.answer import (
+    CALIBRATED,
+    METRICS,
+    AskedSettings,
+    Attention,
+    Calibration,
+    CalibrationError,
+    Candidate,
+    Fit,
+    LoopTimes,
+    Meets,
+    Relative,
+    Spread,
+    StepNoiseFigures,
+    Tails,
+    Targets,
+    WhatIf,
+    WhatIfError,
+    WindowFigures,
+    settings_record,
+)
 from ledger.whatif.cost import fitted_cost
 from ledger.whatif.model import ReplayTimeout, replay
 from ledger.whatif.noise import StepNoise, draws_for, window_noise
+from ledger.whatif.query import WhatIfQuery, setting_text
 from ledger.whatif.results import Replay
 from ledger.whatif.trace import Recorded, read_recorded
-from ledger.whatif.types import POLICIES, EngineSettings, StepCost, StepShape, TraceRequest
+from ledger.whatif.types import EngineSettings, StepCost, StepShape, TraceRequest
 
 MIN_REQUESTS = 50  # fewer finished requests in the window: refuse (the tails would be noise)
-MAX_CALIBRATION_ERROR = 0.25  # refuse when replaying the recorded setting misses a tail by more
 UNBOUNDED_KV_BLOCKS = 1 << 30  # "the KV cache never ran out" when its size is not known
-METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "e2e_p99_s", "short_ttft_p99_s", "long_ttft_max_s")
-CALIBRATED = ("ttft_p99_s", "itl_p99_s", "e2e_p99_s", "short_ttft_p99_s", "long_ttft_max_s")
 FRONTIER = ("short_ttft_p99_s", "long_ttft_max_s", "itl_p99_s")  # lower is better on each
 EXTRAPOLATION = 1.25  # a replay asking the fit for steps beyond this x what its data covered: flagged
-_HINTS = get_type_hints(EngineSettings)
-SETTABLE: dict[str, type] = {f.name: _HINTS[f.name] for f in dataclasses.fields(EngineSettings)}
 
 
-class WhatIfError(Refusal):
-    """No answer: ``reason`` is a short code, ``status`` the HTTP status the API answers with."""
-
-
-# -- settings as users write them --------------------------------------------------------------------
-def parse_setting(text: str, *, where: str = "set") -> dict[str, Any]:
-    """``"max_num_batched_tokens=512,long_prefill_token_threshold=256"`` -> typed values; a
-    WhatIfError (422) names the key and why otherwise."""
-    out: dict[str, Any] = {}
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        key, eq, raw = part.partition("=")
-        key, raw = key.strip(), raw.strip()
-        if not eq or not key:
-            raise WhatIfError("bad_setting", f"{where}: {part!r} is not key=value", status=422)
-        out[key] = _value(key, raw, where)
-    if not out:
-        raise WhatIfError("bad_setting", f"{where}: empty: give key=value[,key=value]", status=422)
-    return out
-
-
-def parse_sweep(text: str) -> list[dict[str, Any]]:
-    """``"max_num_batched_tokens=256,512,1024"`` -> one setting per value."""
-    key, eq, raw = text.partition("=")
-    key = key.strip()
-    values = [v.strip() for v in raw.split(",") if v.strip()]
-    if not eq or not key or not values:
-        raise WhatIfError("bad_setting", f"sweep: {text!r} is not key=v1,v2,...", status=422)
-    return [{key: _value(key, v, "sweep")} for v in values]
-
-
-def _value(key: str, raw: str, where: str) -> Any:
-    kind = SETTABLE.get(key)
-    if kind is None:
-        raise WhatIfError(
-            "bad_setting",
-            f"{where}: unknown setting {key!r}; known: {', '.join(SETTABLE)}",
-            status=422,
-        )
-    if key == "policy" and raw not in POLICIES:  # checked here, before any replay runs
-        raise WhatIfError(
-            "bad_setting", f"{where}: unknown policy {raw!r} (known: {', '.join(POLICIES)})", status=422
-        )
-    try:
-        if kind is bool:
-            if raw.lower() not in ("true", "false", "1", "0", "on", "off"):
-                raise ValueError(raw)
-            return raw.lower() in ("true", "1", "on")
-        return kind(raw)
-    except ValueError:
-        raise WhatIfError(
-            "bad_setting", f"{where}: {key}={raw!r} is not a {kind.__name__}", status=422
-        ) from None
-
-
-def _settings(values: Mapping[str, Any], where: str) -> EngineSettings:
+def engine_settings(values: Mapping[str, Any], where: str) -> EngineSettings:
+    """The engine settings ``values`` give; a WhatIfError (422) names the setting at fault."""
     try:
         return EngineSettings(**values)
     except ValueError as exc:
         raise WhatIfError("bad_setting", f"{where}: {exc}", status=422) from None
+
+
+def asked_setting(base: EngineSettings, asked: Mapping[str, Any]) -> EngineSettings:
+    """``base`` with the ``asked`` settings changed."""
+    return engine_settings({**dataclasses.asdict(base), **asked}, setting_text(asked) or "recorded")
 
 
 def recorded_settings(recorded: Recorded, given: Mapping[str, Any]) -> tuple[EngineSettings, list[str]]:
@@ -140,7 +113,7 @@ def recorded_settings(recorded: Recorded, given: Mapping[str, Any]) -> tuple[Eng
             )
         values["num_kv_blocks"] = UNBOUNDED_KV_BLOCKS
         inferred.append("num_kv_blocks")
-    return _settings(values, "recorded"), inferred
+    return engine_settings(values, "recorded"), inferred
 
 
 # -- replay over the window's engines -----------------------------------------------------------------
@@ -277,10 +250,14 @@ def _plus_attention(cost: StepCost, per_token2: float) -> StepCost:
     return with_attention
 
 
-def _rel(predicted: Any, measured: Any) -> float | None:
+def _rel(predicted: float | None, measured: float | None) -> float | None:
     if predicted is None or measured is None or measured <= 0:
         return None
     return float(predicted) / float(measured) - 1.0
+
+
+def _num(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def default_long_prompt(recorded: Recorded) -> int | None:
@@ -291,39 +268,362 @@ def default_long_prompt(recorded: Recorded) -> int | None:
     return cut if bool((recorded.prompt_tokens >= cut).any()) else None
 
 
-def _dominates(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    keys = [k for k in FRONTIER if a.get(k) is not None and b.get(k) is not None]
-    return bool(keys) and all(a[k] <= b[k] for k in keys) and any(a[k] < b[k] for k in keys)
+def tails(summary: Mapping[str, Any]) -> Tails:
+    """A summary's tails (:meth:`ledger.whatif.results.Replay.summary` or the measured ones)."""
+    return Tails(
+        **{k: _num(summary.get(k)) for k in METRICS},
+        preemptions=int(summary["preemptions"]),
+        requests=int(summary["requests"]),
+    )
 
 
-def _name(setting: Mapping[str, Any]) -> str:
-    return ",".join(f"{k}={v}" for k, v in setting.items()) or "recorded"
+# -- 1. the window ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TraceWindow:
+    """The window read: its steps (with each one's predecessor's prefills) and its finished requests."""
+
+    steps: StepWindow
+    recorded: Recorded
+
+    def figures(self) -> WindowFigures:
+        rec = self.recorded
+        return WindowFigures(
+            model=self.steps.model,
+            source_ids=sorted(rec.requests),
+            since=self.steps.since,
+            until=self.steps.until,
+            requests=rec.count,
+            skipped=dict(rec.skipped),
+            observed=rec.observed,
+        )
+
+
+def load_window(engine: sa.Engine, query: WhatIfQuery, *, now: float | None = None) -> TraceWindow:
+    """The steps and finished requests of the query's model (or engine) in [since, until)."""
+    try:
+        steps = read_steps(
+            engine,
+            model=query.model,
+            source_id=query.source_id,
+            since=query.since,
+            until=query.until,
+            now=now,
+            previous_prefills=True,
+        )
+    except AdviceError as exc:
+        raise WhatIfError(exc.reason, str(exc), status=exc.status, **exc.details) from None
+    with engine.connect() as conn:
+        rec = read_recorded(
+            conn, model=steps.model, source_ids=steps.source_ids, since=steps.since, until=steps.until
+        )
+    return TraceWindow(steps=steps, recorded=rec)
+
+
+# -- 2. the step cost ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Costing:
+    """What a replayed step costs: the fit (``fit_steps``: the steps it was fitted on), with the
+    attention inside a chunk fitted on another engine's steps (``attention``, ``in_chunk`` s per
+    token²) if asked, and the step noise drawn in ``draws`` replays (None: off, or too few steps)."""
+
+    fit: StepTimeFit
+    fit_steps: StepWindow
+    cost: StepCost
+    attention: StepTimeFit | None
+    attention_source: str | None
+    in_chunk: float
+    noise: StepNoise | None
+    noise_asked: bool
+    draws: int
+
+    def figures(self) -> Fit:
+        att = self.attention
+        return Fit(
+            r2=float(self.fit.r2),
+            cv_rel_error=float(self.fit.cv_rel_error),
+            terms=list(self.fit.terms),
+            source_ids=list(self.fit_steps.source_ids),
+            since=self.fit_steps.since,
+            until=self.fit_steps.until,
+            steps=len(self.fit_steps.data),
+            attention=None
+            if att is None or self.attention_source is None
+            else Attention(
+                source_id=self.attention_source,
+                ms_per_token2_per_chunk=self.in_chunk * 1e3,
+                steps=att.ranges.steps,
+                prefill_tokens=[float(x) for x in att.ranges.prefill_tokens],
+            ),
+        )
+
+    def noise_figures(self) -> StepNoiseFigures:
+        """What the replay's step noise was drawn from: the window's decode-only steps' ``actual /
+        fitted`` and the engine loop's time before its steps (ms); how many replays with it were pooled."""
+        noise = self.noise
+        if noise is None:
+            return StepNoiseFigures(
+                applied=False, why="off" if not self.noise_asked else "too few steps in the window"
+            )
+        r = np.asarray(noise.ratios)
+
+        def ms(values: list[float]) -> Spread:
+            v = np.asarray(values) * 1e3
+            q50, q99 = np.quantile(v, [0.5, 0.99])
+            return Spread(p50=float(q50), p99=float(q99), mean=float(v.mean()))
+
+        return StepNoiseFigures(
+            applied=True,
+            draws=self.draws,
+            decode_steps=len(r),
+            mean=float(r.mean()),
+            p50=float(np.quantile(r, 0.5)),
+            p99=float(np.quantile(r, 0.99)),
+            loop_ms=LoopTimes(
+                decode=ms(noise.decode_gaps),
+                prefill=ms(noise.prefill_gaps),
+                per_first_token=noise.per_first_token * 1e3,
+            ),
+        )
+
+
+def _fit_steps(engine: sa.Engine, window: TraceWindow, query: WhatIfQuery, now: float | None) -> StepWindow:
+    """The steps the step time is fitted on: the window's, or (``fit_source``, ``fit_since``,
+    ``fit_until``) one engine's over all its steps unless a fit window is given, or the window's own
+    engines over another window."""
+    steps = window.steps
+    if query.fit_source is None and query.fit_since is None and query.fit_until is None:
+        return steps
+    by_source = query.fit_source is not None
+    try:
+        return read_steps(
+            engine,
+            model=None if by_source else query.model,
+            source_id=query.fit_source if by_source else query.source_id,
+            since=query.fit_since if query.fit_since is not None or by_source else query.since,
+            until=query.fit_until if query.fit_until is not None or by_source else query.until,
+            now=now,
+        )
+    except AdviceError as exc:
+        raise WhatIfError(exc.reason, str(exc), status=exc.status, **exc.details) from None
+
+
+def fit_cost(
+    engine: sa.Engine, window: TraceWindow, query: WhatIfQuery, *, now: float | None = None
+) -> Costing:
+    """The replay's step cost (:class:`Costing`; :func:`what_if` says what the query's fit options do)."""
+    fit_steps = _fit_steps(engine, window, query, now)
+    attention, in_chunk = _attention_term(engine, query.attention_source, now)
+    data = fit_steps.data
+    terms: tuple[Term, ...] = CANDIDATE_TERMS
+    if attention is not None:
+        # the window's steps less the in-chunk attention the other engine measured; the rest fitted here
+        data = dataclasses.replace(data, duration_s=data.duration_s - in_chunk * _SQ.column(data))
+        terms = tuple(t for t in CANDIDATE_TERMS if t is not _SQ)
+    try:
+        fit: StepTimeFit = fit_step_time(data, candidates=terms)
+    except FitError as exc:
+        raise WhatIfError(exc.reason, f"cannot fit the step time: {exc}", status=409, **exc.details) from None
+    cost = fitted_cost(fit)
+    if attention is not None:
+        cost = _plus_attention(cost, in_chunk)
+    steps = window.steps
+    noise = window_noise(fit, steps.data, prev_prefills=steps.prev_prefill_reqs) if query.step_noise else None
+    return Costing(
+        fit=fit,
+        fit_steps=fit_steps,
+        cost=cost,
+        attention=attention,
+        attention_source=query.attention_source,
+        in_chunk=in_chunk,
+        noise=noise,
+        noise_asked=query.step_noise,
+        draws=draws_for(window.recorded.count) if noise is not None else 1,
+    )
+
+
+# -- 3. the calibration -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Calibrated:
+    """The recorded setting (``base``) replayed: its summary (``predicted``) and the calibration record;
+    ``long_tokens``: the prompt length from which a prompt is a long one."""
+
+    base: EngineSettings
+    long_tokens: int | None
+    predicted: dict[str, Any]
+    record: Calibration
+
+
+def calibrate(
+    window: TraceWindow,
+    costing: Costing,
+    query: WhatIfQuery,
+    recorded: Mapping[str, Any] | None = None,
+    *,
+    deadline: float | None = None,
+    min_requests: int = MIN_REQUESTS,
+) -> Calibrated:
+    """Replay the recorded setting (``recorded``, default the query's, the rest inferred) and compare
+    with the measured tails; refused with too few requests, or an error over ``max_error`` unless
+    ``force``."""
+    rec = window.recorded
+    if rec.count < min_requests:
+        raise WhatIfError(
+            "too_little_data",
+            f"the window holds {rec.count} finished requests; a replay needs at least {min_requests}",
+            window=msgspec.to_builtins(window.figures()),
+        )
+    given = query.recorded_values() if recorded is None else recorded
+    base, inferred = recorded_settings(rec, given)
+    long_tokens = (
+        query.long_prompt_tokens if query.long_prompt_tokens is not None else default_long_prompt(rec)
+    )
+    measured = rec.summary(long_tokens)
+    predicted = replay_setting(window, costing, base, deadline=deadline).summary(long_tokens)
+    error = {k: _rel(predicted.get(k), measured.get(k)) for k in CALIBRATED}
+    worst = max((abs(v) for v in error.values() if v is not None), default=None)
+    record = Calibration(
+        settings=settings_record(base),
+        inferred=inferred,
+        measured=tails(measured),
+        predicted=tails(predicted),
+        error=CalibrationError(**error),
+        max_error=worst,
+        max_error_allowed=query.max_error,
+    )
+    if worst is not None and worst > query.max_error and not query.force:
+        raise WhatIfError(
+            "calibration_failed",
+            f"replaying the recorded setting misses a measured tail by {worst:.0%} (more than "
+            f"{query.max_error:.0%}): the model does not describe this window; state the recorded settings "
+            "(recorded=...) or pass force",
+            status=409,
+            window=msgspec.to_builtins(window.figures()),
+            calibration=msgspec.to_builtins(record),
+        )
+    return Calibrated(base=base, long_tokens=long_tokens, predicted=predicted, record=record)
+
+
+def replay_setting(
+    window: TraceWindow,
+    costing: Costing,
+    settings: EngineSettings,
+    *,
+    cost: StepCost | None = None,
+    deadline: float | None = None,
+) -> Replay:
+    """The window's requests replayed under ``settings`` with the costing's step cost (or ``cost``),
+    its noise and draws."""
+    step_cost = costing.cost if cost is None else cost
+    return pooled_replay(
+        window.recorded.requests, settings, step_cost, costing.noise, costing.draws, deadline
+    )
+
+
+# -- 4. the candidates --------------------------------------------------------------------------------
+def replay_candidates(
+    window: TraceWindow,
+    costing: Costing,
+    calibrated: Calibrated,
+    candidates: Sequence[Mapping[str, Any]],
+    query: WhatIfQuery,
+    *,
+    deadline: float | None = None,
+) -> list[Candidate]:
+    """Each asked setting replayed (the recorded one's other settings kept), marked against the targets,
+    the frontier (the recorded setting replayed among the others) and the best."""
+    rows = []
+    for asked in candidates:
+        settings = asked_setting(calibrated.base, asked)
+        coverage = Coverage(costing.cost)
+        summary = replay_setting(window, costing, settings, cost=coverage, deadline=deadline).summary(
+            calibrated.long_tokens
+        )
+        rows.append(
+            Candidate(
+                name=setting_text(asked) or "recorded",
+                set=AskedSettings(**asked),
+                settings=settings_record(settings),
+                predicted=tails(summary),
+                relative=Relative(**{k: _rel(summary.get(k), calibrated.predicted.get(k)) for k in METRICS}),
+                meets=_meets(summary, query.itl_target_ms, query.ttft_target_ms),
+                extrapolated=coverage.outside(costing.fit, costing.attention),
+                frontier=False,
+                best=False,
+            )
+        )
+    everyone = [calibrated.record.predicted, *(r.predicted for r in rows)]
+    for row in rows:
+        row.frontier = not any(_dominates(o, row.predicted) for o in everyone if o is not row.predicted)
+    _mark_best(rows, calibrated.record.predicted)
+    return rows
+
+
+def _dominates(a: Tails, b: Tails) -> bool:
+    pairs = [(getattr(a, k), getattr(b, k)) for k in FRONTIER]
+    keys = [(x, y) for x, y in pairs if x is not None and y is not None]
+    return bool(keys) and all(x <= y for x, y in keys) and any(x < y for x, y in keys)
+
+
+def _meets(summary: Mapping[str, Any], itl_ms: float | None, ttft_ms: float | None) -> Meets | None:
+    out: dict[str, bool] = {}
+    if itl_ms is not None and summary.get("itl_p99_s") is not None:
+        out["itl"] = summary["itl_p99_s"] * 1e3 <= itl_ms
+    ttft = summary.get("short_ttft_p99_s") or summary.get("ttft_p99_s")
+    if ttft_ms is not None and ttft is not None:
+        out["ttft"] = ttft * 1e3 <= ttft_ms
+    return Meets(**out) if out else None
+
+
+def _mark_best(rows: list[Candidate], recorded: Tails) -> None:
+    """``best``: among the candidates that meet every target given and stay inside the fit's data, the
+    lowest short TTFT p99 (TTFT p99 when there are no long prompts)."""
+    key = "short_ttft_p99_s" if recorded.short_ttft_p99_s is not None else "ttft_p99_s"
+
+    def met(r: Candidate) -> bool:
+        return r.meets is None or all(
+            v is True for v in (r.meets.itl, r.meets.ttft) if v is not msgspec.UNSET
+        )
+
+    ok = [r for r in rows if getattr(r.predicted, key) is not None and met(r) and not r.extrapolated]
+    best = min(ok, key=lambda r: getattr(r.predicted, key), default=None)
+    for r in rows:
+        r.best = r is best
+
+
+# -- 5. the answer ------------------------------------------------------------------------------------
+def assemble(
+    window: TraceWindow,
+    costing: Costing,
+    calibrated: Calibrated,
+    candidates: list[Candidate],
+    query: WhatIfQuery,
+    elapsed_s: float,
+) -> WhatIf:
+    return WhatIf(
+        window=window.figures(),
+        fit=costing.figures(),
+        step_noise=costing.noise_figures(),
+        long_prompt_tokens=calibrated.long_tokens,
+        targets=Targets(itl_p99_ms=query.itl_target_ms, short_ttft_p99_ms=query.ttft_target_ms),
+        calibration=calibrated.record,
+        candidates=candidates,
+        elapsed_s=elapsed_s,
+    )
 
 
 def what_if(
     engine: sa.Engine,
+    query: WhatIfQuery,
     *,
-    candidates: Sequence[Mapping[str, Any]],
-    recorded: Mapping[str, Any] | None = None,
-    model: str | None = None,
-    source_id: str | None = None,
-    since: str | float | None = None,
-    until: str | float | None = None,
-    long_prompt_tokens: int | None = None,
-    itl_target_ms: float | None = None,
-    ttft_target_ms: float | None = None,
-    max_error: float = MAX_CALIBRATION_ERROR,
-    force: bool = False,
-    min_requests: int = MIN_REQUESTS,
-    fit_source: str | None = None,
-    fit_since: str | float | None = None,
-    fit_until: str | float | None = None,
-    attention_source: str | None = None,
-    step_noise: bool = True,
+    candidates: Sequence[Mapping[str, Any]] | None = None,
     now: float | None = None,
     timeout_s: float | None = None,
-) -> dict[str, Any]:
+    min_requests: int = MIN_REQUESTS,
+) -> WhatIf:
     """The what-if answer (the module docstring says what it holds); WhatIfError when there is none.
+
+    ``candidates``: the settings to replay, parsed (default: the query's ``set``, ``sweep`` and
+    ``policy``, refused when they ask none; ``[]``: the calibration alone).
 
     ``fit_source`` / ``fit_since`` / ``fit_until``: fit the step time on other steps than the
     window's: one engine's (e.g. a ``chunkledger profile`` run sent to the ledger, which measures
@@ -340,233 +640,12 @@ def what_if(
     (:func:`ledger.whatif.noise.draws_for`), so that its tails do not rest on one draw. ``timeout_s``:
     the replays stop past it (WhatIfError ``timeout``, 408)."""
     t0 = time.perf_counter()
+    query = query.checked()
+    asked = query.candidates() if candidates is None else list(candidates)
+    recorded = query.recorded_values()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    try:
-        steps = read_steps(
-            engine,
-            model=model,
-            source_id=source_id,
-            since=since,
-            until=until,
-            now=now,
-            previous_prefills=True,
-        )
-        fit_steps = steps
-        if fit_source is not None or fit_since is not None or fit_until is not None:
-            fit_steps = read_steps(
-                engine,
-                model=None if fit_source is not None else model,
-                source_id=fit_source if fit_source is not None else source_id,
-                since=fit_since if fit_since is not None or fit_source is not None else since,
-                until=fit_until if fit_until is not None or fit_source is not None else until,
-                now=now,
-            )
-    except AdviceError as exc:
-        raise WhatIfError(exc.reason, str(exc), status=exc.status, **exc.details) from None
-    attention, in_chunk = _attention_term(engine, attention_source, now)
-    data = fit_steps.data
-    terms: tuple[Term, ...] = CANDIDATE_TERMS
-    if attention is not None:
-        # the window's steps less the in-chunk attention the other engine measured; the rest fitted here
-        data = dataclasses.replace(data, duration_s=data.duration_s - in_chunk * _SQ.column(data))
-        terms = tuple(t for t in CANDIDATE_TERMS if t is not _SQ)
-    try:
-        fit: StepTimeFit = fit_step_time(data, candidates=terms)
-    except FitError as exc:
-        raise WhatIfError(exc.reason, f"cannot fit the step time: {exc}", status=409, **exc.details) from None
-    with engine.connect() as conn:
-        rec = read_recorded(
-            conn, model=steps.model, source_ids=steps.source_ids, since=steps.since, until=steps.until
-        )
-    window = {
-        "model": steps.model,
-        "source_ids": sorted(rec.requests),
-        "since": steps.since,
-        "until": steps.until,
-        "requests": rec.count,
-        "skipped": rec.skipped,
-        "observed": rec.observed.as_dict(),
-    }
-    if rec.count < min_requests:
-        raise WhatIfError(
-            "too_little_data",
-            f"the window holds {rec.count} finished requests; a replay needs at least {min_requests}",
-            window=window,
-        )
-    base, inferred = recorded_settings(rec, recorded or {})
-    base_values = dataclasses.asdict(base)
-    long_tokens = long_prompt_tokens if long_prompt_tokens is not None else default_long_prompt(rec)
-    cost = fitted_cost(fit)
-    if attention is not None:
-        cost = _plus_attention(cost, in_chunk)
-    noise = window_noise(fit, steps.data, prev_prefills=steps.prev_prefill_reqs) if step_noise else None
-    draws = draws_for(rec.count) if noise is not None else 1
-
-    measured = rec.summary(long_tokens)
-    predicted = pooled_replay(rec.requests, base, cost, noise, draws, deadline).summary(long_tokens)
-    error = {k: _rel(predicted.get(k), measured.get(k)) for k in CALIBRATED}
-    worst = max((abs(v) for v in error.values() if v is not None), default=None)
-    calibration = {
-        "settings": base_values,
-        "inferred": inferred,
-        "measured": _tails(measured),
-        "predicted": _tails(predicted),
-        "error": error,
-        "max_error": worst,
-        "max_error_allowed": max_error,
-    }
-    if worst is not None and worst > max_error and not force:
-        raise WhatIfError(
-            "calibration_failed",
-            f"replaying the recorded setting misses a measured tail by {worst:.0%} (more than "
-            f"{max_error:.0%}): the model does not describe this window; state the recorded settings "
-            "(recorded=...) or pass force",
-            status=409,
-            window=window,
-            calibration=calibration,
-        )
-    rows: list[dict[str, Any]] = []
-    for asked in candidates:
-        values = {**base_values, **asked}
-        coverage = Coverage(cost)
-        summary = pooled_replay(
-            rec.requests, _settings(values, _name(asked)), coverage, noise, draws, deadline
-        ).summary(long_tokens)
-        rows.append(
-            {
-                "name": _name(asked),
-                "set": dict(asked),
-                "settings": values,
-                "predicted": _tails(summary),
-                "relative": {k: _rel(summary.get(k), predicted.get(k)) for k in METRICS},
-                "meets": _meets(summary, itl_target_ms, ttft_target_ms),
-                "extrapolated": coverage.outside(fit, attention),
-            }
-        )
-    everyone: list[dict[str, Any]] = [{"name": "recorded", "predicted": _tails(predicted)}, *rows]
-    for row in rows:
-        row["frontier"] = not any(
-            _dominates(o["predicted"], row["predicted"]) for o in everyone if o is not row
-        )
-    _mark_best(rows, predicted)
-    return {
-        "window": window,
-        "fit": {
-            "r2": fit.r2,
-            "cv_rel_error": fit.cv_rel_error,
-            "terms": list(fit.terms),
-            "source_ids": fit_steps.source_ids,
-            "since": fit_steps.since,
-            "until": fit_steps.until,
-            "steps": len(fit_steps.data),
-            "attention": None
-            if attention is None
-            else {
-                "source_id": attention_source,
-                "ms_per_token2_per_chunk": in_chunk * 1e3,
-                "steps": attention.ranges.steps,
-                "prefill_tokens": list(attention.ranges.prefill_tokens),
-            },
-        },
-        "step_noise": _noise_figures(noise, step_noise, draws),
-        "long_prompt_tokens": long_tokens,
-        "targets": {"itl_p99_ms": itl_target_ms, "short_ttft_p99_ms": ttft_target_ms},
-        "calibration": calibration,
-        "candidates": rows,
-        "elapsed_s": time.perf_counter() - t0,
-    }
-
-
-def _noise_figures(noise: StepNoise | None, asked: bool, draws: int) -> dict[str, Any]:
-    """What the replay's step noise was drawn from: the window's decode-only steps' ``actual / fitted``
-    and the engine loop's time before its steps (ms); how many replays with it were pooled."""
-    if noise is None:
-        return {"applied": False, "why": "off" if not asked else "too few steps in the window"}
-    r = np.asarray(noise.ratios)
-
-    def ms(values: list[float]) -> dict[str, float]:
-        v = np.asarray(values) * 1e3
-        q50, q99 = np.quantile(v, [0.5, 0.99])
-        return {"p50": float(q50), "p99": float(q99), "mean": float(v.mean())}
-
-    return {
-        "applied": True,
-        "draws": draws,
-        "decode_steps": len(r),
-        "mean": float(r.mean()),
-        "p50": float(np.quantile(r, 0.5)),
-        "p99": float(np.quantile(r, 0.99)),
-        "loop_ms": {
-            "decode": ms(noise.decode_gaps),
-            "prefill": ms(noise.prefill_gaps),
-            "per_first_token": noise.per_first_token * 1e3,
-        },
-    }
-
-
-def _tails(summary: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: summary.get(k) for k in (*METRICS, "preemptions", "requests")}
-
-
-def _meets(summary: Mapping[str, Any], itl_ms: float | None, ttft_ms: float | None) -> dict[str, bool] | None:
-    out: dict[str, bool] = {}
-    if itl_ms is not None and summary.get("itl_p99_s") is not None:
-        out["itl"] = summary["itl_p99_s"] * 1e3 <= itl_ms
-    ttft = summary.get("short_ttft_p99_s") or summary.get("ttft_p99_s")
-    if ttft_ms is not None and ttft is not None:
-        out["ttft"] = ttft * 1e3 <= ttft_ms
-    return out or None
-
-
-def _mark_best(rows: list[dict[str, Any]], recorded: Mapping[str, Any]) -> None:
-    """``best``: among the candidates that meet every target given and stay inside the fit's data, the
-    lowest short TTFT p99 (TTFT p99 when there are no long prompts)."""
-    key = "short_ttft_p99_s" if recorded.get("short_ttft_p99_s") is not None else "ttft_p99_s"
-    ok = [
-        r
-        for r in rows
-        if r["predicted"].get(key) is not None and all((r["meets"] or {}).values()) and not r["extrapolated"]
-    ]
-    best = min(ok, key=lambda r: r["predicted"][key], default=None)
-    for r in rows:
-        r["best"] = r is best
-
-
-MAX_CANDIDATES = 32  # settings replayed in one answer at most
-
-
-def candidates_from(
-    sets: Sequence[str] = (), sweep: str | None = None, policy: str | None = None
-) -> list[dict[str, Any]]:
-    """The settings asked for: one per ``set`` ("k=v[,k=v]"), one per value of ``sweep``
-    ("k=v1,v2,..."); ``policy`` joins each of them (or is the one asked when there are none)."""
-    asked = [parse_setting(s) for s in sets]
-    if sweep:
-        asked += parse_sweep(sweep)
-    if policy is not None:
-        _value("policy", policy, "policy")
-        asked = [{**a, "policy": policy} for a in asked] or [{"policy": policy}]
-    if not asked:
-        raise WhatIfError("nothing_asked", "set, sweep or policy: say which settings to replay", status=422)
-    if len(asked) > MAX_CANDIDATES:
-        raise WhatIfError(
-            "too_many_settings",
-            f"{len(asked)} settings asked; at most {MAX_CANDIDATES} per answer",
-            status=422,
-        )
-    return asked
-
-
-def what_if_request(
-    engine: sa.Engine,
-    *,
-    set: Sequence[str] = (),
-    sweep: str | None = None,
-    policy: str | None = None,
-    recorded: str | None = None,
-    **options: Any,
-) -> dict[str, Any]:
-    """:func:`what_if` with the settings as users write them (the API's and the CLI's parameters)."""
-    candidates = candidates_from(set, sweep, policy)
-    given = parse_setting(recorded, where="recorded") if recorded else {}
-    return what_if(engine, candidates=candidates, recorded=given, **options)
+    window = load_window(engine, query, now=now)
+    costing = fit_cost(engine, window, query, now=now)
+    calibrated = calibrate(window, costing, query, recorded, deadline=deadline, min_requests=min_requests)
+    rows = replay_candidates(window, costing, calibrated, asked, query, deadline=deadline)
+    return assemble(window, costing, calibrated, rows, query, time.perf_counter() - t0)

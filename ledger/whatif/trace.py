@@ -30,29 +30,9 @@ import sqlalchemy as sa
 from ledger import schema
 from ledger.analytics.itl import decode_itl
 from ledger.analytics.window import Window
+from ledger.whatif.answer import Observed
 from ledger.whatif.results import quantile, ttft_tails
 from ledger.whatif.types import TraceRequest
-
-
-@dataclass(frozen=True)
-class Observed:
-    """What the window's steps say about the engine's settings (lower bounds: a budget or a running
-    set that was never filled is not seen)."""
-
-    max_step_tokens: int  # most tokens (prefill + decode) in one step: <= max_num_batched_tokens
-    max_running: int  # most requests running after a step's scheduling: <= max_num_seqs
-    max_kv_usage: float  # highest share of the KV cache in use
-    max_chunk_tokens: int  # largest prefill chunk of one request (one-chunk steps)
-    steps: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "max_step_tokens": self.max_step_tokens,
-            "max_running": self.max_running,
-            "max_kv_usage": self.max_kv_usage,
-            "max_chunk_tokens": self.max_chunk_tokens,
-            "steps": self.steps,
-        }
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import sqlalchemy as sa
@@ -29,10 +30,12 @@ from ledger.app import create_app
 from ledger.cli import app as cli_app
 from ledger.config import Settings
 from ledger.store import open_store
+from ledger.whatif.answer import WhatIf, WhatIfError
 from ledger.whatif.cost import fitted_cost
 from ledger.whatif.noise import StepNoise, draws_for
+from ledger.whatif.query import WhatIfQuery, candidates_from, parse_setting, setting_text
 from ledger.whatif.results import weighted_quantile
-from ledger.whatif.service import WhatIfError, candidates_from, parse_setting, pooled_replay, what_if
+from ledger.whatif.service import MIN_REQUESTS, pooled_replay, what_if
 from ledger.whatif.trace import Recorded, arrival_of, read_recorded
 from ledger.whatif.types import EngineSettings, StepShape, TraceRequest
 from tests.support.servers import LedgerServer
@@ -84,12 +87,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return urls
 
 
-def answer(db_url: str, **params: Any) -> dict[str, Any]:
+def answer(
+    db_url: str,
+    *,
+    candidates: list[dict[str, Any]],
+    recorded: dict[str, Any] | None = None,
+    min_requests: int = MIN_REQUESTS,
+    **params: Any,
+) -> dict[str, Any]:
+    """:func:`what_if` of these settings (parsed), its answer as JSON would give it."""
     engine = sa.create_engine(db_url, connect_args={"read_only": True} if db_url.startswith("duckdb") else {})
+    query = WhatIfQuery(recorded=setting_text(recorded) if recorded else None, **params)
     try:
-        return what_if(engine, **params)
+        out = msgspec.to_builtins(what_if(engine, query, candidates=candidates, min_requests=min_requests))
     finally:
         engine.dispose()
+    assert isinstance(out, dict)
+    return out
 
 
 RECORDED = parse_setting(SIM_SETTINGS)
@@ -500,3 +514,75 @@ def test_the_command_exits_1_with_the_calibration_when_refused(runs):
     )
     assert res.exit_code == 1
     assert "no what-if (calibration_failed)" in res.output and "replayed" in res.output
+
+
+# -- the answer's schema and the query ----------------------------------------------------------------
+def _whatif_schema(api: TestClient) -> dict[str, Any]:
+    doc = api.get("/openapi.json").json()
+    ok = doc["paths"]["/v1/whatif"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    return {**ok, "components": doc["components"]}
+
+
+def test_the_endpoints_answers_validate_against_its_published_schema(api):
+    import jsonschema
+
+    schema = _whatif_schema(api)
+    validator = jsonschema.Draft202012Validator(schema)
+    asked = [
+        {  # targets met or missed, an unchunked setting outside the fit's data, a sweep
+            "sweep": "max_num_batched_tokens=512,1024",
+            "set": "enable_chunked_prefill=false,max_num_batched_tokens=32768",
+            "itl_target_ms": "25",
+            "ttft_target_ms": "500",
+        },
+        {"policy": "kv-idle", "step_noise": "false"},  # no targets, no step noise
+    ]
+    for params in asked:
+        r = api.get("/v1/whatif", params={"recorded": SIM_SETTINGS, **params}, headers=RD)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        validator.validate(body)
+        assert msgspec.json.decode(r.content, type=WhatIf) == msgspec.convert(body, WhatIf)
+    assert body["step_noise"] == {"applied": False, "why": "off"} and body["candidates"][0]["meets"] is None
+    # the schema is closed: an answer with a key it does not describe, or without one, is not valid
+    extra = {**body, "calibration": {**body["calibration"], "surprise": 1}}
+    assert not validator.is_valid(extra)
+    missing = {k: v for k, v in body.items() if k != "fit"}
+    assert not validator.is_valid(missing)
+
+
+def test_the_answers_schema_describes_every_record_closed(api):
+    schemas = api.get("/openapi.json").json()["components"]["schemas"]
+    records = {k: v for k, v in schemas.items() if k.startswith("whatif.")}
+    assert "whatif.WhatIf" in records and "WhatIf" not in schemas  # the pydantic model is gone
+    for name, schema in records.items():
+        assert schema["type"] == "object" and schema["additionalProperties"] is False, name
+        for field, prop in schema["properties"].items():
+            assert prop != {} and prop.get("additionalProperties") is not True, (name, field)
+
+
+def test_the_endpoints_parameters_are_the_query_objects_fields(api):
+    doc = api.get("/openapi.json").json()
+    params = {p["name"]: p for p in doc["paths"]["/v1/whatif"]["get"]["parameters"]}
+    assert list(params) == list(WhatIfQuery.__struct_fields__)
+    assert params["max_error"]["schema"]["default"] == WhatIfQuery().max_error == 0.25
+    assert params["long_prompt_tokens"]["schema"]["anyOf"][0]["minimum"] == 1
+    assert params["set"]["schema"]["maxItems"] == 32
+    r = api.get("/v1/whatif", params={"set": "max_num_seqs=8", "long_prompt_tokens": "0"}, headers=RD)
+    assert r.status_code == 422 and r.json()["reason"] == "invalid"
+    assert "long_prompt_tokens" in r.json()["detail"]
+
+
+def test_a_query_out_of_its_limits_is_refused_naming_the_field():
+    with pytest.raises(WhatIfError) as err:
+        WhatIfQuery(set=["max_num_seqs=8"], max_error=-1.0).checked()
+    assert err.value.status == 422 and err.value.reason == "invalid"
+    assert str(err.value).startswith("max_error: ") and ">= 0" in str(err.value)
+    ok = WhatIfQuery(set=["max_num_seqs=8"], since="15m")
+    assert ok.checked() == ok
+    assert ok.params()["set"] == ["max_num_seqs=8"] and ok.params()["since"] == "15m"
+
+
+def test_a_settings_text_reads_back_as_the_same_settings():
+    values = {"max_num_batched_tokens": 512, "enable_chunked_prefill": False, "admission_reserve": 0.1}
+    assert parse_setting(setting_text(values)) == values
