@@ -123,9 +123,12 @@ def whatif(
         return out
 
     def render(status: int, body: dict[str, Any]) -> str:
+        import msgspec
+
+        from ledger.whatif.answer import WhatIf
         from ledger.whatif.report import render_refusal, render_whatif
 
-        return render_whatif(body) if status == 200 else render_refusal(body)
+        return render_whatif(msgspec.convert(body, WhatIf)) if status == 200 else render_refusal(body)
 
     answer(
         fmt=format,

@@ -24,6 +24,7 @@ MAX_CANDIDATES = 32  # settings replayed in one answer at most
 MAX_CALIBRATION_ERROR = 0.25  # refuse when replaying the recorded setting misses a tail by more
 _HINTS = get_type_hints(EngineSettings)
 SETTABLE: dict[str, type] = {f.name: _HINTS[f.name] for f in dataclasses.fields(EngineSettings)}
+SettingValue = int | float | bool | str  # the types of EngineSettings's fields
 
 _Time = Annotated[str, Meta(max_length=64, description="unix seconds, ISO 8601, or an age: 15m, 2h")]
 
@@ -124,26 +125,26 @@ class WhatIfQuery(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         assert isinstance(out, dict)
         return out
 
-    def candidates(self) -> list[dict[str, Any]]:
+    def candidates(self) -> list[dict[str, SettingValue]]:
         """The settings asked for (:func:`candidates_from`)."""
         return candidates_from(self.set, self.sweep, self.policy)
 
-    def recorded_values(self) -> dict[str, Any]:
+    def recorded_values(self) -> dict[str, SettingValue]:
         """The recorded settings given (the rest are inferred from the window)."""
         return parse_setting(self.recorded, where="recorded") if self.recorded else {}
 
 
 # -- settings as users write them --------------------------------------------------------------------
-def setting_text(values: Mapping[str, Any]) -> str:
+def setting_text(values: Mapping[str, SettingValue]) -> str:
     """``{"max_num_batched_tokens": 512}`` -> ``"max_num_batched_tokens=512"`` (:func:`parse_setting`
     reads it back); a candidate's name."""
     return ",".join(f"{k}={v}" for k, v in values.items())
 
 
-def parse_setting(text: str, *, where: str = "set") -> dict[str, Any]:
+def parse_setting(text: str, *, where: str = "set") -> dict[str, SettingValue]:
     """``"max_num_batched_tokens=512,long_prefill_token_threshold=256"`` -> typed values; a
     WhatIfError (422) names the key and why otherwise."""
-    out: dict[str, Any] = {}
+    out: dict[str, SettingValue] = {}
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
@@ -157,7 +158,7 @@ def parse_setting(text: str, *, where: str = "set") -> dict[str, Any]:
     return out
 
 
-def parse_sweep(text: str) -> list[dict[str, Any]]:
+def parse_sweep(text: str) -> list[dict[str, SettingValue]]:
     """``"max_num_batched_tokens=256,512,1024"`` -> one setting per value."""
     key, eq, raw = text.partition("=")
     key = key.strip()
@@ -167,7 +168,7 @@ def parse_sweep(text: str) -> list[dict[str, Any]]:
     return [{key: _value(key, v, "sweep")} for v in values]
 
 
-def _value(key: str, raw: str, where: str) -> Any:
+def _value(key: str, raw: str, where: str) -> SettingValue:
     kind = SETTABLE.get(key)
     if kind is None:
         raise WhatIfError(
@@ -193,7 +194,7 @@ def _value(key: str, raw: str, where: str) -> Any:
 
 def candidates_from(
     sets: Sequence[str] = (), sweep: str | None = None, policy: str | None = None
-) -> list[dict[str, Any]]:
+) -> list[dict[str, SettingValue]]:
     """The settings asked for: one per ``set`` ("k=v[,k=v]"), one per value of ``sweep``
     ("k=v1,v2,..."); ``policy`` joins each of them (or is the one asked when there are none)."""
     asked = [parse_setting(s) for s in sets]

@@ -62,7 +62,7 @@ from ledger.whatif.answer import (
 from ledger.whatif.cost import fitted_cost
 from ledger.whatif.model import ReplayTimeout, replay
 from ledger.whatif.noise import StepNoise, draws_for, window_noise
-from ledger.whatif.query import WhatIfQuery, setting_text
+from ledger.whatif.query import SettingValue, WhatIfQuery, setting_text
 from ledger.whatif.results import Replay
 from ledger.whatif.trace import Recorded, read_recorded
 from ledger.whatif.types import EngineSettings, StepCost, StepShape, TraceRequest
@@ -73,20 +73,22 @@ FRONTIER = ("short_ttft_p99_s", "long_ttft_max_s", "itl_p99_s")  # lower is bett
 EXTRAPOLATION = 1.25  # a replay asking the fit for steps beyond this x what its data covered: flagged
 
 
-def engine_settings(values: Mapping[str, Any], where: str) -> EngineSettings:
+def engine_settings(values: Mapping[str, SettingValue], where: str) -> EngineSettings:
     """The engine settings ``values`` give; a WhatIfError (422) names the setting at fault."""
-    try:
-        return EngineSettings(**values)
+    try:  # each value's type: parse_setting's (the field's) or checked here by EngineSettings
+        return EngineSettings(**values)  # type: ignore[arg-type]
     except ValueError as exc:
         raise WhatIfError("bad_setting", f"{where}: {exc}", status=422) from None
 
 
-def asked_setting(base: EngineSettings, asked: Mapping[str, Any]) -> EngineSettings:
+def asked_setting(base: EngineSettings, asked: Mapping[str, SettingValue]) -> EngineSettings:
     """``base`` with the ``asked`` settings changed."""
     return engine_settings({**dataclasses.asdict(base), **asked}, setting_text(asked) or "recorded")
 
 
-def recorded_settings(recorded: Recorded, given: Mapping[str, Any]) -> tuple[EngineSettings, list[str]]:
+def recorded_settings(
+    recorded: Recorded, given: Mapping[str, SettingValue]
+) -> tuple[EngineSettings, list[str]]:
     """The recorded setting: ``given`` plus what the window shows (the names inferred are returned)."""
     observed = recorded.observed
     values = dict(given)
@@ -98,7 +100,7 @@ def recorded_settings(recorded: Recorded, given: Mapping[str, Any]) -> tuple[Eng
         values["max_num_batched_tokens"] = max(observed.max_step_tokens, 1)
         inferred.append("max_num_batched_tokens")
     if "enable_chunked_prefill" not in values:
-        values["enable_chunked_prefill"] = longest > values["max_num_batched_tokens"]
+        values["enable_chunked_prefill"] = longest > int(values["max_num_batched_tokens"])
         inferred.append("enable_chunked_prefill")
     if "max_num_seqs" not in values:
         values["max_num_seqs"] = max(observed.max_running, 1)
@@ -457,7 +459,7 @@ def calibrate(
     window: TraceWindow,
     costing: Costing,
     query: WhatIfQuery,
-    recorded: Mapping[str, Any] | None = None,
+    recorded: Mapping[str, SettingValue] | None = None,
     *,
     deadline: float | None = None,
     min_requests: int = MIN_REQUESTS,
@@ -524,7 +526,7 @@ def replay_candidates(
     window: TraceWindow,
     costing: Costing,
     calibrated: Calibrated,
-    candidates: Sequence[Mapping[str, Any]],
+    candidates: Sequence[Mapping[str, SettingValue]],
     query: WhatIfQuery,
     *,
     deadline: float | None = None,
@@ -615,7 +617,7 @@ def what_if(
     engine: sa.Engine,
     query: WhatIfQuery,
     *,
-    candidates: Sequence[Mapping[str, Any]] | None = None,
+    candidates: Sequence[Mapping[str, SettingValue]] | None = None,
     now: float | None = None,
     timeout_s: float | None = None,
     min_requests: int = MIN_REQUESTS,
