@@ -14,6 +14,7 @@ import pandas as pd
 
 if TYPE_CHECKING:
     from dashboard.data import LedgerData
+    from ledger.whatif.answer import CalibrationError, Candidate, Relative, Tails, WhatIf
 
 LAYERS = ("entry_s", "admission_s", "frontend_s", "engine_queue_s", "prefill_s", "decode_s")
 LAYER_NAMES = {
@@ -258,26 +259,25 @@ def short_setting(name: str) -> str:
     return ", ".join(parts)
 
 
-def whatif_rows(answer: dict[str, Any]) -> pd.DataFrame:
+def whatif_rows(answer: WhatIf) -> pd.DataFrame:
     """``GET /v1/whatif``'s answer as one row per setting: measured, the recorded setting replayed,
     then each asked one (milliseconds; the change from the recorded setting replayed)."""
-    cal = answer["calibration"]
-    rows: list[tuple[str, str, dict[str, Any], dict[str, Any] | None, dict[str, Any]]] = [
-        ("measured", "measured", cal["measured"], None, {}),
-        ("recorded (replayed)", "replayed", cal["predicted"], cal["error"], {}),
+    cal = answer.calibration
+    rows: list[tuple[str, str, Tails, Relative | CalibrationError | None, Candidate | None]] = [
+        ("measured", "measured", cal.measured, None, None),
+        ("recorded (replayed)", "replayed", cal.predicted, cal.error, None),
     ]
-    for c in answer["candidates"]:
-        rows.append((c["name"], "predicted", c["predicted"], c["relative"], c))
+    rows += [(c.name, "predicted", c.predicted, c.relative, c) for c in answer.candidates]
     out = []
-    for name, kind, tails, rel, extra in rows:
+    for name, kind, tails, rel, candidate in rows:
         label = name if kind != "predicted" else short_setting(name)
         row: dict[str, Any] = {"setting": name, "label": label, "kind": kind}
         for key in ("short_ttft_p99_s", "long_ttft_max_s", "ttft_p50_s", "itl_p99_s", "e2e_p99_s"):
-            v = tails.get(key)
+            v = getattr(tails, key)
             row[key[:-2] + "_ms"] = None if v is None else v * 1e3
-        row["preemptions"] = tails.get("preemptions")
-        row["change_short_ttft"] = (rel or {}).get("short_ttft_p99_s")
-        row["frontier"] = extra.get("frontier")
-        row["best"] = extra.get("best")
+        row["preemptions"] = tails.preemptions
+        row["change_short_ttft"] = getattr(rel, "short_ttft_p99_s", None)
+        row["frontier"] = None if candidate is None else candidate.frontier
+        row["best"] = None if candidate is None else candidate.best
         out.append(row)
     return pd.DataFrame(out)

@@ -6,13 +6,13 @@ last answer stays on the page (session state) until the next one.
 
 from __future__ import annotations
 
-from typing import Any
-
+import msgspec
 import streamlit as st
 
 from dashboard import charts, ui
 from dashboard.data import LedgerData
 from dashboard.frames import short_setting, whatif_rows
+from ledger.whatif.answer import WhatIf
 
 DEFAULT_SWEEP = "max_num_batched_tokens=256,512,1024,2048"
 
@@ -33,7 +33,7 @@ def _number(name: str) -> float:
         return 0.0
 
 
-def ask(data: LedgerData, since: str | None) -> dict[str, Any] | None:
+def ask(data: LedgerData, since: str | None) -> WhatIf | None:
     policies = ["", "fcfs", "priority", "kv-idle"]
     with st.form("whatif"):
         c = st.columns([2, 2, 1])
@@ -81,29 +81,29 @@ def ask(data: LedgerData, since: str | None) -> dict[str, Any] | None:
         }
         st.session_state["wi_answer"] = None
         with ui.ledger_errors("what-if"):
-            st.session_state["wi_answer"] = data.whatif(**params)
-    answer: dict[str, Any] | None = st.session_state.get("wi_answer")
+            st.session_state["wi_answer"] = msgspec.convert(data.whatif(**params), WhatIf)
+    answer: WhatIf | None = st.session_state.get("wi_answer")
     return answer
 
 
-def show(answer: dict[str, Any]) -> None:
-    w, cal, fit = answer["window"], answer["calibration"], answer["fit"]
-    inferred = ", ".join(cal["inferred"]) or "none"
-    long = answer["long_prompt_tokens"]
+def show(answer: WhatIf) -> None:
+    w, cal, fit = answer.window, answer.calibration, answer.fit
+    inferred = ", ".join(cal.inferred) or "none"
+    long = answer.long_prompt_tokens
     longs = f">= {long:,} tokens" if long else "none"
     st.caption(
-        f"{w['requests']:,} requests of model {w['model'] or '-'} on {len(w['source_ids'])} engine(s); "
-        f"step-time fit R² {fit['r2']:.3f}; long prompts: "
+        f"{w.requests:,} requests of model {w.model or '-'} on {len(w.source_ids)} engine(s); "
+        f"step-time fit R² {fit.r2:.3f}; long prompts: "
         f"{longs}"
         f"; inferred from the steps: {inferred}"
     )
-    worst = cal.get("max_error")
+    worst = cal.max_error
     c = st.columns(3)
     c[0].metric("calibration error (max)", "-" if worst is None else f"{worst:.0%}")
-    c[1].metric("allowed", f"{cal['max_error_allowed']:.0%}")
-    best = [r["name"] for r in answer["candidates"] if r.get("best")]
+    c[1].metric("allowed", f"{cal.max_error_allowed:.0%}")
+    best = [r.name for r in answer.candidates if r.best]
     c[2].metric("best setting", short_setting(best[0]) if best else "-", help=best[0] if best else None)
-    if worst is not None and worst > cal["max_error_allowed"]:
+    if worst is not None and worst > cal.max_error_allowed:
         st.warning(
             f"the recorded setting replayed misses a measured tail by {worst:.0%}: the model does not "
             "describe this window (state the recorded settings, or pick one model); read the predictions "
@@ -119,7 +119,7 @@ def show(answer: dict[str, Any]) -> None:
     left.altair_chart(charts.bars(df, "short_ttft_p99_ms", "label", "short TTFT p99 (ms)", "", "kind"))
     right.altair_chart(charts.bars(df, "itl_p99_ms", "label", "ITL p99 (ms)", "", "kind"))
     with st.expander("recorded setting and window"):
-        st.json({"recorded": cal["settings"], "window": w})
+        st.json(msgspec.to_builtins({"recorded": cal.settings, "window": w}))
 
 
 def body() -> None:
