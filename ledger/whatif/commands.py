@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import msgspec
 import typer
 
 from ledger.cli_options import (
@@ -114,8 +115,6 @@ def whatif(
     )
 
     def compute(engine: Any) -> dict[str, Any]:
-        import msgspec
-
         from ledger.whatif.service import what_if
 
         out = msgspec.to_builtins(what_if(engine, query))
@@ -123,8 +122,6 @@ def whatif(
         return out
 
     def render(status: int, body: dict[str, Any]) -> str:
-        import msgspec
-
         from ledger.whatif.answer import WhatIf
         from ledger.whatif.report import render_refusal, render_whatif
 

@@ -392,9 +392,8 @@ def _fit_steps(engine: sa.Engine, window: TraceWindow, query: WhatIfQuery, now: 
     """The steps the step time is fitted on: the window's, or (``fit_source``, ``fit_since``,
     ``fit_until``) one engine's over all its steps unless a fit window is given, or the window's own
     engines over another window."""
-    steps = window.steps
     if query.fit_source is None and query.fit_since is None and query.fit_until is None:
-        return steps
+        return window.steps
     by_source = query.fit_source is not None
     try:
         return read_steps(
