@@ -10,9 +10,10 @@ from typing import Annotated
 
 import typer
 
+import dashboard as dashboard_package
 from ledger.defaults import DEFAULT_LEDGER_URL
 
-APP = Path(__file__).with_name("app.py")
+APP = Path(dashboard_package.__path__[0]) / "app.py"  # the Streamlit script, wherever this command is
 
 
 def streamlit_command(port: int, host: str) -> list[str]:
