@@ -625,11 +625,11 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             extra=[a for extra in args.vllm_arg for a in shlex.split(extra)],
         )
         ledger_cmd = [
-            sys.executable, "-m", "ledger.cli", "serve",
+            sys.executable, "-m", "chunkledger", "serve",
             "--db", f"duckdb:///{work / 'ledger.duckdb'}", "--port", str(ledger_port),
         ]  # fmt: skip
         gw_cmd = [
-            sys.executable, "-m", "ledger.cli", "gateway",
+            sys.executable, "-m", "chunkledger", "gateway",
             "--upstream", vllm, "--port", str(gw_port), "--ledger", ledger,
             "--source-id", f"{tag}-gateway", "--log-level", "warning",
         ]  # fmt: skip

@@ -150,7 +150,7 @@ def _serve(db: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str, int]:
     }
     log = open(workdir / "ledger.log", "ab")  # noqa: SIM115 - the subprocess's
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ledger.cli", "serve", "--db", db, "--port", str(port)],
+        [sys.executable, "-m", "chunkledger", "serve", "--db", db, "--port", str(port)],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,

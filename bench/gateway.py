@@ -160,7 +160,7 @@ def main() -> None:
                 [
                     sys.executable,
                     "-m",
-                    "ledger.cli",
+                    "chunkledger",
                     "gateway",
                     "--upstream",
                     f"http://127.0.0.1:{up_port}",

@@ -591,7 +591,7 @@ def main() -> None:
         [
             sys.executable,
             "-m",
-            "ledger.cli",
+            "chunkledger",
             "serve",
             "--db",
             f"duckdb:///{Path(args.ledger_db).resolve() if args.ledger_db else tmp / 'ledger.duckdb'}",

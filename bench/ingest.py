@@ -353,7 +353,7 @@ def run_backend(
             log = open(workdir / f"{name.replace('/', '_')}-{i}.log", "wb")  # noqa: SIM115
             servers.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "ledger.cli", "serve", "--db", db_url, "--port", str(port)],
+                    [sys.executable, "-m", "chunkledger", "serve", "--db", db_url, "--port", str(port)],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env={**os.environ, **(env or {}), **({"PYTHONPATH": server_root} if server_root else {})},

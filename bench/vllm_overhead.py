@@ -122,7 +122,7 @@ def main() -> None:
     port = free_port()
     ledger_log = open(tmp / "ledger.log", "wb")  # noqa: SIM115 - closed at the end
     ledger = subprocess.Popen(
-        [sys.executable, "-m", "ledger.cli", "serve", "--db", "null://", "--port", str(port)],
+        [sys.executable, "-m", "chunkledger", "serve", "--db", "null://", "--port", str(port)],
         stdout=ledger_log,
         stderr=subprocess.STDOUT,
     )

@@ -77,7 +77,7 @@ SETTING_KEYS = (  # EngineSettings fields as vLLM ran them (head_of_line's worke
 MODELLED_PLUGIN = ("admission_reserve", "admission_aging_s")  # the plugin options the model knows
 HOL_JSON, LEDGER_DB, PROFILE_JSON = "hol.json", "ledger.duckdb", "profile.json"
 PROFILE_SOURCE = "profile-scene"
-SERVE = (sys.executable, "-m", "ledger.cli", "serve", "--db")
+SERVE = (sys.executable, "-m", "chunkledger", "serve", "--db")
 PROFILE_PLAN: tuple[str, ...] = ("--chunk-sizes", "256,1024,4096,8192,16384", "--max-depth", "32768")
 PROFILE_PLAN += ("--decode-batches", "1,4,8")
 
@@ -149,7 +149,7 @@ def run_profile_into(work: Path, hidden: int, layers: int) -> None:
                 if server.poll() is not None:
                     raise SystemExit(f"the ledger did not start; see {work / 'profile-ledger.log'}")
                 time.sleep(0.2)
-            cmd = [sys.executable, "-m", "ledger.cli", "profile", str(work / "profile-model"), "--tiny"]
+            cmd = [sys.executable, "-m", "chunkledger", "profile", str(work / "profile-model"), "--tiny"]
             cmd += ["--tiny-hidden", str(hidden), "--tiny-layers", str(layers), *PROFILE_PLAN]
             cmd += ["--ledger", url, "--source-id", PROFILE_SOURCE, "--format", "json"]
             print("$ " + " ".join(cmd[3:]), flush=True)

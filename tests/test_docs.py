@@ -45,7 +45,9 @@ def test_configuration_page_is_the_generated_one():
 
 
 def _source_files() -> list[Path]:
-    files = [p for d in ("ledger", "engine_hooks", "dashboard") for p in (ROOT / d).rglob("*.py")]
+    files = [
+        p for d in ("chunkledger", "ledger", "engine_hooks", "dashboard") for p in (ROOT / d).rglob("*.py")
+    ]
     files += [p for p in (ROOT / "scripts").iterdir() if p.suffix in (".py", ".sh")]
     return sorted(files)
 
@@ -126,7 +128,7 @@ def test_relative_links_point_to_files_that_exist(path: Path):
 
 
 _REPO_PATH = re.compile(
-    r"`((?:ledger|engine_hooks|dashboard|bench|tools|scripts|tests|deploy|migrations|docs)/[\w./-]+"
+    r"`((?:chunkledger|ledger|engine_hooks|dashboard|bench|tools|scripts|tests|deploy|migrations|docs)/[\w./-]+"
     r"\.(?:py|md|sh|toml|yml|yaml|json|ini))`"
 )
 
@@ -135,7 +137,7 @@ _REPO_PATH = re.compile(
     "path", [p for p in _markdown_files() if p.name != "CHANGELOG.md"], ids=lambda p: str(p.relative_to(ROOT))
 )
 def test_file_paths_named_in_the_docs_exist(path: Path):
-    """A path in backticks (`ledger/sql/cli.py`) names a file of this repository that exists (the
+    """A path in backticks (`chunkledger/sql.py`) names a file of this repository that exists (the
     CHANGELOG is history: it may name files that are gone)."""
     missing = sorted({m[1] for m in _REPO_PATH.finditer(path.read_text()) if not (ROOT / m[1]).exists()})
     assert not missing, f"{path.relative_to(ROOT)} names files that do not exist: {missing}"

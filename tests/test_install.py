@@ -33,7 +33,7 @@ from bench.toolkit import free_port
 from tests.support import ROOT
 from tests.support.servers import stop_group, wait_serving
 
-PACKAGES = ("ledger", "engine_hooks", "dashboard", "migrations")
+PACKAGES = ("chunkledger", "ledger", "engine_hooks", "dashboard", "migrations")
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
@@ -74,7 +74,7 @@ def _third_party_imports() -> dict[str, set[str]]:
 # Where a module may import a package that only an extra brings (everything else: the base install).
 EXTRA_ZONES = {
     "postgres": ("ledger/sql/runners.py", "ledger/store/postgres.py"),
-    "dashboard": ("dashboard/",),
+    "dashboard": ("dashboard/", "chunkledger/dashboard.py"),
     "vllm": ("engine_hooks/vllm/", "ledger/advice/profile.py"),
 }
 
@@ -112,9 +112,11 @@ HEAVY = (
 
 
 def test_the_command_line_loads_no_heavy_library_so_help_is_quick():
-    code = f"import sys, ledger.cli; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
+    code = f"import sys, chunkledger.main; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.strip() == "", f"`import ledger.cli` loads {out.stdout.strip()}: import them lazily"
+    assert out.stdout.strip() == "", (
+        f"`import chunkledger.main` loads {out.stdout.strip()}: import them lazily"
+    )
 
 
 # -- fresh environments -------------------------------------------------------------------------------
@@ -317,7 +319,10 @@ def test_the_vllm_install_loads_the_plugin_and_the_profile_command():
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
     r = subprocess.run(
-        [sys.executable, "-m", "ledger.cli", "profile", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "chunkledger", "profile", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 0 and "vLLM" in r.stdout, r.stderr
 

@@ -7,7 +7,7 @@ Sources: ``ledger.config.Settings`` (pydantic-settings: each field's description
 ``engine_hooks.config.ExporterConfig``, ``engine_hooks.vllm.options.LedgerOptions`` and
 ``engine_hooks.gateway.config.GatewayConfig`` (msgspec: each field's trailing comment, read from the
 source as tools/contract_md.py reads the event contract), the flags of ``chunkledger gateway``
-(``engine_hooks.gateway.cli.gateway``), the dashboard's ``Settings.from_env`` (read from its source,
+(``chunkledger.gateway.gateway``), the dashboard's ``Settings.from_env`` (read from its source,
 so pandas is not imported) and :data:`OTHER`, the variables read outside those classes.
 tests/test_docs.py keeps the page equal to this output.
 """
@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 
+from chunkledger import gateway as gateway_cli
 from engine_hooks import config as exporter_config
-from engine_hooks.gateway import cli as gateway_cli
 from engine_hooks.gateway.config import GatewayConfig
 from engine_hooks.vllm import options as vllm_options
 from ledger.config import Settings
@@ -51,7 +51,7 @@ OTHER: tuple[tuple[str, str, str, str, str], ...] = (
         "str",
         "unset",
         "`chunkledger sql-reader --password`: the password of the read-only PostgreSQL role it creates",
-        "ledger/sql/cli.py",
+        "chunkledger/sql.py",
     ),
     (
         "CHUNKLEDGER_ENGINE_DEVICE",
@@ -287,7 +287,7 @@ def render() -> str:
         "`admission_step_target_s` and `admission_arrivals_first` need `admission_reserve`.",
         vllm_table(),
         "### Gateway (`chunkledger gateway` flags)",
-        "From `engine_hooks.gateway.cli.gateway` and `engine_hooks.gateway.config.GatewayConfig`. The "
+        "From `chunkledger.gateway.gateway` and `engine_hooks.gateway.config.GatewayConfig`. The "
         "gateway's exporter reads the exporter variables above (`--ledger` and `--source-id` win).",
         flags,
         "`GatewayConfig` settings without a flag (`GatewayConfig.create(...)` in Python):",
@@ -296,7 +296,7 @@ def render() -> str:
         "From `dashboard.data.Settings.from_env`; `chunkledger dashboard` sets them from its flags.",
         dashboard_table(),
         "### Client commands and engine settings",
-        "Read where they are used: the client commands in `ledger/client.py` and `ledger/sql/cli.py`, the "
+        "Read where they are used: the client commands in `ledger/client.py` and `chunkledger/sql.py`, the "
         "engine settings in `engine_hooks/vllm/cpu.py` (`python -m engine_hooks.vllm.cpu` prints them).",
         other_table(),
     ]

@@ -217,7 +217,7 @@ def record(args: argparse.Namespace) -> dict[str, Any]:
         ledger_port, vllm_port, gw_port = free_port(), free_port(), free_port()
         ledger, vllm, gateway = (f"http://127.0.0.1:{p}" for p in (ledger_port, vllm_port, gw_port))
         ledger_cmd = [
-            sys.executable, "-m", "ledger.cli", "serve",
+            sys.executable, "-m", "chunkledger", "serve",
             "--db", f"duckdb:///{work / 'ledger.duckdb'}", "--port", str(ledger_port),
         ]  # fmt: skip
         procs.append(Proc("ledger", ledger_cmd, work / "ledger.log", dict(os.environ)))
@@ -253,7 +253,7 @@ def record(args: argparse.Namespace) -> dict[str, Any]:
             )
         )
         gw_cmd = [
-            sys.executable, "-m", "ledger.cli", "gateway",
+            sys.executable, "-m", "chunkledger", "gateway",
             "--upstream", vllm, "--port", str(gw_port), "--ledger", proxy.url,
             "--source-id", f"gw-{tag}", "--log-level", "warning",
         ]  # fmt: skip

@@ -108,7 +108,7 @@ def _serve(args: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
 def _dashboard(ledger_url: str, log: Path) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "ledger.cli", "dashboard", "--ledger", ledger_url, "--port", str(port)]
+    cmd = [sys.executable, "-m", "chunkledger", "dashboard", "--ledger", ledger_url, "--port", str(port)]
     return url, _serve(cmd, f"{url}/_stcore/health", log)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from dashboard.cli import streamlit_command
-from ledger.cli import app
+from chunkledger.dashboard import streamlit_command
+from chunkledger.main import app
 
 runner = CliRunner()
 

@@ -13,10 +13,10 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from chunkledger.main import app as cli_app
 from engine_hooks import events as ev
 from ledger import export, schema
 from ledger.app import create_app
-from ledger.cli import app as cli_app
 from ledger.config import Settings
 from ledger.store import open_store
 from tests.support.factories import ENGINE, GATEWAY, body, lifecycle, numbered

@@ -55,7 +55,7 @@ def test_serve_refuses_a_public_bind_without_tokens(tmp_path):
         [
             sys.executable,
             "-m",
-            "ledger.cli",
+            "chunkledger",
             "serve",
             "--db",
             f"duckdb:///{tmp_path}/x.duckdb",
@@ -73,7 +73,7 @@ def test_serve_refuses_a_public_bind_without_tokens(tmp_path):
 
 def test_migrate_command_creates_the_schema_and_prints_the_revision(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "ledger.cli", "migrate", "--db", f"duckdb:///{tmp_path}/m.duckdb"],
+        [sys.executable, "-m", "chunkledger", "migrate", "--db", f"duckdb:///{tmp_path}/m.duckdb"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -87,7 +87,7 @@ def test_migrate_command_creates_the_schema_and_prints_the_revision(tmp_path):
 
 def test_bad_database_url_is_a_clear_configuration_error(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "ledger.cli", "migrate", "--db", "mysql://nope"],
+        [sys.executable, "-m", "chunkledger", "migrate", "--db", "mysql://nope"],
         capture_output=True,
         text=True,
         timeout=60,

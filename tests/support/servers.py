@@ -33,7 +33,7 @@ class LedgerServer:
     def start(self, timeout: float = 30.0) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the subprocess
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ledger.cli", "serve", "--db", self.db_url, "--port", str(self.port)],
+            [sys.executable, "-m", "chunkledger", "serve", "--db", self.db_url, "--port", str(self.port)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=self.env,

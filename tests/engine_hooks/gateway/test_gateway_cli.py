@@ -26,7 +26,7 @@ def test_cli_serves_the_proxy_and_sends_events_to_the_ledger(upstream, fake_ledg
         [
             sys.executable,
             "-m",
-            "ledger.cli",
+            "chunkledger",
             "gateway",
             "--upstream",
             upstream.url,
@@ -73,7 +73,7 @@ def test_cli_serves_the_proxy_and_sends_events_to_the_ledger(upstream, fake_ledg
 
 def test_cli_refuses_bad_settings_naming_them():
     result = subprocess.run(
-        [sys.executable, "-m", "ledger.cli", "gateway", "--upstream", "localhost:8000", "--port", "1"],
+        [sys.executable, "-m", "chunkledger", "gateway", "--upstream", "localhost:8000", "--port", "1"],
         capture_output=True,
         text=True,
         timeout=60,

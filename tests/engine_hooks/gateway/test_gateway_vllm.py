@@ -78,7 +78,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         [
             sys.executable,
             "-m",
-            "ledger.cli",
+            "chunkledger",
             "serve",
             "--db",
             f"duckdb:///{base / 'ledger.duckdb'}",

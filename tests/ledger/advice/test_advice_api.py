@@ -10,9 +10,9 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from chunkledger.main import app as cli_app
 from engine_hooks import events as ev
 from ledger.app import create_app
-from ledger.cli import app as cli_app
 from ledger.config import Settings
 from ledger.store import open_store
 from tests.ledger.advice.test_advice import (

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from chunkledger.main import app as cli_app
 from engine_hooks import events as ev
 from ledger.advice.profile import ProfileError, ProfilePlan, StepRecorder, theil_sen
-from ledger.cli import app as cli_app
 
 runner = CliRunner()
 

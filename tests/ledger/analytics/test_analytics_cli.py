@@ -7,8 +7,8 @@ import json
 import httpx
 from typer.testing import CliRunner
 
+from chunkledger.main import app
 from engine_hooks import events as ev
-from ledger.cli import app
 from tests.ledger.analytics.test_analytics import scene
 from tests.support.factories import ENGINE
 

@@ -204,7 +204,7 @@ def _run_loopcheck(tmp_path, lines, *args):
     f = tmp_path / "outputs.jsonl"
     f.write_text("".join(lines))
     return subprocess.run(
-        [sys.executable, "-m", "ledger.cli", "loopcheck", str(f), *args],
+        [sys.executable, "-m", "chunkledger", "loopcheck", str(f), *args],
         capture_output=True,
         text=True,
         timeout=60,

@@ -95,7 +95,7 @@ def test_serve_refuses_a_bad_policy_file_naming_the_field(tmp_path):
     pol = tmp_path / "policy.toml"
     pol.write_text("[rules.loop]\nmin_span_tokens = 1\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "ledger.cli", "serve", "--db", f"duckdb:///{tmp_path}/x.duckdb"],
+        [sys.executable, "-m", "chunkledger", "serve", "--db", f"duckdb:///{tmp_path}/x.duckdb"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -112,7 +112,7 @@ def test_policy_check_prints_the_effective_policy(tmp_path):
     pol = tmp_path / "p.toml"
     pol.write_text('[models."m".rules]\nmax_output_tokens = 9\n')
     proc = subprocess.run(
-        [sys.executable, "-m", "ledger.cli", "policy-check", str(pol)],
+        [sys.executable, "-m", "chunkledger", "policy-check", str(pol)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -15,10 +15,10 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from chunkledger.main import app as cli_app
 from engine_hooks import events as ev
 from ledger import sql
 from ledger.app import create_app
-from ledger.cli import app as cli_app
 from ledger.config import Settings
 from ledger.schema import step_request_ids_sql
 from ledger.store import open_store

@@ -21,13 +21,13 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from chunkledger.main import app as cli_app
 from engine_hooks.simulation.scenario import SCENARIOS
 from engine_hooks.simulator import run_simulation
 from ledger.advice.fit import fit_step_time
 from ledger.advice.query import read_steps
 from ledger.analytics.itl import decode_itl
 from ledger.app import create_app
-from ledger.cli import app as cli_app
 from ledger.config import Settings
 from ledger.store import open_store
 from ledger.whatif.answer import WhatIf, WhatIfError

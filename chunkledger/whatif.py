@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import msgspec
 import typer
 
-from ledger.cli_options import (
+from chunkledger.options import (
     DbOpt,
     FormatOpt,
     LedgerOrNoneOpt,
@@ -17,7 +17,7 @@ from ledger.cli_options import (
     SourceOpt,
     UntilOpt,
 )
-from ledger.cli_reads import answer
+from chunkledger.reads import answer
 from ledger.whatif.query import MAX_CALIBRATION_ERROR, WhatIfQuery
 
 

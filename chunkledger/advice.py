@@ -7,8 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN_USEFUL_CHUNK
-from ledger.cli_options import (
+from chunkledger.options import (
     DbOpt,
     FormatOpt,
     LedgerOrNoneOpt,
@@ -18,7 +17,8 @@ from ledger.cli_options import (
     SourceOpt,
     UntilOpt,
 )
-from ledger.cli_reads import answer
+from chunkledger.reads import answer
+from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN_USEFUL_CHUNK
 
 
 def advise(

@@ -125,7 +125,7 @@ _register_optional_commands()
 
 
 def _register_gateway() -> None:
-    from engine_hooks.gateway.cli import gateway
+    from chunkledger.gateway import gateway
 
     app.command(name="gateway")(gateway)
 
@@ -134,7 +134,7 @@ _register_gateway()
 
 
 def _register_advice() -> None:
-    from ledger.advice.commands import advise, profile
+    from chunkledger.advice import advise, profile
 
     app.command(name="advise")(advise)
     app.command(name="profile")(profile)
@@ -144,7 +144,7 @@ _register_advice()
 
 
 def _register_whatif() -> None:
-    from ledger.whatif.commands import whatif
+    from chunkledger.whatif import whatif
 
     app.command(name="whatif")(whatif)
 
@@ -153,7 +153,7 @@ _register_whatif()
 
 
 def _register_analytics() -> None:
-    from ledger.analytics.cli import register
+    from chunkledger.analytics import register
 
     register(app)
 
@@ -162,7 +162,7 @@ _register_analytics()
 
 
 def _register_rules() -> None:
-    from ledger.rules.cli import register
+    from chunkledger.rules import register
 
     register(app)
 
@@ -171,8 +171,8 @@ _register_rules()
 
 
 def _register_sql() -> None:
-    from ledger.export_cli import export_command
-    from ledger.sql.cli import query_command, sql_reader_command
+    from chunkledger.export import export_command
+    from chunkledger.sql import query_command, sql_reader_command
 
     app.command(name="query")(query_command)
     app.command(name="export")(export_command)
@@ -183,7 +183,7 @@ _register_sql()
 
 
 def _register_dashboard() -> None:
-    from dashboard.cli import dashboard  # imports streamlit only when the command runs
+    from chunkledger.dashboard import dashboard  # imports streamlit only when the command runs
 
     app.command(name="dashboard")(dashboard)
 

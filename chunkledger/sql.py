@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from ledger.cli_options import LedgerUrlOpt, ReadTokenOpt
+from chunkledger.options import LedgerUrlOpt, ReadTokenOpt
 from ledger.defaults import DEFAULT_LEDGER_URL
 
 
@@ -45,7 +45,7 @@ def query_command(
         raise typer.Exit(2) from None
     if max_rows is not None:
         body["max_rows"] = max_rows
-    from ledger.cli_errors import exit_for
+    from chunkledger.errors import exit_for
     from ledger.client import LedgerClient, LedgerError
 
     try:

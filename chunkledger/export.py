@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from ledger.cli_options import LedgerUrlOpt, ReadTokenOpt
+from chunkledger.options import LedgerUrlOpt, ReadTokenOpt
 from ledger.defaults import DEFAULT_LEDGER_URL
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def _export_through(
 ) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
-    from ledger.cli_errors import exit_for
+    from chunkledger.errors import exit_for
     from ledger.client import LedgerClient, LedgerError
 
     manifest: dict[str, Any] = {

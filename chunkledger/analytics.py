@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ledger.cli_options import LedgerUrlOpt, ReadTokenOpt
+from chunkledger.options import LedgerUrlOpt, ReadTokenOpt
 from ledger.defaults import DEFAULT_LEDGER_URL
 
 FormatOpt = Annotated[str, typer.Option("--format", help="table or json")]
