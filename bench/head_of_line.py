@@ -333,17 +333,20 @@ def size_worker(args: argparse.Namespace) -> None:
     import logging
 
     logging.disable(logging.WARNING)
-    from ledger.advice.scene import profile_scene
+    from engine_hooks.vllm.profile import run_profile
+    from ledger.advice.profile import ProfileResult
+    from ledger.advice.scene import SIZING_PLAN, size_from_profile
 
-    size, info = profile_scene(
-        args.model,
-        kv_cache_bytes=args.kv_mib << 20,
+    t0 = time.monotonic()
+    run = run_profile(args.model, SIZING_PLAN, kv_cache_bytes=args.kv_mib << 20)
+    size, info = size_from_profile(
+        ProfileResult.of(SIZING_PLAN, run),
         short_prompt=sum(SHORT_PROMPT) // 2,
         short_output=args.short_output,
         long_prefill_s=args.long_prefill_s,
         max_long_tokens=MAX_LONG_TOKENS,
     )
-    out = {"size": size.as_dict(), **info}
+    out = {"size": size.as_dict(), **info, "seconds": time.monotonic() - t0}
     print(json.dumps(out), flush=True)
 
 

@@ -142,7 +142,8 @@ def profile(
     import logging
     import os
 
-    from ledger.advice.profile import ProfileError, ProfilePlan, run_profile
+    from engine_hooks.vllm.profile import DriverError, run_profile
+    from ledger.advice.profile import ProfileError, ProfilePlan, ProfileResult
     from ledger.advice.report import render_profile
 
     if format not in ("table", "json"):
@@ -184,7 +185,7 @@ def profile(
             )
 
     try:
-        result = run_profile(
+        run = run_profile(
             model,
             plan,
             ledger_url=ledger,
@@ -193,10 +194,10 @@ def profile(
             kv_cache_bytes=kv_cache_mib << 20,
             progress=progress,
         )
-    except ProfileError as exc:
+    except (ProfileError, DriverError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    report = result.report(itl_target_ms)
+    report = ProfileResult.of(plan, run).report(itl_target_ms)
     typer.echo(json.dumps(report, indent=2) if format == "json" else render_profile(report))
     if "fit_error" in report:
         raise typer.Exit(1)

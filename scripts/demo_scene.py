@@ -160,17 +160,21 @@ def size(args: argparse.Namespace) -> None:
     os.environ.update(vllm_env(args.workdir))
     os.environ.pop("CHUNKLEDGER_URL", None)
     logging.disable(logging.WARNING)
-    from ledger.advice.scene import profile_scene
+    from engine_hooks.vllm.profile import run_profile
+    from ledger.advice.profile import ProfileResult
+    from ledger.advice.scene import SIZING_PLAN, size_from_profile
 
-    scene, info = profile_scene(
-        args.model,
+    t0 = time.monotonic()
+    run = run_profile(args.model, SIZING_PLAN, kv_cache_bytes=256 << 20)
+    scene, _ = size_from_profile(
+        ProfileResult.of(SIZING_PLAN, run),
         short_prompt=sum(SHORT_PROMPT) // 2,
         short_output=SHORT_OUTPUT,
         long_prefill_s=args.long_prefill_s,
         max_long_tokens=args.max_long_tokens,
     )
     print(scene.describe().replace("\n", "\n# "), file=sys.stderr)
-    print(json.dumps({**scene.as_dict(), "profile_s": round(info["seconds"], 1)}))
+    print(json.dumps({**scene.as_dict(), "profile_s": round(time.monotonic() - t0, 1)}))
 
 
 def _ledger(url: str) -> httpx.Client:

@@ -75,7 +75,7 @@ def _third_party_imports() -> dict[str, set[str]]:
 EXTRA_ZONES = {
     "postgres": ("ledger/sql/runners.py", "ledger/store/postgres.py"),
     "dashboard": ("dashboard/", "chunkledger/dashboard.py"),
-    "vllm": ("engine_hooks/vllm/", "ledger/advice/profile.py"),
+    "vllm": ("engine_hooks/vllm/",),
 }
 
 

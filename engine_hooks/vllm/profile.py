@@ -8,13 +8,14 @@ Drives vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with chunkledger's
   ``long_prefill_token_threshold = T`` between runs), so the long prompt runs chunks of T tokens at
   depths 0, T, 2T, ... max_depth next to B decodes; after it the B requests decode alone for
   ``tail_steps`` steps (decode-only steps at batch B);
-* the plugin reports every step (the same ``step`` events production sends) to a recorder made by the
-  caller, which keeps them and, with a ledger URL, also hands them to the plugin's own exporter, so
-  that ``chunkledger advise --source <id>`` can use them later.
+* the plugin reports every step (the same ``step`` events production sends) to a :class:`StepRecorder`,
+  which keeps them and, with a ledger URL, also hands them to the plugin's own exporter, so that
+  ``chunkledger advise --source <id>`` can use them later.
 
 Prompts are random token ids (no tokenizer cost, exact lengths); prefix caching is off so depth is
-computed, not cached. The plan, the recorder and what is made of the steps are the ledger's
-(:mod:`ledger.advice.profile`); this module imports no part of the ledger, and vLLM only when it runs.
+computed, not cached. The plan and what is made of the steps (the tables, the fit, the advice) are the
+ledger's (:mod:`ledger.advice.profile`); the command line joins the two (``chunkledger profile``). This
+module imports no part of the ledger, and vLLM only when it runs.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import copy
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from engine_hooks import events as ev
 
 
 class DriverError(RuntimeError):
@@ -53,49 +56,88 @@ class Plan(Protocol):
     @property
     def max_num_batched_tokens(self) -> int: ...
     def decode_tokens_for(self, chunk: int) -> int: ...
-
-
-class Recorder(Protocol):
-    """The sink the plugin reports to during the profile (:class:`ledger.advice.profile.StepRecorder`):
-    an exporter's ``emitter`` interface, the ``step`` events it kept, silent while ``paused``."""
-
-    paused: bool
-
-    @property
-    def steps(self) -> Sequence[Any]: ...
-    def emitter(self, kind: type[Any], *fields: str) -> Any: ...
-    def shutdown(self, timeout: float | None = None) -> bool: ...
+    def check(self) -> None: ...
 
 
 @dataclass
-class Driven:
-    """What a run of the plan left: the recorded steps and where they were sent."""
+class Phase:
+    """One run of a plan's cell: a long prompt chunked by ``chunk`` next to ``decodes`` decoding requests,
+    recorded as steps ``first_step:end_step`` of the run's."""
 
-    steps: list[Any]
+    chunk: int
+    decodes: int
+    first_step: int  # index into ProfileRun.steps
+    end_step: int
+    wall_s: float
+
+
+class StepRecorder:
+    """An in-process sink with the exporter's ``emitter`` interface: keeps the ``step`` events and
+    hands every event on to ``forward`` (the plugin's own exporter, sending to a ledger) if given."""
+
+    def __init__(self, forward: Any = None) -> None:
+        self.forward = forward
+        self.steps: list[ev.Step] = []
+        self.paused = False  # while True nothing is kept or sent (the warm-up run)
+        self._seq = 0
+        self.config = getattr(forward, "config", None)
+
+    def emitter(self, kind: type[Any], *fields: str) -> Any:
+        send = self.forward.emitter(kind, *fields) if self.forward is not None else None
+        keep = kind is ev.Step
+        steps = self.steps
+
+        def emit(*values: Any) -> None:
+            if self.paused:
+                return
+            if keep:
+                self._seq += 1
+                steps.append(ev.Step(seq=self._seq, **dict(zip(fields, values, strict=True))))
+            if send is not None:
+                send(*values)
+
+        def many(rows: Any) -> None:
+            for row in rows:
+                emit(*row)
+
+        emit.many = many  # type: ignore[attr-defined]
+        return emit
+
+    def shutdown(self, timeout: float | None = None) -> bool:
+        return self.forward.shutdown(timeout) if self.forward is not None else True
+
+
+@dataclass
+class ProfileRun:
+    """What a run of the plan left: the recorded steps, the phases they fall into, where they were sent."""
+
+    model: str  # the served model name
+    steps: list[ev.Step]
+    phases: list[Phase]
     source_id: str | None = None  # the plugin exporter's source id, with a ledger URL
     sent: dict[str, Any] = field(default_factory=dict)  # {"url", "source_id", "sent", "dropped"}
 
 
-def drive(
+def run_profile(
     model: str,
     plan: Plan,
     *,
-    name: str,
-    recorder: Callable[[Any], Recorder],
-    on_phase: Callable[[int, int, int, int, float], None] | None = None,
+    served_model_name: str | None = None,
     ledger_url: str | None = None,
     source_id: str | None = None,
     ingest_token: str | None = None,
     kv_cache_bytes: int = 512 << 20,
     engine_kwargs: dict[str, Any] | None = None,
-) -> Driven:
-    """Run ``plan`` on vLLM in this process (see the module docstring).
+    progress: Callable[[Phase], None] | None = None,
+) -> ProfileRun:
+    """Run ``plan`` on vLLM in this process and return the recorded steps (see the module docstring).
 
-    ``model`` is a model directory or name vLLM can load offline, served as ``name``. ``recorder(
-    exporter)`` makes the sink the plugin reports to, given the plugin's own exporter (None without
-    ``ledger_url``), which it should forward to. ``on_phase(chunk, decodes, first_step, end_step,
-    wall_s)`` is called after each run of the plan (steps ``first_step:end_step`` of the recorder's).
+    ``model`` is a model directory or name vLLM can load offline, served as ``served_model_name`` (by
+    default the directory's name). With ``ledger_url`` the plugin's exporter also sends every event
+    there as source ``source_id``. ``progress(phase)`` is called after each :class:`Phase`.
     """
+    plan.check()
+    name = served_model_name or os.path.basename(os.path.normpath(model)) or model
     # in-process engine: the plugin's scheduler is reachable; no ledger unless asked for
     env: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "CHUNKLEDGER_URL": None}
     if ledger_url:
@@ -112,7 +154,7 @@ def drive(
     saved = {k: os.environ.get(k) for k in env}
     _set_env(env)
     try:
-        return _run(model, name, plan, recorder, on_phase, ledger_url, kv_cache_bytes, engine_kwargs)
+        return _run(model, name, plan, progress, ledger_url, kv_cache_bytes, engine_kwargs)
     finally:
         _set_env(saved)
 
@@ -134,12 +176,11 @@ def _run(
     model: str,
     name: str,
     plan: Plan,
-    make_recorder: Callable[[Any], Recorder],
-    on_phase: Callable[[int, int, int, int, float], None] | None,
+    progress: Callable[[Phase], None] | None,
     ledger_url: str | None,
     kv_cache_bytes: int,
     engine_kwargs: dict[str, Any] | None,
-) -> Driven:
+) -> ProfileRun:
     try:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
@@ -187,10 +228,11 @@ def _run(
         scheduler.scheduler_config = copy.copy(scheduler.scheduler_config)
         scheduler.adaptive_long_prefill_threshold = False
         forward = scheduler.exporter
-        recorder = make_recorder(forward)
+        recorder = StepRecorder(forward)
         scheduler.use_exporter(recorder)
         vocab = llm.llm_engine.model_config.get_vocab_size()
         rng = random.Random(plan.seed)
+        phases: list[Phase] = []
         # A warm-up run: first steps pay lazy initialisation; none of its events is kept or sent.
         recorder.paused = True
         llm.generate(
@@ -213,8 +255,9 @@ def _run(
                     first = len(recorder.steps)
                     t0 = time.monotonic()
                     llm.generate(prompts, params, use_tqdm=False)
-                    if on_phase is not None:
-                        on_phase(chunk, batch, first, len(recorder.steps), time.monotonic() - t0)
+                    phases.append(Phase(chunk, batch, first, len(recorder.steps), time.monotonic() - t0))
+                    if progress is not None:
+                        progress(phases[-1])
         sent: dict[str, Any] = {}
         if forward is not None:
             forward.shutdown(30.0)
@@ -226,8 +269,10 @@ def _run(
                 "dropped": stats.dropped,
             }
         scheduler.use_exporter(None)
-        return Driven(
+        return ProfileRun(
+            model=name,
             steps=list(recorder.steps),
+            phases=phases,
             source_id=forward.source.id if forward is not None else None,
             sent=sent,
         )
@@ -235,4 +280,4 @@ def _run(
         del llm
 
 
-__all__ = ["Driven", "DriverError", "Plan", "Recorder", "drive"]
+__all__ = ["DriverError", "Phase", "Plan", "ProfileRun", "StepRecorder", "run_profile"]

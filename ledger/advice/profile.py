@@ -1,9 +1,10 @@
 """``chunkledger profile``: measure step time on the real engine before production traffic does.
 
-The plan (:class:`ProfilePlan`), the in-process recorder of the plugin's ``step`` events
-(:class:`StepRecorder`) and what is made of them (:class:`ProfileResult`) are here; the driver that runs
-the plan on vLLM with chunkledger's scheduler plugin is :mod:`engine_hooks.vllm.profile` (its
-docstring says what runs).
+The plan (:class:`ProfilePlan`) and what is made of the steps it recorded (:class:`ProfileResult`) are
+here; the driver that runs the plan on vLLM with chunkledger's scheduler plugin and records the plugin's
+``step`` events is :mod:`engine_hooks.vllm.profile` (its docstring says what runs). The ledger never
+loads the engine: the command line runs the one and hands its run to the other
+(``ProfileResult.of(plan, run_profile(model, plan))``).
 
 The result is the measured table (per chunk size and decode batch: the step time at depth 0 and its
 growth per 1k tokens of depth, as in issue 5; per decode batch: the decode-only step) and the same fit
@@ -16,9 +17,9 @@ decoders' prefills plus the first chunk) fits.
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -77,49 +78,34 @@ class ProfilePlan:
         return math.ceil((self.max_depth + chunk) / chunk) + self.tail_steps + 2
 
 
-@dataclass
-class Phase:
-    chunk: int
-    decodes: int
-    first_step: int  # index into ProfileResult.steps
-    end_step: int
-    wall_s: float
+class Phase(Protocol):
+    """What the result reads of one run of a plan's cell (:class:`engine_hooks.vllm.profile.Phase`)."""
+
+    @property
+    def chunk(self) -> int: ...
+    @property
+    def decodes(self) -> int: ...
+    @property
+    def first_step(self) -> int: ...  # index into ProfileResult.steps
+    @property
+    def end_step(self) -> int: ...
+    @property
+    def wall_s(self) -> float: ...
 
 
-class StepRecorder:
-    """An in-process sink with the exporter's ``emitter`` interface: keeps the ``step`` events and
-    hands every event on to ``forward`` (the plugin's own exporter, sending to a ledger) if given."""
+class Run(Protocol):
+    """What the result reads of a profile run (:class:`engine_hooks.vllm.profile.ProfileRun`)."""
 
-    def __init__(self, forward: Any = None) -> None:
-        self.forward = forward
-        self.steps: list[ev.Step] = []
-        self.paused = False  # while True nothing is kept or sent (the warm-up run)
-        self._seq = 0
-        self.config = getattr(forward, "config", None)
-
-    def emitter(self, kind: type[Any], *fields: str) -> Any:
-        send = self.forward.emitter(kind, *fields) if self.forward is not None else None
-        keep = kind is ev.Step
-        steps = self.steps
-
-        def emit(*values: Any) -> None:
-            if self.paused:
-                return
-            if keep:
-                self._seq += 1
-                steps.append(ev.Step(seq=self._seq, **dict(zip(fields, values, strict=True))))
-            if send is not None:
-                send(*values)
-
-        def many(rows: Any) -> None:
-            for row in rows:
-                emit(*row)
-
-        emit.many = many  # type: ignore[attr-defined]
-        return emit
-
-    def shutdown(self, timeout: float | None = None) -> bool:
-        return self.forward.shutdown(timeout) if self.forward is not None else True
+    @property
+    def model(self) -> str: ...
+    @property
+    def steps(self) -> Sequence[ev.Step]: ...
+    @property
+    def phases(self) -> Sequence[Phase]: ...
+    @property
+    def source_id(self) -> str | None: ...
+    @property
+    def sent(self) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -127,9 +113,21 @@ class ProfileResult:
     plan: ProfilePlan
     model: str
     steps: list[ev.Step]
-    phases: list[Phase]
+    phases: Sequence[Phase]
     source_id: str | None = None
     sent: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, plan: ProfilePlan, run: Run) -> ProfileResult:
+        """The result of ``run``, a run of ``plan`` on the engine."""
+        return cls(
+            plan=plan,
+            model=run.model,
+            steps=list(run.steps),
+            phases=list(run.phases),
+            source_id=run.source_id,
+            sent=dict(run.sent),
+        )
 
     def data(self) -> StepData:
         return StepData.from_steps(self.steps)
@@ -223,53 +221,3 @@ def theil_sen(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     ok = dx != 0
     slope = float(np.median((y[j] - y[i])[ok] / dx[ok]))
     return slope, float(np.median(y - slope * x))
-
-
-def run_profile(
-    model: str,
-    plan: ProfilePlan,
-    *,
-    served_model_name: str | None = None,
-    ledger_url: str | None = None,
-    source_id: str | None = None,
-    ingest_token: str | None = None,
-    kv_cache_bytes: int = 512 << 20,
-    engine_kwargs: dict[str, Any] | None = None,
-    progress: Any = None,
-) -> ProfileResult:
-    """Run ``plan`` on vLLM in this process and return the recorded steps (see the module docstring).
-
-    ``model`` is a model directory or name vLLM can load offline. With ``ledger_url`` the plugin's
-    exporter also sends every event there as source ``source_id``. ``progress(phase)`` is called after
-    each :class:`Phase`.
-    """
-    plan.check()
-    name = served_model_name or os.path.basename(os.path.normpath(model)) or model
-    # The vLLM side, loaded only to run: the command line and ledger.advice.scene profile in process.
-    from engine_hooks.vllm.profile import DriverError, drive
-
-    phases: list[Phase] = []
-
-    def on_phase(chunk: int, decodes: int, first: int, end: int, wall_s: float) -> None:
-        phases.append(Phase(chunk, decodes, first, end, wall_s))
-        if progress is not None:
-            progress(phases[-1])
-
-    try:
-        run = drive(
-            model,
-            plan,
-            name=name,
-            recorder=StepRecorder,
-            on_phase=on_phase,
-            ledger_url=ledger_url,
-            source_id=source_id,
-            ingest_token=ingest_token,
-            kv_cache_bytes=kv_cache_bytes,
-            engine_kwargs=engine_kwargs,
-        )
-    except DriverError as exc:
-        raise ProfileError(str(exc)) from exc.__cause__
-    return ProfileResult(
-        plan=plan, model=name, steps=run.steps, phases=phases, source_id=run.source_id, sent=run.sent
-    )

@@ -13,19 +13,19 @@ the engine (:mod:`ledger.advice.profile`, a small plan) and size the scene from 
 * **the long prompt**: the shortest (rounded up to ``round_to``) whose prefill, predicted chunk by chunk
   at depth, takes at least ``long_prefill_s`` (3 s), capped at ``max_long_tokens``.
 
-:func:`size_scene` is a pure function of a fit; :func:`profile_scene` runs the profile first (vLLM in
-this process, imported only then).
+:func:`size_scene` is a pure function of a fit; :func:`size_from_profile` fits a profile's steps first
+(the bench and the demo run :data:`SIZING_PLAN` on the engine with
+:func:`engine_hooks.vllm.profile.run_profile`; the ledger never loads the engine).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ledger.advice.fit import StepTimeFit, fit_step_time
-from ledger.advice.profile import ProfilePlan, run_profile
+from ledger.advice.profile import ProfilePlan, ProfileResult
 
 # ~30 s on a 2-core CPU with the tiny model: chunks of 64-256 tokens to depth 2k, beside 1 and 4 decodes
 SIZING_PLAN = ProfilePlan(chunk_sizes=(64, 128, 256), max_depth=2048, decode_batches=(1, 4), tail_steps=8)
@@ -112,16 +112,11 @@ def size_scene(
     )
 
 
-def profile_scene(
-    model: str, *, kv_cache_bytes: int = 256 << 20, plan: ProfilePlan = SIZING_PLAN, **size: Any
-) -> tuple[SceneSize, dict[str, Any]]:
-    """Profile ``model`` on vLLM in this process (``plan``) and size the scene from the fit (``size``:
-    the keyword arguments of :func:`size_scene`); the size and {"fit", "steps", "seconds"}."""
-    t0 = time.monotonic()
-    result = run_profile(model, plan, kv_cache_bytes=kv_cache_bytes)
+def size_from_profile(result: ProfileResult, **size: Any) -> tuple[SceneSize, dict[str, Any]]:
+    """The scene for the fit of a profile's steps (``size``: the keyword arguments of
+    :func:`size_scene`); the size and {"fit", "steps"}."""
     fit = fit_step_time(result.data())
-    scene = size_scene(fit, **size)
-    return scene, {"fit": fit.as_dict(), "steps": len(result.steps), "seconds": time.monotonic() - t0}
+    return size_scene(fit, **size), {"fit": fit.as_dict(), "steps": len(result.steps)}
 
 
 def overloaded(ttft_p99_s: float, step_p50_s: float, factor: float = 10.0) -> bool:
@@ -130,4 +125,4 @@ def overloaded(ttft_p99_s: float, step_p50_s: float, factor: float = 10.0) -> bo
     return not math.isfinite(ttft_p99_s) or ttft_p99_s > factor * step_p50_s
 
 
-__all__ = ["SIZING_PLAN", "SceneSize", "overloaded", "prefill_s", "profile_scene", "size_scene"]
+__all__ = ["SIZING_PLAN", "SceneSize", "overloaded", "prefill_s", "size_from_profile", "size_scene"]

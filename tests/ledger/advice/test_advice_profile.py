@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from chunkledger.main import app as cli_app
 from engine_hooks import events as ev
-from ledger.advice.profile import ProfileError, ProfilePlan, StepRecorder, theil_sen
+from engine_hooks.vllm.profile import StepRecorder
+from ledger.advice.profile import ProfileError, ProfilePlan, theil_sen
 
 runner = CliRunner()
 
