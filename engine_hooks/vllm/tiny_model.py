@@ -17,10 +17,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 _TEXT = (
     "the a of and to in is was for on that with as by at from it this be are or an not which have "
@@ -173,39 +171,39 @@ def vllm_env(directory: str | os.PathLike[str]) -> dict[str, str]:
     return env
 
 
-def main() -> None:  # python -m engine_hooks.vllm.tiny_model DIR
-    def build(
-        directory: Annotated[str, typer.Argument(help="where to write the model and tokenizer")],
-        hidden: Annotated[int, typer.Option(help="hidden size")] = 128,
-        layers: Annotated[int, typer.Option(help="decoder layers")] = 2,
-        heads: Annotated[int, typer.Option(help="attention heads")] = 4,
-        vocab: Annotated[int, typer.Option(help="vocabulary size")] = 1400,
-        max_pos: Annotated[int, typer.Option(help="max_position_embeddings")] = 32768,
-        seed: Annotated[int, typer.Option(help="seed of weights and corpus")] = 0,
-    ) -> None:
-        """Build a tiny random-weight Llama with a local BPE tokenizer; prints its directory."""
-        try:
-            typer.echo(
-                build_tiny_model(
-                    directory,
-                    hidden=hidden,
-                    layers=layers,
-                    heads=heads,
-                    vocab=vocab,
-                    max_pos=max_pos,
-                    seed=seed,
-                )
-            )
-        except ValueError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from None
+def main(argv: list[str] | None = None) -> int:  # python -m engine_hooks.vllm.tiny_model DIR
+    import argparse
 
-    app = typer.Typer(add_completion=False)
-    app.command()(build)
-    app()
+    ap = argparse.ArgumentParser(
+        prog="python -m engine_hooks.vllm.tiny_model",
+        description="Build a tiny random-weight Llama with a local BPE tokenizer; prints its directory.",
+    )
+    ap.add_argument("directory", help="where to write the model and tokenizer")
+    ap.add_argument("--hidden", type=int, default=128, help="hidden size (default: 128)")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (default: 2)")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads (default: 4)")
+    ap.add_argument("--vocab", type=int, default=1400, help="vocabulary size (default: 1400)")
+    ap.add_argument("--max-pos", type=int, default=32768, help="max_position_embeddings (default: 32768)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of weights and corpus (default: 0)")
+    ns = ap.parse_args(argv)
+    try:
+        directory = build_tiny_model(
+            ns.directory,
+            hidden=ns.hidden,
+            layers=ns.layers,
+            heads=ns.heads,
+            vocab=ns.vocab,
+            max_pos=ns.max_pos,
+            seed=ns.seed,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(directory)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
 
 __all__ = ["build_tiny_model", "vllm_env"]
