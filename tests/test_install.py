@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tomllib
 import venv
+import zipfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -161,6 +162,18 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     (found,) = out.glob("chunkledger-*.whl")
     return found
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_the_design_folders_and_alembic_inside_the_ledger(wheel: Path):
+    """No top-level ``migrations`` in site-packages to collide with a user's: Alembic's folder is
+    ``ledger/migrations``, its script template and every revision with it."""
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"chunkledger", "ledger", "engine_hooks", "dashboard"}
+    revisions = sorted(p.name for p in (ROOT / "migrations" / "versions").glob("0*.py"))
+    expected = ["env.py", "script.py.mako", *(f"versions/{r}" for r in revisions)]
+    assert [f for f in expected if f"ledger/migrations/{f}" not in names] == []
 
 
 class Install:

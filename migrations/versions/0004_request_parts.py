@@ -17,10 +17,10 @@ Revises: 0003
 Create Date: 2026-12-02
 """
 
-import importlib
-
 import sqlalchemy as sa
 from alembic import op
+
+from ledger.migrate import revision_module
 
 revision = "0004"
 down_revision = "0003"
@@ -104,7 +104,7 @@ def _merged_rows(aggs: str = _AGGS, cols: str = _COLS) -> str:
 
 def _view_sql(rows: str) -> str:
     # The attribution columns are 0002's, over another row source.
-    return importlib.import_module("migrations.versions.0002_attribution")._view_sql(rows)
+    return revision_module("0002_attribution")._view_sql(rows)
 
 
 def upgrade() -> None:

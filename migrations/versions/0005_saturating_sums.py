@@ -12,16 +12,16 @@ Revises: 0004
 Create Date: 2026-12-03
 """
 
-import importlib
-
 from alembic import op
+
+from ledger.migrate import revision_module
 
 revision = "0005"
 down_revision = "0004"
 branch_labels = None
 depends_on = None
 
-_v4 = importlib.import_module("migrations.versions.0004_request_parts")
+_v4 = revision_module("0004_request_parts")
 INT64_MAX = 2**63 - 1
 
 

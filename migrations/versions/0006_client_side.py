@@ -24,18 +24,18 @@ Revises: 0005
 Create Date: 2026-12-04
 """
 
-import importlib
-
 import sqlalchemy as sa
 from alembic import op
+
+from ledger.migrate import revision_module
 
 revision = "0006"
 down_revision = "0005"
 branch_labels = None
 depends_on = None
 
-_v4 = importlib.import_module("migrations.versions.0004_request_parts")
-_v5 = importlib.import_module("migrations.versions.0005_saturating_sums")
+_v4 = revision_module("0004_request_parts")
+_v5 = revision_module("0005_saturating_sums")
 
 _NEW: dict[str, tuple[str, str, str]] = {
     "first_token_out_ts": ("min", "double", "gateway wrote the first generated content to the client"),

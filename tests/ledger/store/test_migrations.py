@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from ledger import migrate, schema
 from ledger.store import make_engine
+from tests.support import ROOT
 
 
 def _columns(engine: sa.Engine) -> dict[str, set[str]]:
@@ -55,3 +61,21 @@ def test_requests_view_has_every_row_column_and_the_attribution(db_url):
     assert cols == [c.name for c in schema.requests.columns]
     engine.dispose()
     engine.dispose()
+
+
+def test_the_ledger_runs_its_own_revisions_where_a_users_migrations_package_is_importable(tmp_path):
+    """Alembic projects have a top-level ``migrations`` package of their own; the ledger never imports
+    one by that name, so from such a project's folder it still upgrades with its own revisions."""
+    project = tmp_path / "project"
+    (project / "migrations").mkdir(parents=True)
+    (project / "migrations" / "__init__.py").write_text("raise SystemExit('the user package ran')\n")
+    code = (
+        "import sqlalchemy as sa; from ledger import migrate; "
+        f"e = sa.create_engine('duckdb:///{tmp_path / 'ledger.duckdb'}'); migrate.upgrade(e); "
+        "print(migrate.current_revision(e) == migrate.head_revision(), migrate.MIGRATIONS_DIR)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", code], cwd=project, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    current, folder = r.stdout.split()
+    assert current == "True" and Path(folder) == ROOT / "migrations"
