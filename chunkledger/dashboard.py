@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-import dashboard as dashboard_package
 from ledger.defaults import DEFAULT_LEDGER_URL
 
-APP = Path(dashboard_package.__path__[0]) / "app.py"  # the Streamlit script, wherever this command is
+# The folder holding the parts (site-packages in an install, the checkout's root otherwise). The
+# dashboard is found there by path, never by `import dashboard`: a package of that name in the folder
+# the command runs from (a user's own) must not be the one that runs, or break the command line.
+PARTS_DIR = Path(__file__).resolve().parents[1]
+APP = PARTS_DIR / "dashboard" / "app.py"
 
 
 def streamlit_command(port: int, host: str) -> list[str]:
@@ -35,6 +40,17 @@ def streamlit_command(port: int, host: str) -> list[str]:
         "--client.toolbarMode",
         "viewer",
     ]
+
+
+def streamlit_env(base: Mapping[str, str]) -> dict[str, str]:
+    """The Streamlit process's environment: ``base`` without the working directory on the module path
+    (``PYTHONSAFEPATH``; ``python -m`` would put it first), so that app.py's ``import dashboard`` is
+    this dashboard, not a package of that name where the command was started; from a checkout, its
+    root first on the path instead (an install has the parts in site-packages already)."""
+    env = {**base, "PYTHONSAFEPATH": "1"}
+    if str(PARTS_DIR) not in site.getsitepackages():
+        env["PYTHONPATH"] = os.pathsep.join([str(PARTS_DIR), *filter(None, [base.get("PYTHONPATH")])])
+    return env
 
 
 def dashboard(
@@ -66,7 +82,7 @@ def dashboard(
         typer.echo(f"error: --ledger: {ledger!r} is not an http(s) URL", err=True)
         raise typer.Exit(2)
     env = {
-        **os.environ,
+        **streamlit_env(os.environ),
         "CHUNKLEDGER_LEDGER_URL": ledger.rstrip("/"),
         "CHUNKLEDGER_DASHBOARD_REFRESH_S": str(refresh_s),
     }

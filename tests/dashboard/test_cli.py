@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from chunkledger.dashboard import streamlit_command
+from chunkledger.dashboard import APP, streamlit_command, streamlit_env
 from chunkledger.main import app
 
 runner = CliRunner()
@@ -45,3 +45,24 @@ def test_dashboard_hides_streamlits_deploy_button_and_developer_menu() -> None:
     config = tomllib.loads((package / ".streamlit" / "config.toml").read_text())
     assert config["client"]["toolbarMode"] == "viewer"
     assert (package / "favicon.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_dashboard_that_runs_is_ours_even_beside_a_users_dashboard_package(tmp_path) -> None:
+    """Started from a folder holding a ``dashboard`` package of the user's own, Streamlit's process
+    (started with ``python -m``, which puts the working directory first) still imports this one."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "dashboard").mkdir()
+    (tmp_path / "dashboard" / "__init__.py").write_text("raise SystemExit('the user package ran')\n")
+    code = "import dashboard, ledger.client; print(dashboard.__file__)"
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=streamlit_env(os.environ),
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(APP.with_name("__init__.py"))
