@@ -115,7 +115,7 @@ def migrate(db: DbOpt = None) -> None:
 
 def _register_optional_commands() -> None:
     try:
-        from engine_hooks.simulator import simulate
+        from chunkledger.simulator import simulate
     except ImportError:  # the simulator has optional parts; the rest of the CLI works without it
         return
     app.command(name="simulate")(simulate)

@@ -10,8 +10,9 @@ import msgspec
 import typer
 from typer.testing import CliRunner
 
+from chunkledger.simulator import simulate
 from engine_hooks.events import Chunk, Command, Finished, Preempted, Queued, Step, Tokens
-from engine_hooks.simulator import SCENARIOS, Fleet, run_simulation, simulate
+from engine_hooks.simulator import SCENARIOS, Fleet, run_simulation
 from tests.support.factories import output_token_ids
 from tests.support.fake_ledger import FakeLedger, wait_until
 
