@@ -1,4 +1,4 @@
-"""``chunkledger advise`` and ``chunkledger profile`` (registered by ``ledger.cli``)."""
+"""``chunkledger advise`` and ``chunkledger profile`` (registered by ``chunkledger.main``)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ ReadTokenOpt = Annotated[
     str | None, typer.Option("--token", envvar="CHUNKLEDGER_READ_TOKEN", help="read token (env ...)")
 ]
 
-# -- the commands that compute an answer from the ledger's data (advise, whatif: ledger.cli_reads) --------
+# -- the commands that compute an answer from the ledger's data (advise, whatif: chunkledger.reads) -------
 LedgerOrNoneOpt = Annotated[
     str | None,
     typer.Option(

@@ -1,4 +1,4 @@
-"""``chunkledger whatif`` (registered by ``ledger.cli``)."""
+"""``chunkledger whatif`` (registered by ``chunkledger.main``)."""
 
 from __future__ import annotations
 

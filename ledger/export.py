@@ -331,6 +331,3 @@ def export_dir(
 
 def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-
-
-# -- CLI: chunkledger export ---------------------------------------------------------------------

@@ -4,7 +4,8 @@
 * ``advisor``   from a fit and the observed load to vLLM settings for an ITL target;
 * ``query``     the steps of one model or source over a window (both backends);
 * ``report``    the table the CLI prints;
-* ``profile``   drives a real engine with controlled chunk sizes, depths and decode loads;
+* ``profile``   the plan of a profile run on a real engine, and the tables and fit of its steps (the
+                driver that runs it on vLLM is ``engine_hooks.vllm.profile``);
 * ``service``   ``chunk_size_advice``: the one call the API and the CLI (``--db``) share;
 * ``defaults``  the defaults the CLI's options and the API's parameters show (no heavy imports).
 

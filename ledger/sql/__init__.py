@@ -40,8 +40,8 @@ Values come back JSON-safe: see ``json_value``.
 
 Modules: ``guard`` (what SQL may run), ``runners`` (DuckDB and PostgreSQL), ``roles`` (the PostgreSQL
 reader role), ``values`` (JSON-safe values, type names, output formats), ``base`` (error, result,
-capped fetch), ``cli`` (``chunkledger query`` and ``sql-reader``). The package's names load on first
-use (PEP 562), so that importing ``ledger.sql.cli`` for the command line's help loads no database
+capped fetch); the commands (``chunkledger query`` and ``sql-reader``) are ``chunkledger.sql``. The
+package's names load on first use (PEP 562), so that the command line's help loads no database
 library.
 """
 
