@@ -12,6 +12,8 @@ answer (:func:`answer_interrupted`), and an upstream that could not answer an er
 (:func:`answer_upstream_failed`); waits on the upstream that a cut or a disconnect may interrupt go
 through :func:`await_upstream`. The clock for the client's first and last token is read just before
 the write that carries it (:class:`OutTimes`). ``/v1/models`` is relayed whole (:func:`relay_plain`).
+What the relay needs of the gateway (its settings and metrics, where an exchange's end is reported) is
+:class:`Host`, so this module does not import the gateway's app, which imports it.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import msgspec
 
+from engine_hooks.gateway.config import GatewayConfig
 from engine_hooks.gateway.exchange import Exchange, Receive, Scope, Send
+from engine_hooks.gateway.metrics import GatewayMetrics
 from engine_hooks.gateway.request import DROP_REQUEST, HOP_BY_HOP, BadRequest, Disconnected, read_body
 from engine_hooks.gateway.responses import (
     cut_error,
@@ -41,9 +45,6 @@ from engine_hooks.gateway.responses import (
 )
 from engine_hooks.gateway.upstream import BODY_COMPLETE
 
-if TYPE_CHECKING:
-    from engine_hooks.gateway.app import Gateway
-
 CUT_STATUS = 400  # non-streaming answer to a cut: a 4xx that OpenAI clients do not retry
 DROP_RESPONSE = HOP_BY_HOP | {b"content-length"}
 # After relaying [DONE], how long the upstream may take to end its body before its connection is
@@ -51,6 +52,21 @@ DROP_RESPONSE = HOP_BY_HOP | {b"content-length"}
 _DRAIN_AFTER_DONE_S = 1.0
 _encode = msgspec.json.encode
 T = TypeVar("T")
+
+
+class Host(Protocol):
+    """The gateway a relay runs in (:class:`engine_hooks.gateway.app.Gateway`), as the relay uses it."""
+
+    config: GatewayConfig
+    metrics: GatewayMetrics
+    id_header: bytes  # the request id header's name, lower case
+    e_first_token_out: Callable[[float, str, float], None]  # (ts, request_id, since_arrived_s)
+
+    def report_completed(
+        self, x: Exchange, status: int, finish_reason: str | None, outcome: str, last_out: float | None = None
+    ) -> None: ...
+    def report_disconnected(self, x: Exchange, last_out: float | None = None) -> None: ...
+    def report_cut(self, x: Exchange, status: int, last_out: float | None = None) -> None: ...
 
 
 class OutTimes:
@@ -63,7 +79,7 @@ class OutTimes:
 
     __slots__ = ("at", "at_wall", "first", "gateway", "last", "request_id", "t0")
 
-    def __init__(self, gateway: Gateway, request_id: str, t0: float):
+    def __init__(self, gateway: Host, request_id: str, t0: float):
         self.gateway, self.request_id, self.t0 = gateway, request_id, t0
         self.first: float | None = None
         self.last: float | None = None
@@ -91,7 +107,7 @@ class OutTimes:
             self.gateway.metrics.first_token.observe(since)
 
 
-async def relay_stream(gw: Gateway, x: Exchange) -> None:
+async def relay_stream(gw: Host, x: Exchange) -> None:
     """Relay an SSE stream chunk by chunk; end it ourselves on a cut, a timeout or a broken upstream."""
     response = x.response
     assert response is not None
@@ -202,7 +218,7 @@ async def relay_stream(gw: Gateway, x: Exchange) -> None:
                     pass
 
 
-async def relay_whole(gw: Gateway, x: Exchange) -> None:
+async def relay_whole(gw: Host, x: Exchange) -> None:
     """Read a non-stream response whole (raw bytes), then relay it with its status and headers."""
     response = x.response
     assert response is not None
@@ -224,7 +240,7 @@ async def relay_whole(gw: Gateway, x: Exchange) -> None:
     gw.report_completed(x, status, None if encoded else last_finish_reason(body), "completed", times.last)
 
 
-async def await_upstream(gw: Gateway, x: Exchange, pending: Awaitable[T]) -> T | None:
+async def await_upstream(gw: Host, x: Exchange, pending: Awaitable[T]) -> T | None:
     """Await the upstream (its response head, a whole body), interruptible: its result, or None when the
     exchange was answered instead (a cut or a disconnect meanwhile, or an upstream that failed)."""
     x.interruptible = True
@@ -250,7 +266,7 @@ async def _read_all(stream: httpx.AsyncByteStream) -> list[bytes]:
 
 
 async def end_stream(
-    gw: Gateway, x: Exchange, finish_reason: str, error: dict[str, Any], first_events: bytes | None = None
+    gw: Host, x: Exchange, finish_reason: str, error: dict[str, Any], first_events: bytes | None = None
 ) -> None:
     """End a stream with the gateway's own last event (every choice finished with ``finish_reason``,
     plus ``error``; ``id``, ``model`` and ``created`` as in ``first_events``, the stream's first events
@@ -276,7 +292,7 @@ async def end_stream(
     await send_all(x.send, 200, headers, final)
 
 
-async def answer_interrupted(gw: Gateway, x: Exchange) -> None:
+async def answer_interrupted(gw: Host, x: Exchange) -> None:
     """A disconnect or a cut before any response byte reached the client."""
     if x.disconnected:
         gw.report_disconnected(x)
@@ -292,7 +308,7 @@ async def answer_interrupted(gw: Gateway, x: Exchange) -> None:
         gw.report_cut(x, CUT_STATUS)
 
 
-async def answer_upstream_failed(gw: Gateway, x: Exchange, exc: httpx.HTTPError) -> None:
+async def answer_upstream_failed(gw: Host, x: Exchange, exc: httpx.HTTPError) -> None:
     """The upstream could not be reached, sent no response in time, or broke the connection."""
     upstream = gw.config.upstream_base
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
