@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from chunkledger.main import app as cli_app
 from engine_hooks import events as ev
-from engine_hooks.vllm.profile import StepRecorder
-from ledger.advice.profile import ProfileError, ProfilePlan, theil_sen
+from engine_hooks.vllm.profile import Phase, ProfileRun, StepRecorder
+from ledger.advice.profile import ProfileError, ProfilePlan, ProfileResult, theil_sen
 
 runner = CliRunner()
 
@@ -64,6 +64,51 @@ def test_recorder_keeps_steps_forwards_everything_and_is_silent_while_paused():
         (2, 2, 64, 128),
     ]
     assert [k for k, _ in fwd.sent] == [ev.Step, ev.Step, ev.Queued]
+
+
+def test_a_run_of_the_driver_becomes_the_ledgers_tables_per_chunk_and_decode_batch():
+    """The driver's run (engine_hooks.vllm.profile.ProfileRun) is what ProfileResult reads: per phase,
+    the chunk steps give the step time at depth 0 and per 1k tokens of depth."""
+    plan = ProfilePlan(chunk_sizes=(64, 128, 256), max_depth=512, decode_batches=(1, 4))
+    steps: list[ev.Step] = []
+    phases: list[Phase] = []
+    for batch in plan.decode_batches:
+        for chunk in plan.chunk_sizes:
+            first = len(steps)
+            for depth in range(0, plan.max_depth + 1, chunk):  # 2 ms + 10 us a token + 1 ms per 1k depth
+                ms = 2.0 + 0.01 * chunk + 0.1 * batch + depth / 1000.0
+                steps.append(_step(len(steps), ms, chunk, depth, batch))
+            for _ in range(plan.tail_steps):
+                steps.append(_step(len(steps), 2.0 + 0.1 * batch, 0, 0, batch))
+            phases.append(Phase(chunk, batch, first, len(steps), wall_s=0.5))
+    run = ProfileRun(model="tiny", steps=steps, phases=phases, source_id="profile-tiny", sent={"sent": 1})
+    result = ProfileResult.of(plan, run)
+    assert (result.model, result.source_id, len(result.steps)) == ("tiny", "profile-tiny", len(steps))
+    rows = {(r["chunk_tokens"], r["decode_batch"]): r for r in result.chunk_table()}
+    assert set(rows) == {(c, b) for c in plan.chunk_sizes for b in plan.decode_batches}
+    for (chunk, batch), row in rows.items():
+        assert row["ms_at_depth_0"] == pytest.approx(2.0 + 0.01 * chunk + 0.1 * batch)
+        assert row["ms_per_1k_depth"] == pytest.approx(1.0)
+        assert row["max_depth"] == plan.max_depth
+    decode = {r["decode_batch"]: r["p50_ms"] for r in result.decode_table()}
+    assert decode == pytest.approx({1: 2.1, 4: 2.4})
+    report = result.report()
+    assert report["wall_s"] == pytest.approx(0.5 * len(phases)) and report["ledger"] == {"sent": 1}
+
+
+def _step(i: int, ms: float, chunk: int, depth: int, decodes: int) -> ev.Step:
+    return ev.Step(
+        seq=i + 1,
+        ts=1000.0 + i,
+        step=i,
+        duration_s=ms / 1e3,
+        prefill_tokens=chunk,
+        num_prefill_reqs=1 if chunk else 0,
+        num_decode_reqs=decodes,
+        decode_tokens=decodes,
+        max_prefill_depth=depth,
+        prefill_depth_tokens=chunk * depth,
+    )
 
 
 def test_theil_sen_line_ignores_a_few_stalled_steps():
