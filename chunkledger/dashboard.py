@@ -48,7 +48,7 @@ def streamlit_env(base: Mapping[str, str]) -> dict[str, str]:
     this dashboard, not a package of that name where the command was started; from a checkout, its
     root first on the path instead (an install has the parts in site-packages already)."""
     env = {**base, "PYTHONSAFEPATH": "1"}
-    if str(PARTS_DIR) not in site.getsitepackages():
+    if str(PARTS_DIR) not in {*site.getsitepackages(), site.getusersitepackages()}:
         env["PYTHONPATH"] = os.pathsep.join([str(PARTS_DIR), *filter(None, [base.get("PYTHONPATH")])])
     return env
 
