@@ -60,6 +60,51 @@ def _observe_stall(metrics: LedgerMetrics) -> Callable[[float], None]:
     return observe
 
 
+def _open_services(app: FastAPI, settings: Settings, store: Store | None) -> None:
+    """The store (opened and migrated unless given), reads, SQL, ingest's threads, the rules and
+    webhooks service and the writer, on ``app.state``."""
+    state = app.state
+    state.store = store or open_store(settings.db_url, persist_token_ids=settings.persist_token_ids)
+    state.reads = Reads(state.store, settings)  # before the SQL runner: DuckDB's limits
+    state.producers = ProducerBook(state.store, lease_s=settings.producer_lease_s)
+    state.sql = open_sql_runner(state.store, reader_url=settings.sql_reader_url, settings=settings)
+    # Ingest's own threads (what its answer writes besides the batch: command deliveries), so no
+    # read load can queue it behind the shared worker threads.
+    state.ingest_pool = ThreadPoolExecutor(4, thread_name_prefix="chunkledger-ingest")
+    state.runaway = RunawayService(
+        None if state.store.dialect == "null" else state.store.engine,
+        state.metrics,
+        policy_file=settings.policy_file or None,
+        webhook_options={
+            "max_attempts": settings.webhook_max_attempts,
+            "base_backoff_s": settings.webhook_backoff_s,
+            "max_backoff_s": settings.webhook_backoff_max_s,
+            "timeout_s": settings.webhook_timeout_s,
+            "targets": TargetPolicy.parse(settings.webhook_allow),
+        },
+    )
+    state.runaway.start()
+    state.writer = IngestWriter(
+        state.store,
+        max_group_events=settings.group_commit_max_events,
+        on_commit=state.runaway.on_commit,
+        on_group=_observe_group(state.metrics),
+    )
+    state.writer.start()
+
+
+def _close_services(app: FastAPI, *, close_store: bool) -> None:
+    """Stop what ``_open_services`` started, the writer first (it drains into the store)."""
+    state = app.state
+    state.writer.stop()
+    state.runaway.stop()
+    state.sql.close()
+    state.reads.close()
+    state.ingest_pool.shutdown(wait=False)
+    if close_store:
+        state.store.close()
+
+
 def create_app(
     settings: Settings | None = None, *, store: Store | None = None, tune_gc: bool = False
 ) -> FastAPI:
@@ -71,36 +116,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        own_store = store is None
-        app.state.store = store or open_store(settings.db_url, persist_token_ids=settings.persist_token_ids)
-        app.state.reads = Reads(app.state.store, settings)  # before the SQL runner: DuckDB's limits
-        app.state.producers = ProducerBook(app.state.store, lease_s=settings.producer_lease_s)
-        app.state.sql = open_sql_runner(
-            app.state.store, reader_url=settings.sql_reader_url, settings=settings
-        )
-        # Ingest's own threads (what its answer writes besides the batch: command deliveries), so no
-        # read load can queue it behind the shared worker threads.
-        app.state.ingest_pool = ThreadPoolExecutor(4, thread_name_prefix="chunkledger-ingest")
-        app.state.runaway = RunawayService(
-            None if app.state.store.dialect == "null" else app.state.store.engine,
-            app.state.metrics,
-            policy_file=settings.policy_file or None,
-            webhook_options={
-                "max_attempts": settings.webhook_max_attempts,
-                "base_backoff_s": settings.webhook_backoff_s,
-                "max_backoff_s": settings.webhook_backoff_max_s,
-                "timeout_s": settings.webhook_timeout_s,
-                "targets": TargetPolicy.parse(settings.webhook_allow),
-            },
-        )
-        app.state.runaway.start()
-        app.state.writer = IngestWriter(
-            app.state.store,
-            max_group_events=settings.group_commit_max_events,
-            on_commit=app.state.runaway.on_commit,
-            on_group=_observe_group(app.state.metrics),
-        )
-        app.state.writer.start()
+        _open_services(app, settings, store)
         watchdog = LoopWatchdog(on_stall=_observe_stall(app.state.metrics))
         watchdog.start()
         if tune_gc:
@@ -109,13 +125,7 @@ def create_app(
             yield
         finally:
             await watchdog.stop()
-            app.state.writer.stop()
-            app.state.runaway.stop()
-            app.state.sql.close()
-            app.state.reads.close()
-            app.state.ingest_pool.shutdown(wait=False)
-            if own_store:
-                app.state.store.close()
+            _close_services(app, close_store=store is None)
 
     app = FastAPI(title="chunkledger", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
