@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import httpx
@@ -107,13 +108,27 @@ class OutTimes:
             self.gateway.metrics.first_token.observe(since)
 
 
+Ending = tuple[str, dict[str, Any], str]  # (finish reason, error object, outcome)
+
+
+@dataclass
+class _Relayed:
+    """What relaying a stream's pieces left: the piece not yet written (the stream's last), the first
+    events written, the last finish reason seen, why the upstream failed, whether [DONE] came."""
+
+    tail: bytes = b""
+    first_events: bytes | None = None
+    finish_reason: str | None = None
+    ending: Ending | None = None
+    done: bool = False
+
+
 async def relay_stream(gw: Host, x: Exchange) -> None:
     """Relay an SSE stream chunk by chunk; end it ourselves on a cut, a timeout or a broken upstream."""
     response = x.response
     assert response is not None
-    send = x.send
     status = response.status_code
-    await send(
+    await x.send(
         {
             "type": "http.response.start",
             "status": status,
@@ -122,100 +137,103 @@ async def relay_stream(gw: Host, x: Exchange) -> None:
     )
     x.started = True
     chunks = aiter(raw(response))
-    body_complete = response.extensions.get(BODY_COMPLETE)  # our transport for http:// upstreams
-    tail = b""  # an SSE event not complete yet
-    first_events: bytes | None = None
-    finish_reason: str | None = None
-    ending: tuple[str, dict[str, Any], str] | None = None  # (finish reason, error, outcome)
     times = OutTimes(gw, x.request_id, x.t0)
-    done = False  # [DONE] relayed: the stream is complete for the client
-    while not x.interrupted:
-        x.interruptible = True
-        try:
-            chunk = await chunks.__anext__()
-        except StopAsyncIteration:
-            x.interruptible = False
-            break
-        except asyncio.CancelledError:
-            if not x.absorb_cancel():
-                raise
-            break
-        except httpx.TimeoutException:
-            x.interruptible = False
-            gw.metrics.upstream_errors["timeout"].inc()
-            ending = (
-                "error",
-                error_object(
-                    f"the upstream sent nothing for {gw.config.read_timeout_s:g} s (read timeout); "
-                    "the gateway ended the stream",
-                    "upstream_timeout",
-                    504,
-                ),
-                "upstream_timeout",
-            )
-            break
-        except httpx.HTTPError as exc:
-            x.interruptible = False
-            gw.metrics.upstream_errors["broken"].inc()
-            ending = (
-                "error",
-                error_object(
-                    f"the upstream connection broke mid-stream ({type(exc).__name__})", "upstream_error", 502
-                ),
-                "upstream_error",
-            )
-            break
-        x.interruptible = False
-        data = tail + chunk if tail else chunk
-        cut = event_boundary(data)
-        out, tail = data[:cut], data[cut:]
-        if out:
-            if first_events is None:
-                first_events = out
-            reason = last_finish_reason(out)
-            if reason is not None:
-                finish_reason = reason
-        if body_complete is not None and body_complete():
-            # The upstream's body ended with this piece: it goes out with the end of the stream,
-            # in one write. The iterator has nothing left (no read), so it is run to its end.
-            with contextlib.suppress(StopAsyncIteration):
-                await chunks.__anext__()
-            tail = data
-            break
-        if out and ends_stream(out) and not tail:
-            # [DONE]: the client has it all once this piece is written; its closing the connection
-            # now is no disconnect. The upstream's end of body is awaited after the response.
-            tail, done = out, True
-            break
-        if out:
-            times.writing(out)
-            await send({"type": "http.response.body", "body": out, "more_body": True})
-            times.written()
+    got = await _relay_pieces(gw, x, response, chunks, times)
     if x.disconnected:
         await response.aclose()
         gw.report_disconnected(x, times.last)
         return
     command = x.command
-    if command is not None:
-        ending = ("cutoff", cut_error(command), "stream_cut")
+    ending = ("cutoff", cut_error(command), "stream_cut") if command is not None else got.ending
     if ending is not None:
         await response.aclose()
         finish, error, outcome = ending
-        await end_stream(gw, x, finish, error, first_events)
+        await end_stream(gw, x, finish, error, got.first_events)
         if command is not None:
             gw.report_cut(x, status, times.last)
         else:
             gw.report_completed(x, status, finish, outcome, times.last)
         return
-    times.writing(tail)
-    await send({"type": "http.response.body", "body": tail, "more_body": False})
+    times.writing(got.tail)
+    await x.send({"type": "http.response.body", "body": got.tail, "more_body": False})
     times.written()
-    gw.report_completed(x, status, finish_reason, "completed", times.last)
-    if done:  # let the upstream end its body, so its connection goes back to the pool
+    gw.report_completed(x, status, got.finish_reason, "completed", times.last)
+    if got.done:  # let the upstream end its body, so its connection goes back to the pool
         with contextlib.suppress(httpx.HTTPError, TimeoutError):
             async with asyncio.timeout(_DRAIN_AFTER_DONE_S):
                 async for _ in chunks:
                     pass
+
+
+async def _relay_pieces(
+    gw: Host, x: Exchange, response: httpx.Response, chunks: AsyncIterator[bytes], times: OutTimes
+) -> _Relayed:
+    """Write the upstream's complete SSE events as they come, until its end, [DONE], an interrupt or
+    a failure; the last piece is left for the caller to write with the end of the stream."""
+    body_complete = response.extensions.get(BODY_COMPLETE)  # our transport for http:// upstreams
+    got = _Relayed()
+    while not x.interrupted:
+        chunk, got.ending = await _next_piece(gw, x, chunks)
+        if chunk is None:
+            break
+        data = got.tail + chunk if got.tail else chunk
+        cut = event_boundary(data)
+        out, got.tail = data[:cut], data[cut:]
+        if out:
+            if got.first_events is None:
+                got.first_events = out
+            reason = last_finish_reason(out)
+            if reason is not None:
+                got.finish_reason = reason
+        if body_complete is not None and body_complete():
+            # The upstream's body ended with this piece: it goes out with the end of the stream,
+            # in one write. The iterator has nothing left (no read), so it is run to its end.
+            with contextlib.suppress(StopAsyncIteration):
+                await chunks.__anext__()
+            got.tail = data
+            break
+        if out and ends_stream(out) and not got.tail:
+            # [DONE]: the client has it all once this piece is written; its closing the connection
+            # now is no disconnect. The upstream's end of body is awaited after the response.
+            got.tail, got.done = out, True
+            break
+        if out:
+            times.writing(out)
+            await x.send({"type": "http.response.body", "body": out, "more_body": True})
+            times.written()
+    return got
+
+
+async def _next_piece(
+    gw: Host, x: Exchange, chunks: AsyncIterator[bytes]
+) -> tuple[bytes | None, Ending | None]:
+    """The upstream's next piece, interruptible while awaited; None at the end of its body, on an
+    interrupt, or when it failed (then with the ending the client gets)."""
+    x.interruptible = True
+    try:
+        chunk = await chunks.__anext__()
+    except StopAsyncIteration:
+        x.interruptible = False
+        return None, None
+    except asyncio.CancelledError:
+        if not x.absorb_cancel():
+            raise
+        return None, None
+    except httpx.TimeoutException:
+        x.interruptible = False
+        gw.metrics.upstream_errors["timeout"].inc()
+        message = (
+            f"the upstream sent nothing for {gw.config.read_timeout_s:g} s (read timeout); "
+            "the gateway ended the stream"
+        )
+        return None, ("error", error_object(message, "upstream_timeout", 504), "upstream_timeout")
+    except httpx.HTTPError as exc:
+        x.interruptible = False
+        gw.metrics.upstream_errors["broken"].inc()
+        message = f"the upstream connection broke mid-stream ({type(exc).__name__})"
+        return None, ("error", error_object(message, "upstream_error", 502), "upstream_error")
+    x.interruptible = False
+    return chunk, None
 
 
 async def relay_whole(gw: Host, x: Exchange) -> None:
