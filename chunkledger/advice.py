@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -18,6 +18,10 @@ from chunkledger.options import (
     UntilOpt,
 )
 from chunkledger.reads import answer
+
+if TYPE_CHECKING:
+    from ledger.advice.profile import ProfilePlan
+
 from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN_USEFUL_CHUNK
 
 
@@ -96,6 +100,49 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
     return values
 
 
+def _checked_plan(chunk_sizes: str, max_depth: int, decode_batches: str, repeats: int) -> ProfilePlan:
+    """The profile's plan from its options; exit 2 naming what is wrong."""
+    from ledger.advice.profile import ProfileError, ProfilePlan
+
+    plan = ProfilePlan(
+        chunk_sizes=_int_list(chunk_sizes, "--chunk-sizes"),
+        max_depth=max_depth,
+        decode_batches=_int_list(decode_batches, "--decode-batches"),
+        repeats=repeats,
+    )
+    try:
+        plan.check()
+    except ProfileError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    return plan
+
+
+def _tiny_model(directory: str, max_model_len: int, hidden: int, layers: int) -> str:
+    """``--tiny``: a random-weight Llama built in ``directory``, vLLM's caches beside it."""
+    import os
+
+    from engine_hooks.vllm.tiny_model import build_tiny_model, vllm_env
+
+    try:
+        model = build_tiny_model(directory, hidden=hidden, layers=layers, max_pos=max(max_model_len, 128))
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    os.environ.update(vllm_env(os.path.join(model, ".vllm")))
+    return model
+
+
+def _quiet_vllm() -> None:
+    """vLLM logs to stdout at INFO by default: keep stdout for the report (--format json is parsed)."""
+    import logging
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def profile(
     model: Annotated[str, typer.Argument(help="model directory or name vLLM can load (offline)")],
     chunk_sizes: Annotated[
@@ -139,42 +186,17 @@ def profile(
     Prints the measured table (per chunk size: ms at depth 0 and per 1k tokens of depth; decode-only
     steps per batch) and the fit `chunkledger advise` would make from it, before production traffic.
     """
-    import logging
-    import os
-
     from engine_hooks.vllm.profile import DriverError, run_profile
-    from ledger.advice.profile import ProfileError, ProfilePlan, ProfileResult
+    from ledger.advice.profile import ProfileError, ProfileResult
     from ledger.advice.report import render_profile
 
     if format not in ("table", "json"):
         typer.echo("error: --format must be table or json", err=True)
         raise typer.Exit(2)
-    plan = ProfilePlan(
-        chunk_sizes=_int_list(chunk_sizes, "--chunk-sizes"),
-        max_depth=max_depth,
-        decode_batches=_int_list(decode_batches, "--decode-batches"),
-        repeats=repeats,
-    )
-    try:
-        plan.check()
-    except ProfileError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    plan = _checked_plan(chunk_sizes, max_depth, decode_batches, repeats)
     if tiny:
-        from engine_hooks.vllm.tiny_model import build_tiny_model, vllm_env
-
-        try:
-            model = build_tiny_model(
-                model, hidden=tiny_hidden, layers=tiny_layers, max_pos=max(plan.max_model_len, 128)
-            )
-        except ValueError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from None
-        os.environ.update(vllm_env(os.path.join(model, ".vllm")))
-    # vLLM logs to stdout at INFO by default: keep stdout for the report (--format json is parsed).
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+        model = _tiny_model(model, plan.max_model_len, tiny_hidden, tiny_layers)
+    _quiet_vllm()
 
     def progress(phase: Any) -> None:
         if format == "table":

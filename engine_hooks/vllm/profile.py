@@ -181,12 +181,41 @@ def _run(
     kv_cache_bytes: int,
     engine_kwargs: dict[str, Any] | None,
 ) -> ProfileRun:
+    llm = _start_engine(model, name, plan, kv_cache_bytes, engine_kwargs)
     try:
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+        scheduler, recorder = _take_scheduler(llm)
+        forward = recorder.forward
+        phases = _measure(llm, scheduler, recorder, plan, progress)
+        sent: dict[str, Any] = {}
+        if forward is not None:
+            forward.shutdown(30.0)
+            stats = forward.stats()
+            sent = {
+                "url": ledger_url,
+                "source_id": forward.source.id,
+                "sent": stats.sent,
+                "dropped": stats.dropped,
+            }
+        scheduler.use_exporter(None)
+        return ProfileRun(
+            model=name,
+            steps=list(recorder.steps),
+            phases=phases,
+            source_id=forward.source.id if forward is not None else None,
+            sent=sent,
+        )
+    finally:
+        del llm
+
+
+def _start_engine(
+    model: str, name: str, plan: Plan, kv_cache_bytes: int, engine_kwargs: dict[str, Any] | None
+) -> Any:
+    """vLLM's ``LLM`` with the plugin, in this process, sized for ``plan``, eager, no prefix cache."""
+    try:
+        from vllm import LLM
 
         from engine_hooks.vllm.cpu import engine_settings
-        from engine_hooks.vllm.scheduler import iter_schedulers
     except ImportError as exc:
         raise DriverError(
             f"vLLM with chunkledger's plugin is needed ({exc}); install chunkledger[vllm]"
@@ -208,76 +237,73 @@ def _run(
         **(engine_kwargs or {}),
     }
     try:
-        llm = LLM(**kwargs)
+        return LLM(**kwargs)
     except Exception as exc:  # vLLM raises many types for an engine it cannot build
         raise DriverError(f"vLLM could not start {model!r}: {type(exc).__name__}: {exc}") from exc
-    try:
-        schedulers = list(iter_schedulers(llm))
-        if not schedulers:
-            raise DriverError(
-                "the engine does not run chunkledger's LedgerScheduler in this process; "
-                "is VLLM_ENABLE_V1_MULTIPROCESSING=0 honoured by this vLLM?"
-            )
-        scheduler: Any = schedulers[0]
-        if scheduler.options.reorders:
-            raise DriverError(
-                "the engine runs chunkledger scheduling policies (additional_config); "
-                "profile without them so plain chunking is measured"
-            )
-        # The threshold changes between runs: on a private copy of the config, not the engine's.
-        scheduler.scheduler_config = copy.copy(scheduler.scheduler_config)
-        scheduler.adaptive_long_prefill_threshold = False
-        forward = scheduler.exporter
-        recorder = StepRecorder(forward)
-        scheduler.use_exporter(recorder)
-        vocab = llm.llm_engine.model_config.get_vocab_size()
-        rng = random.Random(plan.seed)
-        phases: list[Phase] = []
-        # A warm-up run: first steps pay lazy initialisation; none of its events is kept or sent.
-        recorder.paused = True
-        llm.generate(
-            [TokensPrompt(prompt_token_ids=_prompt(rng, 64, vocab))],
-            SamplingParams(max_tokens=4, ignore_eos=True),
-            use_tqdm=False,
+
+
+def _take_scheduler(llm: Any) -> tuple[Any, StepRecorder]:
+    """The engine's ``LedgerScheduler``, its threshold on a private config, its steps recorded (and
+    forwarded to its exporter, if it has one)."""
+    from engine_hooks.vllm.scheduler import iter_schedulers
+
+    schedulers = list(iter_schedulers(llm))
+    if not schedulers:
+        raise DriverError(
+            "the engine does not run chunkledger's LedgerScheduler in this process; "
+            "is VLLM_ENABLE_V1_MULTIPROCESSING=0 honoured by this vLLM?"
         )
-        recorder.paused = False
-        for _ in range(plan.repeats):
-            for batch in plan.decode_batches:
-                for chunk in plan.chunk_sizes:
-                    scheduler.scheduler_config.long_prefill_token_threshold = chunk
-                    decode = SamplingParams(max_tokens=plan.decode_tokens_for(chunk), ignore_eos=True)
-                    prompts = [
-                        TokensPrompt(prompt_token_ids=_prompt(rng, plan.decode_prompt_tokens, vocab))
-                        for _ in range(batch)
-                    ]
-                    prompts.append(TokensPrompt(prompt_token_ids=_prompt(rng, plan.max_depth + chunk, vocab)))
-                    params = [decode] * batch + [SamplingParams(max_tokens=1, ignore_eos=True)]
-                    first = len(recorder.steps)
-                    t0 = time.monotonic()
-                    llm.generate(prompts, params, use_tqdm=False)
-                    phases.append(Phase(chunk, batch, first, len(recorder.steps), time.monotonic() - t0))
-                    if progress is not None:
-                        progress(phases[-1])
-        sent: dict[str, Any] = {}
-        if forward is not None:
-            forward.shutdown(30.0)
-            stats = forward.stats()
-            sent = {
-                "url": ledger_url,
-                "source_id": forward.source.id,
-                "sent": stats.sent,
-                "dropped": stats.dropped,
-            }
-        scheduler.use_exporter(None)
-        return ProfileRun(
-            model=name,
-            steps=list(recorder.steps),
-            phases=phases,
-            source_id=forward.source.id if forward is not None else None,
-            sent=sent,
+    scheduler: Any = schedulers[0]
+    if scheduler.options.reorders:
+        raise DriverError(
+            "the engine runs chunkledger scheduling policies (additional_config); "
+            "profile without them so plain chunking is measured"
         )
-    finally:
-        del llm
+    # The threshold changes between runs: on a private copy of the config, not the engine's.
+    scheduler.scheduler_config = copy.copy(scheduler.scheduler_config)
+    scheduler.adaptive_long_prefill_threshold = False
+    recorder = StepRecorder(scheduler.exporter)
+    scheduler.use_exporter(recorder)
+    return scheduler, recorder
+
+
+def _measure(
+    llm: Any, scheduler: Any, recorder: StepRecorder, plan: Plan, progress: Callable[[Phase], None] | None
+) -> list[Phase]:
+    """A warm-up, then each (decode batch, chunk size) of the plan ``plan.repeats`` times: the decodes
+    running while one long prompt prefills in chunks of that size at ``plan.max_depth``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    rng = random.Random(plan.seed)
+    phases: list[Phase] = []
+    # A warm-up run: first steps pay lazy initialisation; none of its events is kept or sent.
+    recorder.paused = True
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=_prompt(rng, 64, vocab))],
+        SamplingParams(max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
+    recorder.paused = False
+    for _ in range(plan.repeats):
+        for batch in plan.decode_batches:
+            for chunk in plan.chunk_sizes:
+                scheduler.scheduler_config.long_prefill_token_threshold = chunk
+                decode = SamplingParams(max_tokens=plan.decode_tokens_for(chunk), ignore_eos=True)
+                prompts = [
+                    TokensPrompt(prompt_token_ids=_prompt(rng, plan.decode_prompt_tokens, vocab))
+                    for _ in range(batch)
+                ]
+                prompts.append(TokensPrompt(prompt_token_ids=_prompt(rng, plan.max_depth + chunk, vocab)))
+                params = [decode] * batch + [SamplingParams(max_tokens=1, ignore_eos=True)]
+                first = len(recorder.steps)
+                t0 = time.monotonic()
+                llm.generate(prompts, params, use_tqdm=False)
+                phases.append(Phase(chunk, batch, first, len(recorder.steps), time.monotonic() - t0))
+                if progress is not None:
+                    progress(phases[-1])
+    return phases
 
 
 __all__ = ["DriverError", "Phase", "Plan", "ProfileRun", "StepRecorder", "run_profile"]
