@@ -15,10 +15,12 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Path, Query, Response, status
 
 from ledger.analytics import queries as q
+from ledger.analytics.why_answer import TOP_DEFAULT
 from ledger.analytics.window import BadTime, Window
 from ledger.api import errors
+from ledger.api.answers import documents, encoded, query_param
 from ledger.api.deps import ReadsDep, SettingsDep, require
-from ledger.api.models import Attribution, Itl, KvStalls, RequestItl, RequestList, Why, json_response
+from ledger.api.models import Attribution, Itl, KvStalls, RequestItl, RequestList, json_response
 from ledger.reads import Reads
 
 router = APIRouter(prefix="/v1", tags=["analytics"], dependencies=[require("read")])
@@ -134,13 +136,17 @@ def request_itl(reads: ReadsDep, request_id: RequestId) -> Response:
     return json_response(out)
 
 
-@router.get("/requests/{request_id}/why", **_documents(Why, 404))
-def why(reads: ReadsDep, request_id: RequestId, top: Annotated[int, Query(ge=1, le=50)] = 5) -> Response:
+@router.get("/requests/{request_id}/why", **documents(q.Why, 404, 422))
+def why(
+    reads: ReadsDep,
+    request_id: RequestId,
+    top: Annotated[int, query_param(q.WhyQuery, "top")] = TOP_DEFAULT,
+) -> Response:
     """What delayed the request, biggest first, with the requests behind each delay."""
-    out = _read(reads, q.why, request_id, top=top)
+    out = _read(reads, q.why, q.WhyQuery(request_id=request_id, top=top))
     if out is None:
         raise errors.ApiError(status.HTTP_404_NOT_FOUND, f"no request {request_id!r} in the ledger")
-    return json_response(out)
+    return encoded(out)
 
 
 @router.get("/kv/stalls", **_documents(KvStalls))

@@ -226,35 +226,6 @@ class RequestItl(Tails):
     gaps: list[float] = Field(description="seconds between its tokens, in order")
 
 
-class Culprit(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    request_id: str | None = None
-
-
-class WhyItem(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    kind: str = Field(
-        description="admission_queue, frontend, engine_queue, preempted, sat_out, shared_prefill, "
-        "shared_prefill_steps"
-    )
-    seconds: float | None
-    start_ts: float | None = None
-    detail: str
-    steps: list[int] | None = None
-    culprits: list[Culprit] = Field(description="the requests behind the delay, biggest first")
-
-
-class Why(BaseModel):
-    request_id: str
-    e2e_s: float | None
-    ttft_s: float | None
-    client_ttft_s: float | None
-    layers: dict[str, float | None]
-    items: list[WhyItem] = Field(description="biggest first")
-
-
 class KvStall(BaseModel):
     model_config = ConfigDict(extra="allow")
 

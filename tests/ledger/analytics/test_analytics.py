@@ -14,6 +14,7 @@ from ledger.analytics import queries as q
 from ledger.analytics.window import BadTime, Window, parse_time
 from ledger.app import create_app
 from ledger.config import Settings
+from ledger.records import as_json
 from tests.support.factories import ENGINE, GATEWAY, batch
 
 T0 = 1_700_000_000.0
@@ -107,6 +108,11 @@ def _conn(store):
     return store.engine.connect()
 
 
+def _why(conn, request_id: str):
+    """``why``'s record as the API sends it."""
+    return as_json(q.why(conn, q.WhyQuery(request_id=request_id)))
+
+
 def test_kv_idle_is_the_time_of_the_steps_a_request_sat_out(loaded):
     row = loaded.get_request("dec")
     assert row["stalled_steps"] == 2
@@ -142,7 +148,7 @@ def test_decode_itl_weights_step_gaps_by_decoding_requests(loaded):
 
 def test_why_names_the_long_prefill_behind_a_short_requests_wait(loaded):
     with _conn(loaded) as conn:
-        out = q.why(conn, "short")
+        out = _why(conn, "short")
     first = out["items"][0]
     assert first["kind"] == "engine_queue"
     assert first["seconds"] == pytest.approx(sum(STEP_S[1:4]))
@@ -152,7 +158,7 @@ def test_why_names_the_long_prefill_behind_a_short_requests_wait(loaded):
 
 def test_why_lists_the_steps_a_decode_sat_out_and_who_filled_them(loaded):
     with _conn(loaded) as conn:
-        out = q.why(conn, "dec")
+        out = _why(conn, "dec")
     sat = next(i for i in out["items"] if i["kind"] == "sat_out")
     assert sat["steps"] == [2, 3]
     assert sat["seconds"] == pytest.approx(0.24)
@@ -163,7 +169,7 @@ def test_why_lists_the_steps_a_decode_sat_out_and_who_filled_them(loaded):
 
 def test_why_names_a_culprit_by_its_whole_prompt_not_only_the_chunk_that_shared_the_step(loaded):
     with _conn(loaded) as conn:
-        out = q.why(conn, "dec")
+        out = _why(conn, "dec")
     shared = next(i for i in out["items"] if i["kind"] == "shared_prefill_steps")
     assert shared["steps"] == [1]
     (culprit,) = shared["culprits"]
@@ -183,7 +189,7 @@ def test_why_reports_preemptions_with_their_wait(store):
     )
     store.write([batch(ENGINE, evs)])
     with _conn(store) as conn:
-        out = q.why(conn, "p")
+        out = _why(conn, "p")
     assert out["items"][0]["kind"] == "preempted" and out["items"][0]["seconds"] == pytest.approx(2.0)
     assert "7 KV blocks freed" in out["items"][0]["detail"]
 
@@ -337,7 +343,7 @@ def test_why_blames_the_long_prefill_that_shared_a_short_requests_prefill_step(s
     )
     store.write([batch(ENGINE, evs)])
     with _conn(store) as conn:
-        out = q.why(conn, "small")
+        out = _why(conn, "small")
     item = next(i for i in out["items"] if i["kind"] == "shared_prefill")
     assert item["seconds"] == pytest.approx(0.1)
     assert item["steps"] == [0] and item["culprits"][0]["request_id"] == "big"
@@ -357,7 +363,7 @@ def test_why_names_the_engine_front_end_apart_from_the_engine_queue(store):
     )
     store.write([batch(ENGINE, evs)])
     with _conn(store) as conn:
-        items = {i["kind"]: i for i in q.why(conn, "late")["items"]}
+        items = {i["kind"]: i for i in _why(conn, "late")["items"]}
     assert items["frontend"]["seconds"] == pytest.approx(0.8)
     assert "front end" in items["frontend"]["detail"] and items["frontend"]["culprits"] == []
     assert items["engine_queue"]["seconds"] == pytest.approx(0.1)
@@ -385,7 +391,7 @@ def test_why_splits_the_backend_wait_at_the_engines_door(store):
     )
     store.write([batch(ENGINE, engine), batch(GATEWAY, gateway)])
     with _conn(store) as conn:
-        items = {i["kind"]: i for i in q.why(conn, "late")["items"]}
+        items = {i["kind"]: i for i in _why(conn, "late")["items"]}
         row = conn.execute(
             sa.text(
                 "SELECT frontend_s, engine_queue_s, backend_wait_ttft_s FROM requests "
@@ -431,7 +437,7 @@ def test_why_blames_only_requests_that_held_the_engine_while_it_waited_and_came_
     )
     store.write([batch(ENGINE, evs)])
     with _conn(store) as conn:
-        items = {i["kind"]: i for i in q.why(conn, "slow")["items"]}
+        items = {i["kind"]: i for i in _why(conn, "slow")["items"]}
     wait = items["engine_queue"]
     assert wait["seconds"] == pytest.approx(0.2)
     (held,) = wait["culprits"]

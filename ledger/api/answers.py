@@ -1,0 +1,47 @@
+"""How a route answers with a record (:mod:`ledger.records`): the record encoded as it is, and the
+document naming the record as the route's answer schema (``ledger.api.openapi`` generates the schema
+from the record class, with every record a route names)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from fastapi import Query, Response
+
+from ledger.api import errors
+
+_REF = "#/components/schemas/{name}"
+RECORDS: dict[str, type[Any]] = {}  # every record a route answers with, by its schema name
+
+
+def encoded(record: Any, status_code: int = 200) -> Response:
+    """``record`` as JSON (floats that are not finite as null), without validating it again."""
+    return Response(msgspec.json.encode(record), status_code=status_code, media_type="application/json")
+
+
+def documents(record: type[Any], *statuses: int, description: str = "Successful Response") -> dict[str, Any]:
+    """The route's arguments: its 200 answer is ``record`` (for the document only: ``response_model``
+    is None, the record is sent as the route built it), and the error body for ``statuses`` and the
+    token's 401/403."""
+    name = record.__name__
+    assert RECORDS.get(name, record) is record, f"two records named {name}"
+    RECORDS[name] = record
+    ok = {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": _REF.format(name=name)}}},
+    }
+    return {"response_model": None, "responses": {200: ok, **errors.responses(*errors.AUTH, *statuses)}}
+
+
+def query_param(query: type[msgspec.Struct], field: str) -> Any:
+    """A FastAPI query parameter for ``field`` of a query object, with the bounds and description the
+    object declares, so FastAPI checks them and the document shows them (FastAPI takes the default from
+    the signature, not from here)."""
+    info = next(f for f in msgspec.inspect.type_info(query).fields if f.name == field)  # type: ignore[attr-defined]
+    kind, extra = info.type, {}
+    if isinstance(kind, msgspec.inspect.Metadata):
+        extra = kind.extra_json_schema or {}
+        kind = kind.type
+    bounds = {k: getattr(kind, k, None) for k in ("gt", "ge", "lt", "le", "min_length", "max_length")}
+    return Query(description=extra.get("description"), **{k: v for k, v in bounds.items() if v is not None})
