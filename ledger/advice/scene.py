@@ -26,6 +26,7 @@ from typing import Any
 
 from ledger.advice.fit import StepTimeFit, fit_step_time
 from ledger.advice.profile import ProfilePlan, run_profile
+from ledger.records import as_json
 
 # ~30 s on a 2-core CPU with the tiny model: chunks of 64-256 tokens to depth 2k, beside 1 and 4 decodes
 SIZING_PLAN = ProfilePlan(chunk_sizes=(64, 128, 256), max_depth=2048, decode_batches=(1, 4), tail_steps=8)
@@ -121,7 +122,11 @@ def profile_scene(
     result = run_profile(model, plan, kv_cache_bytes=kv_cache_bytes)
     fit = fit_step_time(result.data())
     scene = size_scene(fit, **size)
-    return scene, {"fit": fit.as_dict(), "steps": len(result.steps), "seconds": time.monotonic() - t0}
+    return scene, {
+        "fit": as_json(fit.summary()),
+        "steps": len(result.steps),
+        "seconds": time.monotonic() - t0,
+    }
 
 
 def overloaded(ttft_p99_s: float, step_p50_s: float, factor: float = 10.0) -> bool:

@@ -18,9 +18,10 @@ from ledger.analytics import queries as q
 from ledger.analytics.why_answer import TOP_DEFAULT
 from ledger.analytics.window import BadTime, Window
 from ledger.api import errors
-from ledger.api.answers import documents, encoded, query_param
+from ledger.api.answers import documents, encoded
 from ledger.api.deps import ReadsDep, SettingsDep, require
 from ledger.api.models import Attribution, Itl, KvStalls, RequestItl, RequestList, json_response
+from ledger.api.queries import query_param
 from ledger.reads import Reads
 
 router = APIRouter(prefix="/v1", tags=["analytics"], dependencies=[require("read")])

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from fastapi import Query, Response
+from fastapi import Response
 
 from ledger.api import errors
 
@@ -32,16 +32,3 @@ def documents(record: type[Any], *statuses: int, description: str = "Successful 
         "content": {"application/json": {"schema": {"$ref": _REF.format(name=name)}}},
     }
     return {"response_model": None, "responses": {200: ok, **errors.responses(*errors.AUTH, *statuses)}}
-
-
-def query_param(query: type[msgspec.Struct], field: str) -> Any:
-    """A FastAPI query parameter for ``field`` of a query object, with the bounds and description the
-    object declares, so FastAPI checks them and the document shows them (FastAPI takes the default from
-    the signature, not from here)."""
-    info = next(f for f in msgspec.inspect.type_info(query).fields if f.name == field)  # type: ignore[attr-defined]
-    kind, extra = info.type, {}
-    if isinstance(kind, msgspec.inspect.Metadata):
-        extra = kind.extra_json_schema or {}
-        kind = kind.type
-    bounds = {k: getattr(kind, k, None) for k in ("gt", "ge", "lt", "le", "min_length", "max_length")}
-    return Query(description=extra.get("description"), **{k: v for k, v in bounds.items() if v is not None})

@@ -333,22 +333,6 @@ class SqlResult(BaseModel):
     elapsed_s: float
 
 
-class ChunkSizeAdvice(BaseModel):
-    """Engine settings for the ITL target, from the fitted step time."""
-
-    model_config = ConfigDict(extra="allow")
-
-    window: dict[str, Any] = Field(description="what the fit read: model, source_ids, steps_read, ...")
-    prefill_tokens_per_step: int
-    settings: dict[str, Any] = Field(
-        description="vLLM settings: max_num_batched_tokens, long_prefill_token_threshold, ..."
-    )
-    arrival_share: float
-    predicted: dict[str, float] = Field(description="itl_p99_ms, itl_p99_at_depth_0_ms")
-    throughput: dict[str, float]
-    notes: list[str]
-
-
 PARQUET = "application/vnd.apache.parquet"  # GET /v1/export/{table}.parquet
 
 
