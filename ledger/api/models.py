@@ -17,10 +17,7 @@ from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from pydantic.json_schema import SkipJsonSchema
 
-from ledger.analytics.common import MAX_PAGE
-from ledger.fold import AGGREGATES
 from ledger.rules.policy import Policy
-from ledger.schema import ATTRIBUTION, SPAN
 
 _ANY = TypeAdapter(Any)
 
@@ -98,58 +95,6 @@ class ProducerReleased(BaseModel):
 
 
 # -- requests and sources ---------------------------------------------------------------------------
-def _doc(name: str) -> str:
-    if name in AGGREGATES:
-        return AGGREGATES[name].doc
-    return ATTRIBUTION.get(name) or SPAN[name]
-
-
-class RequestRow(BaseModel):
-    """One row of the ``requests`` view: every lifecycle point, token count and layer of one request
-    (the columns are those of ``chunkledger query "SELECT * FROM requests"``; a few are named here)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    request_id: str
-    model: str | None = Field(None, description=_doc("model"))
-    engine_source_id: str | None = Field(None, description=_doc("engine_source_id"))
-    gateway_source_id: str | None = Field(None, description=_doc("gateway_source_id"))
-    finish_reason: str | None = Field(None, description=_doc("finish_reason"))
-    prompt_tokens: int | None = Field(None, description=_doc("prompt_tokens"))
-    output_tokens: int | None = Field(None, description=_doc("output_tokens"))
-    preemptions: int | None = Field(None, description=_doc("preemptions"))
-    start_ts: float | None = Field(None, description=_doc("start_ts"))
-    end_ts: float | None = Field(None, description=_doc("end_ts") + " (null while live)")
-    entry_s: float | None = Field(None, description=_doc("entry_s"))
-    admission_s: float | None = Field(None, description=_doc("admission_s"))
-    frontend_s: float | None = Field(None, description=_doc("frontend_s"))
-    engine_queue_s: float | None = Field(None, description=_doc("engine_queue_s"))
-    prefill_s: float | None = Field(None, description=_doc("prefill_s"))
-    decode_s: float | None = Field(None, description=_doc("decode_s"))
-    ttft_s: float | None = Field(None, description=_doc("ttft_s"))
-    client_ttft_s: float | None = Field(None, description=_doc("client_ttft_s"))
-    e2e_s: float | None = Field(None, description=_doc("e2e_s"))
-    kv_idle_s: float | None = Field(None, description=_doc("kv_idle_s"))
-
-
-class EventRow(BaseModel):
-    """One stored event of the request, with the fields of its kind (see the Batch schema)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    source_id: str
-    seq: int = Field(description="the source's sequence number")
-    ts: float = Field(description="unix seconds (source clock)")
-    kind: str = Field(description="queued, chunk, tokens, finished, arrived, ...")
-
-
-class RequestDetail(BaseModel):
-    """``GET /v1/requests/{request_id}``: the request's row and its events, oldest first."""
-
-    request: RequestRow
-    events: list[EventRow]
-
-
 class SourceRow(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -168,80 +113,6 @@ class SourceRow(BaseModel):
 
 class Sources(BaseModel):
     sources: list[SourceRow]
-
-
-# -- analytics --------------------------------------------------------------------------------------
-class Tails(BaseModel):
-    """Count and tails (seconds; null when there is nothing to summarise)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    n: int
-    p50: float | None = None
-    p90: float | None = None
-    p99: float | None = None
-    max: float | None = None
-    mean: float | None = Field(None, description="only ever shown next to the tails")
-
-
-class ModelTails(Tails):
-    model: str | None = Field(None, description="served model, with by_model / group_by=model")
-
-
-class AttributionGroup(BaseModel):
-    """One group (and time bucket): the group_by columns, then the counts and every layer's tails."""
-
-    model_config = ConfigDict(extra="allow")
-
-    bucket_ts: float | None = Field(None, description="bucket start, with bucket_s")
-    requests: int = Field(description="finished requests in the group")
-    output_tokens: int
-    preemptions: int
-    layers: dict[str, Tails] = Field(description="entry_s, admission_s, ..., e2e_s, kv_idle_s")
-
-
-class Attribution(BaseModel):
-    since: float | None
-    until: float | None
-    group_by: list[str]
-    groups: list[AttributionGroup]
-    itl: list[ModelTails] = Field(description="decode inter-token latency of the same window")
-
-
-class RequestList(BaseModel):
-    total: int = Field(description="requests matching the filters")
-    offset: int
-    limit: int = Field(le=MAX_PAGE)
-    sort: str
-    rows: list[RequestRow]
-
-
-class Itl(BaseModel):
-    since: float | None
-    until: float | None
-    itl: list[ModelTails]
-
-
-class RequestItl(Tails):
-    gaps: list[float] = Field(description="seconds between its tokens, in order")
-
-
-class KvStall(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    request_id: str
-    model: str | None = None
-    engine_source_id: str | None = None
-    state: str = Field(description="running (holds KV) or waiting (never scheduled)")
-    stall_s: float = Field(description="seconds since its last progress")
-    kv_idle_s: float | None = None
-    kv_blocks_max: int | None = None
-    queued_ts: float | None = None
-
-
-class KvStalls(BaseModel):
-    now: float
-    requests: list[KvStall]
 
 
 # -- rules, commands, policy ------------------------------------------------------------------------

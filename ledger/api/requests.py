@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+import msgspec
 from fastapi import APIRouter, Path, Response, status
 
+from ledger.analytics.request_rows import EventRow, RequestDetail, RequestRow
 from ledger.api import errors
+from ledger.api.answers import documents, encoded
 from ledger.api.deps import ReadsDep, StoreDep, require
-from ledger.api.models import RequestDetail, Sources, json_response
+from ledger.api.models import Sources
 
 router = APIRouter(prefix="/v1", tags=["requests"], dependencies=[require("read")])
 
 
-@router.get(
-    "/requests/{request_id}",
-    response_model=None,
-    responses={200: {"model": RequestDetail}, **errors.responses(*errors.AUTH, 404, 422)},
-)
+@router.get("/requests/{request_id}", **documents(RequestDetail, 404, 422))
 def get_request(
     store: StoreDep, reads: ReadsDep, request_id: str = Path(min_length=1, max_length=256)
 ) -> Response:
@@ -24,7 +23,8 @@ def get_request(
         row = store.get_request(request_id, conn)
         if row is None:
             raise errors.ApiError(status.HTTP_404_NOT_FOUND, f"no request {request_id!r} in the ledger")
-        return json_response({"request": row, "events": store.request_events(request_id, conn)})
+        events = msgspec.convert(store.request_events(request_id, conn), list[EventRow])
+        return encoded(RequestDetail(request=RequestRow(**row), events=events))
 
 
 @router.get("/sources", response_model=Sources, responses=errors.responses(*errors.AUTH))
