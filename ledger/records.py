@@ -9,12 +9,13 @@ does not name (``additionalProperties: false`` in its schema); a field that only
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
-__all__ = ["UNSET", "Record", "UnsetType", "as_json"]
+__all__ = ["UNSET", "Record", "UnsetType", "as_json", "table_record"]
 
 
 class Record(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -24,3 +25,38 @@ class Record(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def as_json(record: Any) -> Any:
     """The record as the API sends it, in plain Python (dicts, lists, numbers, strings)."""
     return msgspec.to_builtins(record)
+
+
+def _column_field(column: Any) -> tuple[str, Any]:
+    """A table column (SQLAlchemy's) as a record field: its Python type, null when the column is
+    nullable, described by the column's comment."""
+    kind: Any = column.type.python_type
+    if column.nullable and not column.primary_key:
+        kind = kind | None
+    if column.comment:
+        kind = Annotated[kind, msgspec.Meta(description=column.comment)]
+    return str(column.name), kind
+
+
+def table_record(
+    name: str,
+    columns: Iterable[Any],
+    *,
+    doc: str,
+    drop: Iterable[str] = (),
+    types: Mapping[str, Any] | None = None,
+    extra: Iterable[tuple[str, Any]] = (),
+) -> Any:
+    """A record whose fields are a table's ``columns`` (less ``drop``; ``types`` overrides a field's
+    type), then ``extra``: the stored row as the API answers it, defined by the table itself."""
+    types, dropped = dict(types or {}), set(drop)
+    fields = []
+    for column in columns:
+        field_name, kind = _column_field(column)
+        if field_name not in dropped:
+            fields.append((field_name, types.get(field_name, kind)))
+    record: Any = msgspec.defstruct(
+        name, [*fields, *extra], bases=(Record,), kw_only=True, module="ledger.rows"
+    )
+    record.__doc__ = doc
+    return record

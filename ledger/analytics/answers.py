@@ -1,6 +1,6 @@
 """The analytics answers as records (:mod:`ledger.records`): tails, attribution, ITL, KV stalls. No
 SQL here, so the dashboard can decode the API's JSON into them; the request rows, whose fields are the
-``requests`` view's columns, are :mod:`ledger.analytics.request_rows`."""
+``requests`` view's columns, are :mod:`ledger.rows`."""
 
 from __future__ import annotations
 

@@ -16,9 +16,9 @@ from ledger.analytics.common import (
     R,
     in_window,
 )
-from ledger.analytics.request_rows import RequestList, RequestRow
 from ledger.analytics.window import Window
 from ledger.records import UNSET
+from ledger.rows import RequestList, RequestRow
 
 GROUPS = {
     "model": R.c.model,

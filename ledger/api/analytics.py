@@ -16,7 +16,6 @@ from fastapi import APIRouter, Path, Query, Response, status
 
 from ledger.analytics import queries as q
 from ledger.analytics.answers import Attribution, Itl, KvStalls, ModelTails, RequestItl
-from ledger.analytics.request_rows import RequestList
 from ledger.analytics.why_answer import TOP_DEFAULT
 from ledger.analytics.window import BadTime, Window
 from ledger.api import errors
@@ -24,6 +23,7 @@ from ledger.api.answers import documents, encoded
 from ledger.api.deps import ReadsDep, SettingsDep, require
 from ledger.api.queries import query_param
 from ledger.reads import Reads
+from ledger.rows import RequestList
 
 router = APIRouter(prefix="/v1", tags=["analytics"], dependencies=[require("read")])
 

@@ -20,15 +20,17 @@ def encoded(record: Any, status_code: int = 200) -> Response:
     return Response(msgspec.json.encode(record), status_code=status_code, media_type="application/json")
 
 
-def documents(record: type[Any], *statuses: int, description: str = "Successful Response") -> dict[str, Any]:
-    """The route's arguments: its 200 answer is ``record`` (for the document only: ``response_model``
-    is None, the record is sent as the route built it), and the error body for ``statuses`` and the
-    token's 401/403."""
+def documents(
+    record: type[Any], *statuses: int, ok: int = 200, description: str = "Successful Response"
+) -> dict[str, Any]:
+    """The route's arguments: its answer (status ``ok``) is ``record`` (for the document only:
+    ``response_model`` is None, the record is sent as the route built it), and the error body for
+    ``statuses`` and the token's 401/403."""
     name = record.__name__
     assert RECORDS.get(name, record) is record, f"two records named {name}"
     RECORDS[name] = record
-    ok = {
+    answer = {
         "description": description,
         "content": {"application/json": {"schema": {"$ref": _REF.format(name=name)}}},
     }
-    return {"response_model": None, "responses": {200: ok, **errors.responses(*errors.AUTH, *statuses)}}
+    return {"response_model": None, "responses": {ok: answer, **errors.responses(*errors.AUTH, *statuses)}}

@@ -95,100 +95,12 @@ class ProducerReleased(BaseModel):
 
 
 # -- requests and sources ---------------------------------------------------------------------------
-class SourceRow(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    source_id: str
-    kind: str = Field(description="engine or gateway")
-    model: str | None = Field(None, description="served model, as the source reports it")
-    last_seq: int = Field(description="highest sequence number stored")
-    events_total: int
-    dropped_total: int = Field(description="events the source reported lost before sending")
-    first_seen_ts: float
-    last_seen_ts: float
-    producer: str | None = Field(
-        None, description="digest of the producer key the id is bound to (null: unbound, an older exporter)"
-    )
-
-
-class Sources(BaseModel):
-    sources: list[SourceRow]
-
-
 # -- rules, commands, policy ------------------------------------------------------------------------
-class CutoffRow(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    command_id: str
-    request_id: str
-    rule: str
-    action: str
-    detail: str
-    state: str = Field(description="pending, applied, moot or expired")
-    decided_ts: float
-    delivered_ts: float | None = None
-    applied_ts: float | None = None
-
-
-class Cutoffs(BaseModel):
-    cutoffs: list[CutoffRow] = Field(description="newest first")
-
-
 class PolicyVersion(BaseModel):
     version: int = Field(description="one more with every accepted policy")
     created_ts: float
     origin: str = Field(description="where it came from: default, file or api")
     policy: Policy
-
-
-# -- webhooks ---------------------------------------------------------------------------------------
-class Webhook(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    id: str
-    url: str
-    event_types: list[str]
-    format: str = Field(description="json or text")
-    created_ts: float
-
-
-class Webhooks(BaseModel):
-    webhooks: list[Webhook]
-
-
-class WebhookDeleted(BaseModel):
-    deleted: str = Field(description="the subscription's id")
-
-
-class DeliveryAttempt(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    attempt: int
-    ts: float
-    status_code: int | None = None
-    error: str | None = None
-    duration_s: float
-
-
-class Delivery(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    id: str
-    subscription_id: str
-    event_type: str
-    event_id: str
-    body: dict[str, Any] = Field(description="what was (or will be) posted")
-    state: str = Field(description="pending, delivered or dead")
-    attempts: int
-    created_ts: float
-    delivered_ts: float | None = None
-    last_status: int | None = None
-    last_error: str | None = None
-    log: list[DeliveryAttempt]
-
-
-class Deliveries(BaseModel):
-    deliveries: list[Delivery] = Field(description="newest first")
 
 
 # -- sql and advice ---------------------------------------------------------------------------------

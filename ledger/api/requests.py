@@ -5,11 +5,10 @@ from __future__ import annotations
 import msgspec
 from fastapi import APIRouter, Path, Response, status
 
-from ledger.analytics.request_rows import EventRow, RequestDetail, RequestRow
 from ledger.api import errors
 from ledger.api.answers import documents, encoded
 from ledger.api.deps import ReadsDep, StoreDep, require
-from ledger.api.models import Sources
+from ledger.rows import EventRow, RequestDetail, RequestRow, SourceRow, Sources
 
 router = APIRouter(prefix="/v1", tags=["requests"], dependencies=[require("read")])
 
@@ -27,8 +26,9 @@ def get_request(
         return encoded(RequestDetail(request=RequestRow(**row), events=events))
 
 
-@router.get("/sources", response_model=Sources, responses=errors.responses(*errors.AUTH))
-def list_sources(store: StoreDep, reads: ReadsDep) -> dict[str, object]:
+@router.get("/sources", **documents(Sources))
+def list_sources(store: StoreDep, reads: ReadsDep) -> Response:
     """Every source that has sent events: its sequence high-water mark and counts (read token)."""
     with reads.connect() as conn:
-        return {"sources": store.source_rows(conn)}
+        rows = store.source_rows(conn)
+    return encoded(Sources(sources=[SourceRow(**r) for r in rows]))
