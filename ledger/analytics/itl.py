@@ -148,12 +148,12 @@ def request_itl(conn: sa.Connection, request_id: str) -> RequestItl | None:
     if row is None:
         return None
     empty = RequestItl(n=0, p50=None, p90=None, p99=None, max=None, mean=None, gaps=[])
-    first, src = row["first_token_ts"], row["engine_source_id"]
+    first, src = row.first_token_ts, row.engine_source_id
     if first is None or src is None:
         return empty
-    last = row["last_step_ts"] or row["last_token_ts"] or first
+    last = row.last_step_ts or row.last_token_ts or first
     silent, first_step = _silent_chunk_steps(
-        event_data(conn, request_id, ["chunk", "resumed", "tokens"]), src, row["prompt_tokens"]
+        event_data(conn, request_id, ["chunk", "resumed", "tokens"]), src, row.prompt_tokens
     )
     steps = conn.execute(
         sa.select(S.c.step, (S.c.ts + S.c.duration_s).label("end"))

@@ -33,6 +33,7 @@ from ledger.analytics.common import (
     steps_with_ids,
 )
 from ledger.analytics.why_answer import Culprit, Why, WhyItem, WhyLayers, WhyQuery
+from ledger.rows import RequestRow
 
 
 def why(conn: sa.Connection, query: WhyQuery) -> Why | None:
@@ -56,31 +57,31 @@ def why(conn: sa.Connection, query: WhyQuery) -> Why | None:
     return attribute(row, items)
 
 
-def load_request(conn: sa.Connection, request_id: str) -> dict[str, Any] | None:
+def load_request(conn: sa.Connection, request_id: str) -> RequestRow | None:
     """The request's row of the ``requests`` view."""
     return request_row(conn, request_id)
 
 
-def gateway_items(row: dict[str, Any]) -> list[WhyItem]:
+def gateway_items(row: RequestRow) -> list[WhyItem]:
     """Its wait in the gateway's admission queue and its way through the engine's front end."""
     items = []
-    if row["admission_s"] or row["admission_wait_s"]:
+    if row.admission_s or row.admission_wait_s:
         items.append(
             WhyItem(
                 kind="admission_queue",
-                seconds=row["admission_s"] if row["admission_s"] is not None else row["admission_wait_s"],
-                start_ts=row["admission_enqueued_ts"],
+                seconds=row.admission_s if row.admission_s is not None else row.admission_wait_s,
+                start_ts=row.admission_enqueued_ts,
                 detail="waited in the gateway's admission queue (upstream at its in-flight limit)",
                 culprits=[],
             )
         )
-    if row["frontend_s"]:
-        forwarded = row["admitted_ts"] is not None
+    if row.frontend_s:
+        forwarded = row.admitted_ts is not None
         items.append(
             WhyItem(
                 kind="frontend",
-                seconds=row["frontend_s"],
-                start_ts=row["admitted_ts"] if forwarded else row["engine_arrival_ts"],
+                seconds=row.frontend_s,
+                start_ts=row.admitted_ts if forwarded else row.engine_arrival_ts,
                 detail=(
                     "between the gateway's hand-over and the engine's scheduler queue"
                     if forwarded
@@ -94,12 +95,12 @@ def gateway_items(row: dict[str, Any]) -> list[WhyItem]:
 
 
 def engine_wait_items(
-    conn: sa.Connection, row: dict[str, Any], life: list[dict[str, Any]], top: int
+    conn: sa.Connection, row: RequestRow, life: list[dict[str, Any]], top: int
 ) -> list[WhyItem]:
     """Its first wait in the engine's queue and each preemption's wait, with who held the engine."""
     items = []
-    src = row["engine_source_id"]
-    queued, first_sched = row["queued_ts"], row["first_scheduled_ts"] or row["end_ts"]
+    src = row.engine_source_id
+    queued, first_sched = row.queued_ts, row.first_scheduled_ts or row.end_ts
     if src is not None and queued is not None and first_sched is not None and first_sched > queued:
         # the engine's own monotonic measure of the wait (its first chunk's wait_s) where it sent one
         first_chunk = min((d for d in life if d["kind"] == "chunk"), key=lambda d: d["ts"], default=None)
@@ -133,16 +134,16 @@ def engine_wait_items(
     return items
 
 
-def load_steps(conn: sa.Connection, row: dict[str, Any]) -> list[Any]:
+def load_steps(conn: sa.Connection, row: RequestRow) -> list[Any]:
     """The engine's steps from the request's first scheduling to its last step (empty: it never ran)."""
-    src = row["engine_source_id"]
-    if src is None or row["first_scheduled_ts"] is None:
+    src = row.engine_source_id
+    if src is None or row.first_scheduled_ts is None:
         return []
-    hi = row["last_step_ts"] or row["end_ts"] or row["last_event_ts"]
+    hi = row.last_step_ts or row.end_ts or row.last_event_ts
     return engine_steps(
         conn,
         src,
-        row["first_scheduled_ts"] - 1e-9,
+        row.first_scheduled_ts - 1e-9,
         hi,
         S.c.step,
         S.c.ts,
@@ -154,10 +155,10 @@ def load_steps(conn: sa.Connection, row: dict[str, Any]) -> list[Any]:
 
 
 def step_items(
-    conn: sa.Connection, row: dict[str, Any], life: list[dict[str, Any]], steps: list[Any], top: int
+    conn: sa.Connection, row: RequestRow, life: list[dict[str, Any]], steps: list[Any], top: int
 ) -> list[WhyItem]:
     """The steps it sat out holding KV, and those its prefill and its decodes shared with other prefills."""
-    request_id, src = row["request_id"], row["engine_source_id"]
+    request_id, src = row.request_id, row.engine_source_id
     items = []
     sat_out = [s for s in steps if s.stalled_request_ids and request_id in s.stalled_request_ids]
     if sat_out:
@@ -172,7 +173,7 @@ def step_items(
             )
         )
     own_chunks = {d["step"]: d.get("tokens", 0) for d in life if d["kind"] == "chunk" and "step" in d}
-    shared = _shared_prefill(request_id, own_chunks, steps, row["first_token_ts"])
+    shared = _shared_prefill(request_id, own_chunks, steps, row.first_token_ts)
     if shared is not None:
         seconds, shared_steps, other_tokens = shared
         items.append(
@@ -190,9 +191,9 @@ def step_items(
     return items + ([slow] if slow is not None else [])
 
 
-def _slow_decode_item(conn: sa.Connection, row: dict[str, Any], steps: list[Any], top: int) -> WhyItem | None:
+def _slow_decode_item(conn: sa.Connection, row: RequestRow, steps: list[Any], top: int) -> WhyItem | None:
     """Its decode steps that shared the step with a prefill and ran over 1.5x its typical step."""
-    request_id, first_tok = row["request_id"], row["first_token_ts"]
+    request_id, first_tok = row.request_id, row.first_token_ts
     decode = [s for s in steps if first_tok is not None and s.ts >= first_tok and request_id in s.request_ids]
     if not decode:
         return None
@@ -209,19 +210,19 @@ def _slow_decode_item(conn: sa.Connection, row: dict[str, Any], steps: list[Any]
         detail=f"{len(slow)} decode steps shared with prefill chunks ran "
         f"{max(s.duration_s for s in slow) / typical:.1f}x its typical step "
         f"({typical * 1e3:.1f} ms)",
-        culprits=_prefills_in_steps(conn, row["engine_source_id"], slow, request_id, top),
+        culprits=_prefills_in_steps(conn, row.engine_source_id, slow, request_id, top),
     )
 
 
-def attribute(row: dict[str, Any], items: list[WhyItem]) -> Why:
+def attribute(row: RequestRow, items: list[WhyItem]) -> Why:
     """The answer: the request's layers and its delays, biggest first."""
     items.sort(key=lambda i: -(i.seconds or 0))
     return Why(
-        request_id=row["request_id"],
-        e2e_s=row["e2e_s"],
-        ttft_s=row["ttft_s"],
-        client_ttft_s=row["client_ttft_s"],
-        layers=WhyLayers(**{f: row[f] for f in WhyLayers.__struct_fields__}),
+        request_id=row.request_id,
+        e2e_s=row.e2e_s,
+        ttft_s=row.ttft_s,
+        client_ttft_s=row.client_ttft_s,
+        layers=WhyLayers(**{f: getattr(row, f) for f in WhyLayers.__struct_fields__}),
         items=items,
     )
 
@@ -256,7 +257,7 @@ class _Held(msgspec.Struct):
 
 
 def _engine_holders(
-    conn: sa.Connection, source_id: str, row: dict[str, Any], lo: float, hi: float, top: int
+    conn: sa.Connection, source_id: str, row: RequestRow, lo: float, hi: float, top: int
 ) -> list[Culprit]:
     """The requests that held the engine while ``row``'s request waited in its queue (``lo`` to
     ``hi``): those that took part in the engine's steps in that time, ranked by their share of those
@@ -265,7 +266,7 @@ def _engine_holders(
     A request that reached the engine after this one (its front end's arrival) is not blamed: it could
     only be ahead because this one's own front end was slower (``frontend_s``). Without step rows the
     prefill chunks scheduled in the window stand in."""
-    request_id = row["request_id"]
+    request_id = row.request_id
     steps = steps_with_ids(
         conn,
         sa.select(S.c.step, S.c.ts, S.c.duration_s, S.c.prefill_tokens, S.c.request_keys)
@@ -278,7 +279,7 @@ def _engine_holders(
     held.pop(request_id, None)
     if not held:
         return []
-    mine = row["engine_arrival_ts"] if row["engine_arrival_ts"] is not None else row["queued_ts"]
+    mine = row.engine_arrival_ts if row.engine_arrival_ts is not None else row.queued_ts
     facts = {
         r.request_id: r
         for r in conn.execute(
@@ -395,7 +396,7 @@ def _rank_chunks(
         chunks[rid] += 1
         depth[rid] = max(depth[rid], d.get("computed_before", 0) + d.get("tokens", 0))
     ranked = sorted(tokens, key=lambda r: -tokens[r])[:top]
-    whole: dict[str, Any] = {}
+    whole: dict[str, sa.Row[Any, Any, Any]] = {}
     if ranked:
         whole = {
             r.request_id: r
