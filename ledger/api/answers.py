@@ -21,11 +21,16 @@ def encoded(record: Any, status_code: int = 200) -> Response:
 
 
 def documents(
-    record: type[Any], *statuses: int, ok: int = 200, description: str = "Successful Response"
+    record: type[Any],
+    *statuses: int,
+    ok: int = 200,
+    token: bool = True,
+    more: dict[int, Any] | None = None,
+    description: str = "Successful Response",
 ) -> dict[str, Any]:
     """The route's arguments: its answer (status ``ok``) is ``record`` (for the document only:
     ``response_model`` is None, the record is sent as the route built it), and the error body for
-    ``statuses`` and the token's 401/403."""
+    ``statuses`` and, behind a ``token``, its 401/403; ``more``: other documented answers."""
     name = record.__name__
     assert RECORDS.get(name, record) is record, f"two records named {name}"
     RECORDS[name] = record
@@ -33,4 +38,8 @@ def documents(
         "description": description,
         "content": {"application/json": {"schema": {"$ref": _REF.format(name=name)}}},
     }
-    return {"response_model": None, "responses": {ok: answer, **errors.responses(*errors.AUTH, *statuses)}}
+    auth = errors.AUTH if token else ()
+    return {
+        "response_model": None,
+        "responses": {ok: answer, **errors.responses(*auth, *statuses), **(more or {})},
+    }

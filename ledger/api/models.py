@@ -1,10 +1,10 @@
-"""The API's response models: what every route answers, named in the OpenAPI document.
+"""The answers still described by pydantic models: the error bodies, the producer release, the policy
+(whose model parses ``PUT /v1/policy`` too), the SQL result and the what-if.
 
-Small answers (health, the policy, webhook subscriptions, sources) are declared as ``response_model`` and
-checked as they go out. The large ones (ingest, analytics rows, request timelines, SQL results, the
-cutoff and delivery logs) are only documented (``responses={200: {"model": ...}}``): their handlers
-return a ``Response`` (see :func:`json_response`), so nothing is validated again per request. Row models
-name and describe the main columns and allow the others (``extra="allow"``).
+Every other answer is a record (:mod:`ledger.records`) whose schema is generated from it
+(:mod:`ledger.api.answers`). The models here are declared as ``response_model`` (small answers, checked
+as they go out) or only documented (``responses={200: {"model": ...}}``, the handler returning a
+``Response``, see :func:`json_response`).
 
 Every error answer is one :class:`ErrorBody` (``ledger.api.errors`` builds and sends it).
 """
@@ -74,19 +74,7 @@ class NotReady(ErrorBody):
     problems: list[str] = Field(description="what is wrong (the detail joins them)")
 
 
-# -- health -----------------------------------------------------------------------------------------
-class Health(BaseModel):
-    status: str = Field(description="ok: the process answers", examples=["ok"])
-
-
-class Readiness(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-
-    status: str = Field(description="ready")
-    schema_revision: str | None = Field(alias="schema", description="the database's migration revision")
-    problems: list[str] = Field(description="empty when ready")
-
-
+# -- ingest -----------------------------------------------------------------------------------------
 class ProducerReleased(BaseModel):
     source_id: str = Field(description="the source id released")
     released: bool = Field(
