@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import msgspec
 import typer
 
-from ledger.advice.answer import AdviceQuery
+from ledger.advice.answer import AdviceQuery, ChunkSizeAdvice
 from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN_USEFUL_CHUNK
 from ledger.cli_options import (
     DbOpt,
@@ -74,7 +74,9 @@ def advise(
     def render(status: int, body: dict[str, Any]) -> str:
         from ledger.advice.report import render_advice, render_refusal
 
-        return render_advice(body) if status == 200 else render_refusal(body)
+        if status == 200:
+            return render_advice(msgspec.convert(body, ChunkSizeAdvice))
+        return render_refusal(body)
 
     answer(
         fmt=format,
