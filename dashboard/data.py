@@ -18,8 +18,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import pandas as pd
 
+from ledger.advice.answer import ChunkSizeAdvice
 from ledger.client import DEFAULT_LEDGER_URL, LedgerClient, LedgerError
 
 WINDOWS = {"15 min": "15m", "1 hour": "1h", "6 hours": "6h", "24 hours": "24h", "7 days": "7d", "all": ""}
@@ -180,8 +182,10 @@ class LedgerData:
     def sources(self) -> list[dict[str, Any]]:
         return list(self.get("/v1/sources").get("sources", []))
 
-    def advice(self, itl_target_ms: float, **params: Any) -> dict[str, Any]:
-        return self.get("/v1/advice/chunk-size", itl_target_ms=itl_target_ms, **params)
+    def advice(self, itl_target_ms: float, **params: Any) -> ChunkSizeAdvice:
+        """The advice, decoded into the record the ledger built it as."""
+        answer = self.get("/v1/advice/chunk-size", itl_target_ms=itl_target_ms, **params)
+        return msgspec.convert(answer, ChunkSizeAdvice)
 
     def whatif(self, **params: Any) -> dict[str, Any]:
         """``GET /v1/whatif`` (not cached: every call is a replay the user asked for)."""
