@@ -12,7 +12,7 @@ from ledger.api import errors
 from ledger.api.answers import documents, encoded
 from ledger.api.deps import require
 from ledger.api.policy import runaway
-from ledger.rows import Deliveries, Delivery, Webhook, WebhookDeleted, Webhooks
+from ledger.rows import Deliveries, Webhook, WebhookDeleted, Webhooks
 from ledger.webhooks.outbox import SubscriptionError
 from ledger.webhooks.outbox import Webhooks as Outbox
 
@@ -41,7 +41,7 @@ def _hooks(request: Request) -> Outbox:
 async def list_webhooks(request: Request) -> Response:
     """The subscriptions (their secrets are never shown)."""
     rows = await run_in_threadpool(_hooks(request).subscriptions)
-    return encoded(Webhooks(webhooks=[Webhook(**r) for r in rows]))
+    return encoded(Webhooks(webhooks=rows))
 
 
 @router.post("/webhooks", status_code=201, **documents(Webhook, 408, 409, 422, ok=201))
@@ -55,7 +55,7 @@ async def create_webhook(request: Request, body: SubscriptionIn) -> Response:
         )
     except SubscriptionError as exc:
         return errors.error_response(422, str(exc), reason="invalid")
-    return encoded(Webhook(**row), status_code=201)
+    return encoded(row, status_code=201)
 
 
 @router.delete("/webhooks/{sub_id}", **documents(WebhookDeleted, 404, 409, 422))
@@ -74,4 +74,4 @@ async def list_deliveries(
 ) -> Response:
     """Newest deliveries first, each with its attempt log (time, status code, error, duration)."""
     rows = await run_in_threadpool(lambda: _hooks(request).deliveries(state=state, limit=limit))
-    return encoded(Deliveries(deliveries=[Delivery(**r) for r in rows]))
+    return encoded(Deliveries(deliveries=rows))
