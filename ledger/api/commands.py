@@ -14,7 +14,7 @@ from ledger.api.answers import documents, encoded
 from ledger.api.deps import on_ingest_pool, require
 from ledger.api.policy import runaway
 from ledger.producers import ProducerBook, digest
-from ledger.rows import CutoffRow, Cutoffs
+from ledger.rows import Cutoffs
 
 router = APIRouter(prefix="/v1", tags=["rules"])
 _encode = msgspec.json.Encoder().encode
@@ -67,4 +67,4 @@ async def get_cutoffs(
     rows = await run_in_threadpool(
         runaway(request).book.rows, request_id=request_id, state=state, limit=limit
     )
-    return encoded(Cutoffs(cutoffs=[CutoffRow(**r) for r in rows]))
+    return encoded(Cutoffs(cutoffs=rows))
