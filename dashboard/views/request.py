@@ -128,10 +128,10 @@ def render(data: LedgerData, request_id: str) -> None:
             st.info(f"rule **{r['cut_rule']}**: {done} (an escape valve; the request was not cut off)")
     with ui.ledger_errors("ITL"):
         itl = data.request_itl(request_id)
-        if itl.get("n"):
+        if itl.n:
             st.caption(
-                f"inter-token gaps: n {itl['n']}, p50 {ui.fmt_ms(itl['p50'])}, p90 {ui.fmt_ms(itl['p90'])}, "
-                f"p99 {ui.fmt_ms(itl['p99'])}, max {ui.fmt_ms(itl['max'])} (mean {ui.fmt_ms(itl['mean'])})"
+                f"inter-token gaps: n {itl.n}, p50 {ui.fmt_ms(itl.p50)}, p90 {ui.fmt_ms(itl.p90)}, "
+                f"p99 {ui.fmt_ms(itl.p99)}, max {ui.fmt_ms(itl.max)} (mean {ui.fmt_ms(itl.mean)})"
             )
     st.markdown("#### Timeline")
     bars = timeline(r, events, why)
