@@ -23,6 +23,7 @@ import pandas as pd
 
 from ledger.advice.answer import ChunkSizeAdvice
 from ledger.analytics.answers import Itl, KvStalls, ModelTails, RequestItl
+from ledger.analytics.why_answer import TOP_DEFAULT, Why
 from ledger.client import DEFAULT_LEDGER_URL, LedgerClient, LedgerError
 
 WINDOWS = {"15 min": "15m", "1 hour": "1h", "6 hours": "6h", "24 hours": "24h", "7 days": "7d", "all": ""}
@@ -171,8 +172,8 @@ class LedgerData:
     def request(self, request_id: str) -> dict[str, Any]:
         return self.get(f"/v1/requests/{request_id}")
 
-    def why(self, request_id: str, top: int = 5) -> dict[str, Any]:
-        return self.get(f"/v1/requests/{request_id}/why", top=top)
+    def why(self, request_id: str, top: int = TOP_DEFAULT) -> Why:
+        return msgspec.convert(self.get(f"/v1/requests/{request_id}/why", top=top), Why)
 
     def request_itl(self, request_id: str) -> RequestItl:
         return msgspec.convert(self.get(f"/v1/requests/{request_id}/itl"), RequestItl)
