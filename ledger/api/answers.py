@@ -26,17 +26,19 @@ def documents(
     ok: int = 200,
     token: bool = True,
     more: dict[int, Any] | None = None,
+    media: dict[str, Any] | None = None,
     description: str = "Successful Response",
 ) -> dict[str, Any]:
     """The route's arguments: its answer (status ``ok``) is ``record`` (for the document only:
     ``response_model`` is None, the record is sent as the route built it), and the error body for
-    ``statuses`` and, behind a ``token``, its 401/403; ``more``: other documented answers."""
+    ``statuses`` and, behind a ``token``, its 401/403; ``more``: other documented answers; ``media``:
+    other media types of the same answer."""
     name = record.__name__
     assert RECORDS.get(name, record) is record, f"two records named {name}"
     RECORDS[name] = record
     answer = {
         "description": description,
-        "content": {"application/json": {"schema": {"$ref": _REF.format(name=name)}}},
+        "content": {"application/json": {"schema": {"$ref": _REF.format(name=name)}}, **(media or {})},
     }
     auth = errors.AUTH if token else ()
     return {

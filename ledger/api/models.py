@@ -1,5 +1,5 @@
 """The answers still described by pydantic models: the error bodies, the producer release, the policy
-(whose model parses ``PUT /v1/policy`` too), the SQL result and the what-if.
+(whose model parses ``PUT /v1/policy`` too) and the what-if.
 
 Every other answer is a record (:mod:`ledger.records`) whose schema is generated from it
 (:mod:`ledger.api.answers`). The models here are declared as ``response_model`` (small answers, checked
@@ -92,18 +92,6 @@ class PolicyVersion(BaseModel):
 
 
 # -- sql and advice ---------------------------------------------------------------------------------
-class SqlResult(BaseModel):
-    """``POST /v1/sql`` as JSON (``format=csv`` or ``Accept: text/csv``: CSV, with the types and the
-    truncation in ``X-Chunkledger-*`` headers)."""
-
-    columns: list[str]
-    types: list[str] = Field(description="portable type per column: int, float, str, bool, json, ...")
-    rows: list[list[Any]]
-    truncated: bool
-    truncated_by: str | None = Field(description="rows (max_rows) or bytes (sql_max_bytes)")
-    elapsed_s: float
-
-
 PARQUET = "application/vnd.apache.parquet"  # GET /v1/export/{table}.parquet
 
 

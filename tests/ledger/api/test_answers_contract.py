@@ -325,7 +325,6 @@ NOT_YET_RECORDS = {
         "WhatIf.calibration",
         "WhatIf.candidates",
     ],
-    "POST /v1/sql": ["SqlResult"],
 }
 
 
