@@ -76,22 +76,25 @@ class NotReady(ErrorBody):
 
 # -- ingest -----------------------------------------------------------------------------------------
 class ProducerReleased(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     source_id: str = Field(description="the source id released")
     released: bool = Field(
         description="true: it was bound to this producer and is now free; false: it was not bound"
     )
 
 
-# -- requests and sources ---------------------------------------------------------------------------
 # -- rules, commands, policy ------------------------------------------------------------------------
 class PolicyVersion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     version: int = Field(description="one more with every accepted policy")
     created_ts: float
     origin: str = Field(description="where it came from: default, file or api")
     policy: Policy
 
 
-# -- sql and advice ---------------------------------------------------------------------------------
+# -- export -----------------------------------------------------------------------------------------
 PARQUET = "application/vnd.apache.parquet"  # GET /v1/export/{table}.parquet
 
 
