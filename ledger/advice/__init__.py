@@ -5,7 +5,8 @@
 * ``query``     the steps of one model or source over a window (both backends);
 * ``report``    the table the CLI prints;
 * ``profile``   drives a real engine with controlled chunk sizes, depths and decode loads;
-* ``service``   ``chunk_size_advice``: the one call the API and the CLI (``--db``) share;
+* ``answer``    ``AdviceQuery`` (what is asked, for the API and the CLI alike) and the answer's records;
+* ``service``   ``chunk_size_advice``: the stages the API, the CLI (``--db``) and the bench share;
 * ``defaults``  the defaults the CLI's options and the API's parameters show (no heavy imports).
 
 The package itself imports nothing, so ``chunkledger --help`` does not load numpy or the store.

@@ -1,8 +1,9 @@
 """Read-only analytics endpoints (read token): attribution, request lists, ITL, why, KV stalls.
 
 Every handler is a thin wrapper over a named query in ``ledger.analytics.queries``; parameter errors
-answer 422 naming the field, like the ingest endpoint. The answers can hold thousands of rows: their
-models are documented, and the rows are sent as the queries return them (no validation per request).
+answer 422 naming the field, like the ingest endpoint. Each answer is a record (``ledger.analytics.answers``,
+``ledger.analytics.why_answer``, ``ledger.rows``) sent as the query built it, without validating it again
+(the answers can hold thousands of rows); the document's schema is generated from the same record.
 """
 
 from __future__ import annotations
