@@ -42,21 +42,21 @@ def table_record(
     name: str,
     columns: Iterable[Any],
     *,
+    module: str,
     doc: str,
     drop: Iterable[str] = (),
     types: Mapping[str, Any] | None = None,
     extra: Iterable[tuple[str, Any]] = (),
 ) -> Any:
     """A record whose fields are a table's ``columns`` (less ``drop``; ``types`` overrides a field's
-    type), then ``extra``: the stored row as the API answers it, defined by the table itself."""
+    type), then ``extra``: the stored row as the API answers it, defined by the table itself. ``module``:
+    where it is defined (its ``__module__``)."""
     types, dropped = dict(types or {}), set(drop)
     fields = []
     for column in columns:
         field_name, kind = _column_field(column)
         if field_name not in dropped:
             fields.append((field_name, types.get(field_name, kind)))
-    record: Any = msgspec.defstruct(
-        name, [*fields, *extra], bases=(Record,), kw_only=True, module="ledger.rows"
-    )
+    record: Any = msgspec.defstruct(name, [*fields, *extra], bases=(Record,), kw_only=True, module=module)
     record.__doc__ = doc
     return record

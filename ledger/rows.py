@@ -16,6 +16,7 @@ from ledger.records import Record, table_record
 RequestRow: Any = table_record(
     "RequestRow",
     schema.requests.columns,
+    module=__name__,
     doc='One row of the ``requests`` view (``chunkledger query "SELECT * FROM requests"``).',
 )
 
@@ -71,6 +72,7 @@ class RequestDetail(Record, kw_only=True):
 SourceRow: Any = table_record(
     "SourceRow",
     schema.sources.columns,
+    module=__name__,
     doc="A source that has sent events: its sequence high-water mark and counts; ``producer`` is the "
     "digest of the producer key its id is bound to (null: unbound, an older exporter).",
 )
@@ -85,6 +87,7 @@ class Sources(Record, kw_only=True):
 CutoffRow: Any = table_record(
     "CutoffRow",
     schema.cutoffs.columns,
+    module=__name__,
     doc="A stored rule decision and its command: delivery and confirmation times, and its state "
     "(pending, applied, moot or expired).",
 )
@@ -99,6 +102,7 @@ class Cutoffs(Record, kw_only=True):
 Webhook: Any = table_record(
     "Webhook",
     schema.webhook_subscriptions.columns,
+    module=__name__,
     doc="A webhook subscription (its secret is never shown).",
     drop=("secret", "deleted_ts"),
     types={"event_types": list[str]},
@@ -118,6 +122,7 @@ class WebhookDeleted(Record, kw_only=True):
 DeliveryAttempt: Any = table_record(
     "DeliveryAttempt",
     schema.webhook_attempts.columns,
+    module=__name__,
     doc="One attempt to post a delivery.",
     drop=("delivery_id",),
 )
@@ -125,6 +130,7 @@ DeliveryAttempt: Any = table_record(
 Delivery: Any = table_record(
     "Delivery",
     schema.webhook_outbox.columns,
+    module=__name__,
     doc="A webhook delivery: what was (or will be) posted, its state (pending, delivered or dead) and "
     "its attempts.",
     drop=("lease_until",),
