@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from engine_hooks import events as ev
 from ledger.advice.advisor import Advisor
+from ledger.advice.answer import AdviceQuery
 from ledger.advice.query import read_steps
 from ledger.advice.service import chunk_size_advice
 from ledger.store import open_store
@@ -45,10 +46,10 @@ def bench(url: str, steps: list[ev.Step], max_steps: int, target: float) -> dict
         window = read_steps(store.engine, max_steps=max_steps)
         read_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        Advisor(window.data).advise(target, depth=0)
+        Advisor(window.data).advise(AdviceQuery(itl_target_ms=target, depth=0))
         fit_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        chunk_size_advice(store.engine, itl_target_ms=target, depth=0, max_steps=max_steps)
+        chunk_size_advice(store.engine, AdviceQuery(itl_target_ms=target, depth=0, max_steps=max_steps))
         total_s = time.perf_counter() - t0
     finally:
         store.close()

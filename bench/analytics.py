@@ -295,9 +295,9 @@ def main() -> None:
     )
 
     with store.engine.connect() as conn:
-        a_slow = q.list_requests(conn, sort="e2e_s", limit=1)["rows"][0]["request_id"]
-        mid = q.list_requests(conn, sort="start_ts", limit=1, offset=n_req // 2)["rows"][0]
-        now = (mid["start_ts"] or time.time()) + 1
+        a_slow = q.list_requests(conn, sort="e2e_s", limit=1).rows[0].request_id
+        mid = q.list_requests(conn, sort="start_ts", limit=1, offset=n_req // 2).rows[0]
+        now = (mid.start_ts or time.time()) + 1
         hour = Window(since=now - 3600, until=now)
         named: list[tuple[str, Callable[[], Any]]] = [
             ("attribution, all time", lambda: q.attribution(conn)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Annotated, Any
 
+import msgspec
 import typer
 
 from chunkledger.options import (
@@ -18,6 +19,7 @@ from chunkledger.options import (
     UntilOpt,
 )
 from chunkledger.reads import answer
+from ledger.advice.answer import AdviceQuery, ChunkSizeAdvice
 
 if TYPE_CHECKING:
     from ledger.advice.profile import ProfilePlan
@@ -27,7 +29,7 @@ from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN
 
 def advise(
     itl_target_ms: Annotated[
-        float, typer.Option("--itl-target-ms", min=0.001, help="inter-token latency p99 to stay within (ms)")
+        float, typer.Option("--itl-target-ms", help="inter-token latency p99 to stay within (ms)")
     ],
     ledger: LedgerOrNoneOpt = None,
     db: DbOpt = None,
@@ -36,17 +38,15 @@ def advise(
     since: SinceOpt = None,
     until: UntilOpt = None,
     depth: Annotated[
-        int | None, typer.Option(min=0, help="advise at this prefill depth (default: the p99 seen)")
+        int | None, typer.Option(help="advise at this prefill depth (default: the p99 seen)")
     ] = None,
     arrival_share: Annotated[
         float,
-        typer.Option(min=0.0, max=0.99, help="share of each step's prefill a long prompt leaves to arrivals"),
+        typer.Option(help="share of each step's prefill a long prompt leaves to arrivals"),
     ] = DEFAULT_ARRIVAL_SHARE,
-    max_steps: Annotated[
-        int, typer.Option(min=100, help="newest steps of the window to fit on")
-    ] = DEFAULT_MAX_STEPS,
+    max_steps: Annotated[int, typer.Option(help="newest steps of the window to fit on")] = DEFAULT_MAX_STEPS,
     min_chunk: Annotated[
-        int, typer.Option(min=1, help="refuse a target that leaves fewer prefill tokens per step")
+        int, typer.Option(help="refuse a target that leaves fewer prefill tokens per step")
     ] = MIN_USEFUL_CHUNK,
     token: ReadTokenOpt = None,
     format: FormatOpt = "table",
@@ -57,27 +57,30 @@ def advise(
     decode time at current load, the prefill budget, the settings, the predicted ITL p99 and the
     prefill throughput they cost, by depth. Exit status 1 when the data cannot support advice.
     """
-    params: dict[str, Any] = {
-        "itl_target_ms": itl_target_ms,
-        "model": model,
-        "source_id": source,
-        "since": since,
-        "until": until,
-        "depth": depth,
-        "arrival_share": arrival_share,
-        "max_steps": max_steps,
-        "min_chunk": min_chunk,
-    }
+    query = _advice_query(
+        itl_target_ms=itl_target_ms,
+        model=model,
+        source_id=source,
+        since=since,
+        until=until,
+        depth=depth,
+        arrival_share=arrival_share,
+        max_steps=max_steps,
+        min_chunk=min_chunk,
+    )
 
     def compute(engine: Any) -> dict[str, Any]:
         from ledger.advice.service import chunk_size_advice
+        from ledger.records import as_json
 
-        return chunk_size_advice(engine, **params)
+        return as_json(chunk_size_advice(engine, query))  # type: ignore[no-any-return]
 
     def render(status: int, body: dict[str, Any]) -> str:
         from ledger.advice.report import render_advice, render_refusal
 
-        return render_advice(body) if status == 200 else render_refusal(body)
+        if status == 200:
+            return render_advice(msgspec.convert(body, ChunkSizeAdvice))
+        return render_refusal(body)
 
     answer(
         fmt=format,
@@ -85,10 +88,19 @@ def advise(
         ledger=ledger,
         token=token,
         path="/v1/advice/chunk-size",
-        params=params,
+        params=msgspec.structs.asdict(query),
         compute=compute,
         render=render,
     )
+
+
+def _advice_query(**options: Any) -> AdviceQuery:
+    """The question as the API parses it; exit 2 naming the option when a value is out of its bounds."""
+    try:
+        return AdviceQuery.parse(**options)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _int_list(text: str, option: str) -> tuple[int, ...]:

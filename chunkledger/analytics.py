@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from chunkledger.options import LedgerUrlOpt, ReadTokenOpt
+from ledger.analytics.why_answer import TOP_DEFAULT
 from ledger.defaults import DEFAULT_LEDGER_URL
 
 FormatOpt = Annotated[str, typer.Option("--format", help="table or json")]
@@ -156,12 +157,14 @@ def requests(
 
 def why(
     request_id: str,
+    top: Annotated[int, typer.Option(help="culprits named per delay (1-50)")] = TOP_DEFAULT,
     ledger: LedgerUrlOpt = DEFAULT_LEDGER_URL,
     token: ReadTokenOpt = None,
     fmt: FormatOpt = "table",
 ) -> None:
     """What delayed one request, biggest first, and the requests behind each delay."""
-    out = _call(ledger, token, f"/v1/requests/{request_id}/why")
+    query = _why_query(request_id, top)
+    out = _call(ledger, token, f"/v1/requests/{query.request_id}/why", top=query.top)
     if fmt == "json":
         typer.echo(json.dumps(out, indent=2))
         return
@@ -183,6 +186,19 @@ def why(
                 f"     - {c['request_id']}: {c['prefill_tokens']} prefill tokens in {c['chunks']} chunks, "
                 f"up to depth {c['max_depth']}{held}"
             )
+
+
+def _why_query(request_id: str, top: int) -> Any:
+    """The question as the API parses it (``WhyQuery``); exit 2 naming the option when it is not one."""
+    import msgspec
+
+    from ledger.analytics.why_answer import WhyQuery
+
+    try:
+        return msgspec.convert({"request_id": request_id, "top": top}, WhyQuery)
+    except msgspec.ValidationError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def stalls(

@@ -18,8 +18,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import pandas as pd
 
+from ledger.advice.answer import ChunkSizeAdvice
+from ledger.analytics.answers import Itl, KvStalls, ModelTails, RequestItl
+from ledger.analytics.why_answer import TOP_DEFAULT, Why
 from ledger.client import DEFAULT_LEDGER_URL, LedgerClient, LedgerError
 
 WINDOWS = {"15 min": "15m", "1 hour": "1h", "6 hours": "6h", "24 hours": "24h", "7 days": "7d", "all": ""}
@@ -158,9 +162,9 @@ class LedgerData:
             "/v1/attribution", since=since, until=until, group_by=",".join(group_by), bucket_s=bucket_s
         )
 
-    def itl(self, since: str | float | None, until: str | float | None = None) -> dict[str, Any] | None:
-        out = self.get("/v1/itl", since=since, until=until)
-        return out["itl"][0] if out.get("itl") else None
+    def itl(self, since: str | float | None, until: str | float | None = None) -> ModelTails | None:
+        out = msgspec.convert(self.get("/v1/itl", since=since, until=until), Itl)
+        return out.itl[0] if out.itl else None
 
     def requests(self, **params: Any) -> dict[str, Any]:
         return self.get("/v1/requests", **params)
@@ -168,20 +172,22 @@ class LedgerData:
     def request(self, request_id: str) -> dict[str, Any]:
         return self.get(f"/v1/requests/{request_id}")
 
-    def why(self, request_id: str, top: int = 5) -> dict[str, Any]:
-        return self.get(f"/v1/requests/{request_id}/why", top=top)
+    def why(self, request_id: str, top: int = TOP_DEFAULT) -> Why:
+        return msgspec.convert(self.get(f"/v1/requests/{request_id}/why", top=top), Why)
 
-    def request_itl(self, request_id: str) -> dict[str, Any]:
-        return self.get(f"/v1/requests/{request_id}/itl")
+    def request_itl(self, request_id: str) -> RequestItl:
+        return msgspec.convert(self.get(f"/v1/requests/{request_id}/itl"), RequestItl)
 
-    def kv_stalls(self, limit: int = 200) -> dict[str, Any]:
-        return self.get("/v1/kv/stalls", limit=limit)
+    def kv_stalls(self, limit: int = 200) -> KvStalls:
+        return msgspec.convert(self.get("/v1/kv/stalls", limit=limit), KvStalls)
 
     def sources(self) -> list[dict[str, Any]]:
         return list(self.get("/v1/sources").get("sources", []))
 
-    def advice(self, itl_target_ms: float, **params: Any) -> dict[str, Any]:
-        return self.get("/v1/advice/chunk-size", itl_target_ms=itl_target_ms, **params)
+    def advice(self, itl_target_ms: float, **params: Any) -> ChunkSizeAdvice:
+        """The advice, decoded into the record the ledger built it as."""
+        answer = self.get("/v1/advice/chunk-size", itl_target_ms=itl_target_ms, **params)
+        return msgspec.convert(answer, ChunkSizeAdvice)
 
     def whatif(self, **params: Any) -> dict[str, Any]:
         """``GET /v1/whatif`` (not cached: every call is a replay the user asked for)."""

@@ -3,15 +3,15 @@ target the user types, and what they predict."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pandas as pd
 import streamlit as st
 
 from dashboard import charts, ui
 from dashboard.data import LedgerData, Refused, Unavailable
+from ledger.advice.answer import ChunkSizeAdvice, CoefficientRow
 from ledger.client import LedgerError
+from ledger.records import as_json
 
 PLOT_STEPS = 3000
 
@@ -48,25 +48,25 @@ def _curve_value(term: str, t: np.ndarray, depth: float, decodes: float, kv: flo
     }.get(term, np.zeros_like(t))
 
 
-def predict_points(coefs: list[dict[str, Any]], df: pd.DataFrame) -> np.ndarray:
-    return sum((c["ms_per_unit"] * _term_values(c["term"], df) for c in coefs), np.zeros(len(df)))
+def predict_points(coefs: list[CoefficientRow], df: pd.DataFrame) -> np.ndarray:
+    return sum((c.ms_per_unit * _term_values(c.term, df) for c in coefs), np.zeros(len(df)))
 
 
-def curves(advice: dict[str, Any]) -> pd.DataFrame:
-    fit, load = advice["fit"], advice["load"]
-    coefs = fit["coefficients"]
-    hi = max(fit["covers"]["prefill_tokens"][1], 1)
+def curves(advice: ChunkSizeAdvice) -> pd.DataFrame:
+    fit, load = advice.fit, advice.load
+    coefs = fit.coefficients
+    hi = max(fit.covers.prefill_tokens[1], 1)
     t = np.linspace(0, hi, 60)
-    decodes = float(load["decode_batch_p50"])
-    kv = float(load["kv_usage_p99"])
+    decodes = float(load.decode_batch_p50)
+    kv = float(load.kv_usage_p99)
     out = []
     for label, depth in (
         ("depth 0", 0.0),
-        (f"depth p50 ({load['prefill_depth_p50']:,})", float(load["prefill_depth_p50"])),
-        (f"depth p99 ({load['prefill_depth_p99']:,})", float(load["prefill_depth_p99"])),
+        (f"depth p50 ({load.prefill_depth_p50:,})", float(load.prefill_depth_p50)),
+        (f"depth p99 ({load.prefill_depth_p99:,})", float(load.prefill_depth_p99)),
     ):
         y = sum(
-            (c["ms_per_unit"] * _curve_value(c["term"], t, depth, decodes, kv) for c in coefs),
+            (c.ms_per_unit * _curve_value(c.term, t, depth, decodes, kv) for c in coefs),
             np.zeros_like(t),
         )
         out.append(
@@ -75,16 +75,15 @@ def curves(advice: dict[str, Any]) -> pd.DataFrame:
     return pd.concat(out, ignore_index=True)
 
 
-def observed_steps(data: LedgerData, advice: dict[str, Any]) -> pd.DataFrame | None:
-    w = advice.get("window", {})
-    sources = w.get("source_ids") or []
-    if not sources:
+def observed_steps(data: LedgerData, advice: ChunkSizeAdvice) -> pd.DataFrame | None:
+    w = advice.window
+    if not w.source_ids:
         return None
-    where = ["source_id IN (" + ", ".join(ui.sql_literal(s) for s in sources) + ")"]
-    if w.get("first_step_ts") is not None:
-        where.append(f"ts >= {float(w['first_step_ts'])!r}")
-    if w.get("last_step_ts") is not None:
-        where.append(f"ts <= {float(w['last_step_ts'])!r}")
+    where = ["source_id IN (" + ", ".join(ui.sql_literal(s) for s in w.source_ids) + ")"]
+    if w.first_step_ts is not None:
+        where.append(f"ts >= {float(w.first_step_ts)!r}")
+    if w.last_step_ts is not None:
+        where.append(f"ts <= {float(w.last_step_ts)!r}")
     try:
         df = data.sql(
             "SELECT duration_s, prefill_tokens, prefill_depth_tokens, max_prefill_depth, num_prefill_reqs, "
@@ -98,42 +97,41 @@ def observed_steps(data: LedgerData, advice: dict[str, Any]) -> pd.DataFrame | N
         return None
     df = df.astype(float)
     df["duration_ms"] = df["duration_s"] * 1e3
-    df["predicted_ms"] = predict_points(advice["fit"]["coefficients"], df)
+    df["predicted_ms"] = predict_points(advice.fit.coefficients, df)
     return df
 
 
-def show(data: LedgerData, advice: dict[str, Any]) -> None:
+def show(data: LedgerData, advice: ChunkSizeAdvice) -> None:
     settings_(advice)
     fit_(data, advice)
 
 
-def settings_(advice: dict[str, Any]) -> None:
-    s, p = advice["settings"], advice["predicted"]
+def settings_(advice: ChunkSizeAdvice) -> None:
+    s, p, tp = advice.settings, advice.predicted, advice.throughput
     c = st.columns(4)
-    c[0].metric("max_num_batched_tokens", f"{s['max_num_batched_tokens']:,}")
-    c[1].metric("long_prefill_token_threshold", f"{s['long_prefill_token_threshold']:,}")
-    c[2].metric("predicted ITL p99", f"{p['itl_p99_ms']:,.1f} ms", help=f"at depth {advice['depth']:,}")
-    c[3].metric("predicted ITL p99 at depth 0", f"{p['itl_p99_at_depth_0_ms']:,.1f} ms")
-    tp = advice.get("throughput", {})
+    c[0].metric("max_num_batched_tokens", f"{s.max_num_batched_tokens:,}")
+    c[1].metric("long_prefill_token_threshold", f"{s.long_prefill_token_threshold:,}")
+    c[2].metric("predicted ITL p99", f"{p.itl_p99_ms:,.1f} ms", help=f"at depth {advice.depth:,}")
+    c[3].metric("predicted ITL p99 at depth 0", f"{p.itl_p99_at_depth_0_ms:,.1f} ms")
     st.caption(
-        f"prefill budget per step {advice['prefill_budget_ms']:,.1f} ms (target - decode at p99 batch "
-        f"{advice['decode_ms']['at_p99_batch']:,.1f} ms), margin {advice['margin_ms']:,.1f} ms "
-        f"({advice['margin_from']}); prefill throughput {tp.get('prefill_tokens_per_s', 0):,.0f} tokens/s vs "
-        f"{tp.get('unconstrained_tokens_per_s', 0):,.0f} unconstrained (cost {tp.get('cost', 0):.0%})"
+        f"prefill budget per step {advice.prefill_budget_ms:,.1f} ms (target - decode at p99 batch "
+        f"{advice.decode_ms.at_p99_batch:,.1f} ms), margin {advice.margin_ms:,.1f} ms "
+        f"({advice.margin_from}); prefill throughput {tp.prefill_tokens_per_s or 0:,.0f} tokens/s vs "
+        f"{tp.unconstrained_tokens_per_s:,.0f} unconstrained (cost {tp.cost:.0%})"
     )
-    for note in advice.get("notes", []):
+    for note in advice.notes:
         st.warning(note)
 
 
-def fit_(data: LedgerData, advice: dict[str, Any]) -> None:
+def fit_(data: LedgerData, advice: ChunkSizeAdvice) -> None:
     """The fitted step-time model over the steps it used (it does not depend on the ITL target)."""
-    fit = advice["fit"]
+    fit = advice.fit
     st.subheader("Fitted step time")
     st.markdown(
-        f"`step_ms = {fit['model']}` · R² {fit['r2']:.3f} · "
-        f"cross-validated error {fit['cv_rel_error']:.1%} · "
-        f"residual p50 {fit['residual_ms']['p50']:.2f} ms, p99 {fit['residual_ms']['p99']:.2f} ms, "
-        f"max {fit['residual_ms']['max']:.2f} ms · {fit['steps_used']:,} steps"
+        f"`step_ms = {fit.model}` · R² {fit.r2:.3f} · "
+        f"cross-validated error {fit.cv_rel_error:.1%} · "
+        f"residual p50 {fit.residual_ms.p50:.2f} ms, p99 {fit.residual_ms.p99:.2f} ms, "
+        f"max {fit.residual_ms.max:.2f} ms · {fit.steps_used:,} steps"
     )
     pts = observed_steps(data, advice)
     if pts is None:
@@ -157,11 +155,11 @@ def fit_(data: LedgerData, advice: dict[str, Any]) -> None:
         left.altair_chart(charts.step_fit(pts, curves(advice)))
         right.altair_chart(charts.residuals(pts))
         st.caption(f"the newest {len(pts):,} of the steps the fit read")
-    st.dataframe(pd.DataFrame(fit["coefficients"]), hide_index=True)
+    st.dataframe(pd.DataFrame(as_json(fit.coefficients)), hide_index=True)
     st.subheader("By depth")
-    st.dataframe(pd.DataFrame(advice["by_depth"]), hide_index=True)
+    st.dataframe(pd.DataFrame(as_json(advice.by_depth)), hide_index=True)
     with st.expander("what the fit covers and the load it saw"):
-        st.json({"covers": fit["covers"], "load": advice["load"], "window": advice["window"]})
+        st.json(as_json({"covers": fit.covers, "load": advice.load, "window": advice.window}))
 
 
 def fit_for_refused(ctx: ui.Context, target: float, model: str | None, share: float) -> None:

@@ -12,6 +12,7 @@ from dashboard import charts, ui
 from dashboard.data import Unavailable
 from dashboard.frames import bucket_domain, bucket_for, data_span, throughput
 from ledger.client import LedgerError
+from ledger.records import as_json
 
 PREEMPTED_ROWS = 50  # the preempted requests listed under the chart, most preempted first
 
@@ -20,13 +21,11 @@ def stall_ranking(ctx: ui.Context) -> None:
     st.subheader("Live: held KV without progress")
     with ui.ledger_errors("KV stalls"):
         doc = ctx.data.kv_stalls(limit=50)
-        df = pd.DataFrame(doc.get("requests", []))
+        df = pd.DataFrame(as_json(doc.requests))
         if df.empty:
             st.caption("no live requests right now")
             return
-        st.caption(
-            f"live requests ranked by seconds since their last token or step, at {ui.fmt_ts(doc['now'])}"
-        )
+        st.caption(f"live requests ranked by seconds since their last token or step, at {ui.fmt_ts(doc.now)}")
         df.insert(1, "open", "request?id=" + df["request_id"].astype(str))
         st.altair_chart(
             charts.bars(

@@ -47,15 +47,16 @@ def itl_over_time(data: LedgerData, since_s: float, bucket_s: float, now: float)
     t = start
     while t < now:
         s = data.itl(f"{t:.3f}", f"{t + bucket_s:.3f}")
-        if s and s.get("n"):
+        if s and s.n:
             for k in (*TAILS, "max"):
-                if s.get(k) is not None:
+                v = getattr(s, k)
+                if v is not None:
                     rows.append(
                         {
                             "time": pd.to_datetime(t, unit="s", utc=True),
                             "tail": k,
-                            "ms": s[k] * 1e3,
-                            "n": s["n"],
+                            "ms": v * 1e3,
+                            "n": s.n,
                         }
                     )
         t += bucket_s
@@ -97,13 +98,13 @@ def live(ctx: ui.Context) -> None:
     st.subheader("Live")
     with ui.ledger_errors("live queue"):
         stalls = ctx.data.kv_stalls(limit=1000)
-        rows = stalls.get("requests", [])
-        running = sum(1 for r in rows if r.get("state") == "running")
-        waiting = sum(1 for r in rows if r.get("state") == "waiting")
+        rows = stalls.requests
+        running = sum(1 for r in rows if r.state == "running")
+        waiting = sum(1 for r in rows if r.state == "waiting")
         c = st.columns(4)
         c[0].metric("running", f"{running:,}")
         c[1].metric("waiting", f"{waiting:,}")
-        worst = max((max(r.get("stall_s") or 0.0, 0.0) for r in rows), default=None)
+        worst = max((max(r.stall_s, 0.0) for r in rows), default=None)
         c[2].metric("longest without progress", ui.fmt_ms(worst) if worst is not None else "-")
         c[3].page_link("views/kv.py", label="KV stall ranking →")
         if len(rows) >= 1000:

@@ -11,7 +11,9 @@ import streamlit as st
 from dashboard import charts, ui
 from dashboard.data import LedgerData, NotFound, Unavailable
 from dashboard.frames import LAYER_NAMES, LAYERS, timeline
+from ledger.analytics.why_answer import Why
 from ledger.client import LedgerError
+from ledger.records import as_json
 
 
 def step_bars(data: LedgerData, request: dict[str, Any], t0: float) -> pd.DataFrame | None:
@@ -63,19 +65,14 @@ def layers_table(r: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def why_list(why: dict[str, Any]) -> None:
-    items = why.get("items", [])
-    if not items:
+def why_list(why: Why) -> None:
+    if not why.items:
         st.caption("nothing delayed this request beyond its own work")
         return
-    for i, item in enumerate(items, 1):
-        st.markdown(
-            f"**{i}. {item['kind'].replace('_', ' ')}: {ui.fmt_ms(item.get('seconds'))}** — "
-            f"{item.get('detail', '')}"
-        )
-        culprits = item.get("culprits") or []
-        if culprits:
-            df = pd.DataFrame(culprits)
+    for i, item in enumerate(why.items, 1):
+        st.markdown(f"**{i}. {item.kind.replace('_', ' ')}: {ui.fmt_ms(item.seconds)}** — {item.detail}")
+        if item.culprits:
+            df = pd.DataFrame(as_json(item.culprits))
             df.insert(1, "open", "request?id=" + df["request_id"].astype(str))
             st.dataframe(
                 df,
@@ -95,7 +92,7 @@ def render(data: LedgerData, request_id: str) -> None:
         st.warning(f"no request {request_id!r} in this ledger")
         return
     r, events = doc["request"], doc["events"]
-    why: dict[str, Any] | None = None
+    why: Why | None = None
     with ui.ledger_errors("why"):
         why = data.why(request_id)
     st.subheader(request_id)
@@ -128,13 +125,13 @@ def render(data: LedgerData, request_id: str) -> None:
             st.info(f"rule **{r['cut_rule']}**: {done} (an escape valve; the request was not cut off)")
     with ui.ledger_errors("ITL"):
         itl = data.request_itl(request_id)
-        if itl.get("n"):
+        if itl.n:
             st.caption(
-                f"inter-token gaps: n {itl['n']}, p50 {ui.fmt_ms(itl['p50'])}, p90 {ui.fmt_ms(itl['p90'])}, "
-                f"p99 {ui.fmt_ms(itl['p99'])}, max {ui.fmt_ms(itl['max'])} (mean {ui.fmt_ms(itl['mean'])})"
+                f"inter-token gaps: n {itl.n}, p50 {ui.fmt_ms(itl.p50)}, p90 {ui.fmt_ms(itl.p90)}, "
+                f"p99 {ui.fmt_ms(itl.p99)}, max {ui.fmt_ms(itl.max)} (mean {ui.fmt_ms(itl.mean)})"
             )
     st.markdown("#### Timeline")
-    bars = timeline(r, events, why)
+    bars = timeline(r, events, as_json(why) if why is not None else None)
     t0 = (
         r.get("start_ts")
         or r.get("arrived_ts")

@@ -6,7 +6,8 @@
 * ``report``    the table the CLI prints;
 * ``profile``   the plan of a profile run on a real engine, and the tables and fit of its steps (the
                 driver that runs it on vLLM is ``engine_hooks.vllm.profile``);
-* ``service``   ``chunk_size_advice``: the one call the API and the CLI (``--db``) share;
+* ``answer``    ``AdviceQuery`` (what is asked, for the API and the CLI alike) and the answer's records;
+* ``service``   ``chunk_size_advice``: the stages the API, the CLI (``--db``) and the bench share;
 * ``defaults``  the defaults the CLI's options and the API's parameters show (no heavy imports).
 
 The package itself imports nothing, so ``chunkledger --help`` does not load numpy or the store.

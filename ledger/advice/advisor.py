@@ -37,11 +37,25 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
-from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, MIN_USEFUL_CHUNK
+from ledger.advice.answer import (
+    Advice,
+    AdviceBasis,
+    AdviceLoad,
+    AdviceQuery,
+    AdvisedSettings,
+    BetweenSteps,
+    DecodeMs,
+    DepthRow,
+    Predicted,
+    StepMs,
+    Throughput,
+)
 from ledger.advice.fit import StepTimeFit, check_data, fit_step_time
 from ledger.advice.terms import StepData
+from ledger.records import as_json
 from ledger.refusal import Refusal
 
 NOISY_FIT = 0.25  # cross-validated relative error above which the advice says the fit is poor
@@ -112,17 +126,39 @@ class DepthAdvice:
     unconstrained_tokens_per_s: float  # at the largest prefill step the data covers, same depth
     throughput_ratio: float | None
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "depth": self.depth,
-            "status": self.status,
-            "chunk_tokens": self.chunk_tokens,
-            "needed_tokens": self.needed_tokens,
-            "predicted_step_p99_ms": None if self.predicted_step_s is None else self.predicted_step_s * 1e3,
-            "prefill_tokens_per_s": self.prefill_tokens_per_s,
-            "unconstrained_tokens_per_s": self.unconstrained_tokens_per_s,
-            "throughput_vs_unconstrained": self.throughput_ratio,
-        }
+    def row(self) -> DepthRow:
+        return DepthRow(
+            depth=int(self.depth),
+            status=self.status,  # type: ignore[arg-type]
+            chunk_tokens=self.chunk_tokens,
+            needed_tokens=self.needed_tokens,
+            predicted_step_p99_ms=None if self.predicted_step_s is None else self.predicted_step_s * 1e3,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            unconstrained_tokens_per_s=self.unconstrained_tokens_per_s,
+            throughput_vs_unconstrained=self.throughput_ratio,
+        )
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The time per step the target leaves, and what every predicted step is charged on top."""
+
+    target_s: float
+    decode_p50_s: float  # predicted decode-only step at the p50 and p99 decode batch
+    decode_p99_s: float
+    margin_s: float  # residual p99 near the target
+    margin_from: str
+    gap_s: float  # median host time between steps
+
+    @property
+    def prefill_s(self) -> float:
+        """Prefill budget per step: target - decode time at the p99 batch - the gap between steps."""
+        return self.target_s - self.decode_p99_s - self.gap_s
+
+    @property
+    def allowance_s(self) -> float:
+        """Added to every predicted step: the residual p99 and the gap."""
+        return self.margin_s + self.gap_s
 
 
 class Advisor:
@@ -179,27 +215,30 @@ class Advisor:
         tput = chunk / (pred - margin_s)
         return DepthAdvice(depth, status, chunk, None, pred, tput, unconstrained, tput / unconstrained)
 
-    # -- the advice ------------------------------------------------------------------------------
-    def advise(
-        self,
-        itl_target_ms: float,
-        *,
-        depth: int | None = None,
-        arrival_share: float = DEFAULT_ARRIVAL_SHARE,
-        min_chunk: int = MIN_USEFUL_CHUNK,
-    ) -> dict[str, Any]:
-        if not itl_target_ms > 0:
-            raise AdviceError("bad_target", "itl_target_ms must be > 0", status=422)
-        if not 0 <= arrival_share < 1:
-            raise AdviceError("bad_arrival_share", "arrival_share must be in [0, 1)", status=422)
-        if min_chunk < 1:
-            raise AdviceError("bad_min_chunk", "min_chunk must be >= 1", status=422)
-        target_s = itl_target_ms / 1e3
-        load, ranges = self.load, self.fit.ranges
-        d_hi = int(ranges.max_prefill_depth[1])
+    # -- the advice, in stages ------------------------------------------------------------------
+    def advise(self, query: AdviceQuery) -> Advice:
+        """The settings for ``query``'s target (see the module docstring): the budget, the largest
+        chunk at each depth, then the settings, or an AdviceError carrying what the data does say."""
+        depth = self.advised_depth(query.depth)
+        budget = self.budget(query.itl_target_ms / 1e3)
+        depths = sorted(
+            {0, self.load.prefill_depth_p50, self.load.prefill_depth_p99, self._depth_max(), depth}
+        )
+        b99 = self.load.decode_batch_p99
+        by_depth = {d: self.at_depth(d, budget.target_s, budget.allowance_s, b99) for d in depths}
+        basis = self.basis(query.itl_target_ms, budget, depth, [by_depth[d] for d in depths])
+        chunk = self.chunk(basis, budget, by_depth[depth], query.min_chunk)
+        return self.settings(basis, budget, by_depth, chunk, query.arrival_share)
+
+    def _depth_max(self) -> int:
+        return int(self.fit.ranges.max_prefill_depth[1])
+
+    def advised_depth(self, depth: int | None) -> int:
+        """The depth to advise at: the p99 seen, or the one asked if the data covers it."""
+        d_hi = self._depth_max()
         if depth is None:
-            depth = load.prefill_depth_p99
-        elif not 0 <= depth <= d_hi:
+            return self.load.prefill_depth_p99
+        if not 0 <= depth <= d_hi:
             raise AdviceError(
                 "depth_outside_data",
                 f"depth={depth} is outside the depths the data covers (0..{d_hi}); the fit would "
@@ -207,91 +246,137 @@ class Advisor:
                 status=422,
                 covered=[0, d_hi],
             )
-        b50, b99 = load.decode_batch_p50, load.decode_batch_p99
-        decode50, decode99 = self.decode_s(b50), self.decode_s(b99)
+        return depth
+
+    def budget(self, target_s: float) -> Budget:
         margin_s, margin_from = self.margin(target_s)
-        gap_s = load.gap_p50_s
-        budget_s = target_s - decode99 - gap_s
-        allowance_s = margin_s + gap_s  # added to every predicted step: residual p99 and the gap
-        depths = sorted({0, load.prefill_depth_p50, load.prefill_depth_p99, d_hi, depth})
-        by_depth = {d: self.at_depth(d, target_s, allowance_s, b99) for d in depths}
-        main = by_depth[depth]
-        base: dict[str, Any] = {
-            "itl_target_ms": itl_target_ms,
-            "load": {
-                "decode_batch_p50": b50,
-                "decode_batch_p99": b99,
-                "prefill_depth_p50": load.prefill_depth_p50,
-                "prefill_depth_p99": load.prefill_depth_p99,
-                "kv_usage_p99": load.kv_usage_p99,
-                "observed_step_p99_ms": load.step_p99_s * 1e3,
-                "observed_decode_only_step_ms": None
-                if load.decode_only_step_p50_s is None
-                else {"p50": load.decode_only_step_p50_s * 1e3, "p99": load.decode_only_step_p99_s * 1e3},  # type: ignore[operator]
-            },
-            "decode_ms": {"at_p50_batch": decode50 * 1e3, "at_p99_batch": decode99 * 1e3},
-            "prefill_budget_ms": budget_s * 1e3,
-            "margin_ms": margin_s * 1e3,
-            "between_steps_ms": {
-                "p50": load.gap_p50_s * 1e3,
-                "p99": load.gap_p99_s * 1e3,
-                "steps": load.gap_steps,
-            },
-            "margin_from": margin_from,
-            "depth": depth,
-            "by_depth": [by_depth[d].as_dict() for d in depths],
-            "fit": self.fit.as_dict(),
-        }
-        if budget_s - margin_s <= 0:
+        return Budget(
+            target_s=target_s,
+            decode_p50_s=self.decode_s(self.load.decode_batch_p50),
+            decode_p99_s=self.decode_s(self.load.decode_batch_p99),
+            margin_s=margin_s,
+            margin_from=margin_from,
+            gap_s=self.load.gap_p50_s,
+        )
+
+    def basis(self, itl_target_ms: float, budget: Budget, depth: int, rows: list[DepthAdvice]) -> AdviceBasis:
+        """What the advice stands on: the load, decode time, budget, margin, and each depth's chunk."""
+        load = self.load
+        seen = None
+        if load.decode_only_step_p50_s is not None and load.decode_only_step_p99_s is not None:
+            seen = StepMs(p50=load.decode_only_step_p50_s * 1e3, p99=load.decode_only_step_p99_s * 1e3)
+        return AdviceBasis(
+            itl_target_ms=itl_target_ms,
+            load=AdviceLoad(
+                decode_batch_p50=load.decode_batch_p50,
+                decode_batch_p99=load.decode_batch_p99,
+                prefill_depth_p50=load.prefill_depth_p50,
+                prefill_depth_p99=load.prefill_depth_p99,
+                kv_usage_p99=load.kv_usage_p99,
+                observed_step_p99_ms=load.step_p99_s * 1e3,
+                observed_decode_only_step_ms=seen,
+            ),
+            decode_ms=DecodeMs(
+                at_p50_batch=budget.decode_p50_s * 1e3, at_p99_batch=budget.decode_p99_s * 1e3
+            ),
+            prefill_budget_ms=budget.prefill_s * 1e3,
+            margin_ms=budget.margin_s * 1e3,
+            between_steps_ms=BetweenSteps(
+                p50=load.gap_p50_s * 1e3, p99=load.gap_p99_s * 1e3, steps=load.gap_steps
+            ),
+            margin_from=budget.margin_from,
+            depth=depth,
+            by_depth=[r.row() for r in rows],
+            fit=self.fit.summary(),
+        )
+
+    def chunk(self, basis: AdviceBasis, budget: Budget, main: DepthAdvice, min_chunk: int) -> int:
+        """The advised prefill tokens per step, or the refusal: no prefill fits, the target needs chunks
+        smaller than the data covers, or it leaves fewer than ``min_chunk`` tokens."""
+        target_ms, depth, b99 = basis.itl_target_ms, basis.depth, self.load.decode_batch_p99
+        decode99, gap_s, margin_s = budget.decode_p99_s, budget.gap_s, budget.margin_s
+        partial = as_json(basis)
+        if budget.prefill_s - margin_s <= 0:
+            needed = math.ceil((decode99 + gap_s + margin_s) * 1e3)
             raise AdviceError(
                 "target_unreachable",
-                f"a {itl_target_ms:g} ms ITL target is at or below decode time at the p99 batch "
+                f"a {target_ms:g} ms ITL target is at or below decode time at the p99 batch "
                 f"({decode99 * 1e3:.1f} ms for {b99} decodes), the gap between steps ({gap_s * 1e3:.1f} ms) "
-                f"and the margin ({margin_s * 1e3:.1f} ms): "
-                f"no prefill fits; raise itl_target_ms above "
-                f"{math.ceil((decode99 + gap_s + margin_s) * 1e3)} ms (more for a useful chunk) or lower "
-                f"the decode batch (max_num_seqs)",
-                advice=base,
-                needed_itl_target_ms=math.ceil((decode99 + gap_s + margin_s) * 1e3),
+                f"and the margin ({margin_s * 1e3:.1f} ms): no prefill fits; raise itl_target_ms above "
+                f"{needed} ms (more for a useful chunk) or lower the decode batch (max_num_seqs)",
+                advice=partial,
+                needed_itl_target_ms=needed,
             )
         if main.chunk_tokens is None:
-            smallest = int(ranges.prefill_tokens[0])
+            smallest = int(self.fit.ranges.prefill_tokens[0])
             raise AdviceError(
                 "outside_data",
                 f"at depth {depth} the target needs prefill steps under {smallest} tokens, smaller than "
                 f"any in the data (the fit says about {main.needed_tokens or 0}); profile smaller chunks "
-                f"at that depth (chunkledger profile) or raise the target",
-                advice=base,
+                "at that depth (chunkledger profile) or raise the target",
+                advice=partial,
             )
         chunk = main.chunk_tokens
         if chunk < min_chunk:
-            need_s = float(self.predict_s(min_chunk, depth, b99)) + allowance_s
+            need_s = float(self.predict_s(min_chunk, depth, b99)) + budget.allowance_s
             raise AdviceError(
                 "chunk_too_small",
-                f"at depth {depth} a {itl_target_ms:g} ms ITL target leaves {chunk} prefill tokens per "
+                f"at depth {depth} a {target_ms:g} ms ITL target leaves {chunk} prefill tokens per "
                 f"step (decode {decode99 * 1e3:.1f} ms for {b99} decodes, margin {margin_s * 1e3:.1f} ms, "
                 f"gap {gap_s * 1e3:.1f} ms), fewer than a useful chunk ({min_chunk}): a budget of "
                 f"{chunk + b99} tokens could not hold the decode batch and a chunk. Raise itl_target_ms "
                 f"to at least {math.ceil(need_s * 1e3)} ms, or lower the decode batch (max_num_seqs)",
-                advice=base,
+                advice=partial,
                 needed_itl_target_ms=math.ceil(need_s * 1e3),
                 chunk_tokens=chunk,
                 min_chunk=min_chunk,
             )
-        settings = {
-            "max_num_batched_tokens": _floor_to(chunk + b99, SETTING_MULTIPLE),
-            "long_prefill_token_threshold": _floor_to((1 - arrival_share) * chunk, SETTING_MULTIPLE),
-        }
-        prefill_share = settings["max_num_batched_tokens"] - b99
-        worst = float(self.predict_s(prefill_share, depth, b99)) + allowance_s
-        shallow = float(self.predict_s(prefill_share, 0, b99)) + allowance_s
+        return chunk
+
+    def settings(
+        self,
+        basis: AdviceBasis,
+        budget: Budget,
+        by_depth: dict[int, DepthAdvice],
+        chunk: int,
+        arrival_share: float,
+    ) -> Advice:
+        """The engine settings for ``chunk``, what they predict and cost, and the notes."""
+        depth, b99 = basis.depth, self.load.decode_batch_p99
+        main = by_depth[depth]
+        settings = AdvisedSettings(
+            max_num_batched_tokens=_floor_to(chunk + b99, SETTING_MULTIPLE),
+            long_prefill_token_threshold=_floor_to((1 - arrival_share) * chunk, SETTING_MULTIPLE),
+        )
+        prefill_share = settings.max_num_batched_tokens - b99
+        worst = float(self.predict_s(prefill_share, depth, b99)) + budget.allowance_s
+        shallow = float(self.predict_s(prefill_share, 0, b99)) + budget.allowance_s
+        threshold = settings.long_prefill_token_threshold
+        return Advice(
+            **msgspec.structs.asdict(basis),
+            prefill_tokens_per_step=chunk,
+            settings=settings,
+            arrival_share=arrival_share,
+            predicted=Predicted(itl_p99_ms=worst * 1e3, itl_p99_at_depth_0_ms=shallow * 1e3),
+            throughput=Throughput(
+                prefill_tokens_per_s=main.prefill_tokens_per_s,
+                unconstrained_tokens_per_s=main.unconstrained_tokens_per_s,
+                unconstrained_chunk_tokens=int(self.fit.ranges.prefill_tokens[1]),
+                cost=1 - (main.throughput_ratio or 0.0),
+                long_prompt_tokens_per_s=threshold / float(self.predict_s(threshold, depth, b99)),
+            ),
+            notes=self.notes(main, settings, by_depth[self._depth_max()], depth),
+        )
+
+    def notes(self, main: DepthAdvice, settings: AdvisedSettings, deep: DepthAdvice, depth: int) -> list[str]:
+        """What the reader should know about the advice: capped, a small budget, a poor fit, deep prompts."""
         notes = []
         if main.status == "capped":
             notes.append(
-                f"the target allows more than the largest prefill step in the data ({chunk} tokens); "
-                "the advice stops there: profile larger chunks to go further"
+                f"the target allows more than the largest prefill step in the data ({main.chunk_tokens} "
+                "tokens); the advice stops there: profile larger chunks to go further"
             )
-        if settings["max_num_batched_tokens"] < 256:
+        if settings.max_num_batched_tokens < 256:
             notes.append("vLLM requires max_num_seqs <= max_num_batched_tokens: lower max_num_seqs too")
         if self.fit.cv_rel_error > NOISY_FIT:
             notes.append(
@@ -299,41 +384,15 @@ class Advisor:
                 "steps vary for reasons outside the model (a busy machine, swapping, other tenants); "
                 "the margin carries it, so the advice is conservative"
             )
-        deep = by_depth[d_hi]
         if deep.status in ("below_data", "unreachable"):
             notes.append(
-                f"the deepest chunks seen (depth {d_hi}) cannot meet the target with any chunk the data "
-                "covers; they are rarer than p99, so the advice is for depth "
+                f"the deepest chunks seen (depth {self._depth_max()}) cannot meet the target with any chunk "
+                "the data covers; they are rarer than p99, so the advice is for depth "
                 f"{depth}: expect steps above the target while such prompts prefill"
             )
-        return {
-            **base,
-            "prefill_tokens_per_step": chunk,
-            "settings": settings,
-            "arrival_share": arrival_share,
-            "predicted": {
-                "itl_p99_ms": worst * 1e3,
-                "itl_p99_at_depth_0_ms": shallow * 1e3,
-            },
-            "throughput": {
-                "prefill_tokens_per_s": main.prefill_tokens_per_s,
-                "unconstrained_tokens_per_s": main.unconstrained_tokens_per_s,
-                "unconstrained_chunk_tokens": int(ranges.prefill_tokens[1]),
-                "cost": 1 - (main.throughput_ratio or 0.0),
-                "long_prompt_tokens_per_s": settings["long_prefill_token_threshold"]
-                / float(self.predict_s(settings["long_prefill_token_threshold"], depth, b99)),
-            },
-            "notes": notes,
-        }
+        return notes
 
 
-def advise(
-    data: StepData,
-    itl_target_ms: float,
-    *,
-    depth: int | None = None,
-    arrival_share: float = DEFAULT_ARRIVAL_SHARE,
-    min_chunk: int = MIN_USEFUL_CHUNK,
-) -> dict[str, Any]:
-    """Fit ``data`` and advise for ``itl_target_ms`` (see the module docstring)."""
-    return Advisor(data).advise(itl_target_ms, depth=depth, arrival_share=arrival_share, min_chunk=min_chunk)
+def advise(data: StepData, query: AdviceQuery) -> Advice:
+    """Fit ``data`` and advise for ``query`` (see the module docstring)."""
+    return Advisor(data).advise(query)

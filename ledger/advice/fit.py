@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ledger.advice.answer import CoefficientRow, Covers, FitSummary, Residuals, TermChoice
 from ledger.advice.regression import (
     CV_CLIP,
     CV_FOLDS,
@@ -77,15 +78,15 @@ class Coefficient:
     value_s: float  # seconds per unit of the term
     stderr_s: float
 
-    def as_dict(self) -> dict[str, Any]:
+    def row(self) -> CoefficientRow:
         t = TERMS[self.term]
-        return {
-            "term": self.term,
-            "meaning": t.doc,
-            "ms_per_unit": self.value_s * 1e3,
-            "unit": t.unit,
-            "stderr_ms": self.stderr_s * 1e3,
-        }
+        return CoefficientRow(
+            term=self.term,
+            meaning=t.doc,
+            ms_per_unit=float(self.value_s * 1e3),
+            unit=t.unit,
+            stderr_ms=float(self.stderr_s * 1e3),
+        )
 
 
 @dataclass(frozen=True)
@@ -100,16 +101,16 @@ class Ranges:
     num_decode_reqs: tuple[float, float]  # min, max over all steps
     duration_s: tuple[float, float]
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "prefill_steps": self.prefill_steps,
-            "decode_only_steps": self.decode_only_steps,
-            "prefill_tokens": [int(v) for v in self.prefill_tokens],
-            "prefill_depth": [int(v) for v in self.max_prefill_depth],
-            "decode_batch": [int(v) for v in self.num_decode_reqs],
-            "duration_ms": [self.duration_s[0] * 1e3, self.duration_s[1] * 1e3],
-        }
+    def covers(self) -> Covers:
+        return Covers(
+            steps=int(self.steps),
+            prefill_steps=int(self.prefill_steps),
+            decode_only_steps=int(self.decode_only_steps),
+            prefill_tokens=[int(v) for v in self.prefill_tokens],
+            prefill_depth=[int(v) for v in self.max_prefill_depth],
+            decode_batch=[int(v) for v in self.num_decode_reqs],
+            duration_ms=[float(self.duration_s[0] * 1e3), float(self.duration_s[1] * 1e3)],
+        )
 
 
 @dataclass(frozen=True)
@@ -160,22 +161,29 @@ class StepTimeFit:
             out = out + c.value_s * TERMS[c.term].single(t, dep, b, k)
         return out
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "model": " + ".join("a" if c.term == "intercept" else f"{c.term}" for c in self.coefficients),
-            "coefficients": [c.as_dict() for c in self.coefficients],
-            "r2": self.r2,
-            "residual_ms": {
-                "p50": self.residual_p50_s * 1e3,
-                "p99": self.residual_p99_s * 1e3,
-                "max": self.residual_max_s * 1e3,
-            },
-            "cv_rel_error": self.cv_rel_error,
-            "outliers_downweighted": self.outliers,
-            "steps_used": self.ranges.steps,
-            "covers": self.ranges.as_dict(),
-            "term_selection": list(self.selection),
-        }
+    def summary(self) -> FitSummary:
+        """The fit as the advice reports it: its formula, coefficients, quality and coverage."""
+        return FitSummary(
+            model=" + ".join("a" if c.term == "intercept" else f"{c.term}" for c in self.coefficients),
+            coefficients=[c.row() for c in self.coefficients],
+            r2=float(self.r2),
+            residual_ms=Residuals(
+                p50=float(self.residual_p50_s * 1e3),
+                p99=float(self.residual_p99_s * 1e3),
+                max=float(self.residual_max_s * 1e3),
+            ),
+            cv_rel_error=float(self.cv_rel_error),
+            outliers_downweighted=int(self.outliers),
+            steps_used=int(self.ranges.steps),
+            covers=self.ranges.covers(),
+            term_selection=[_choice(s) for s in self.selection],
+        )
+
+
+def _choice(step: dict[str, Any]) -> TermChoice:
+    """One step of the term selection as a record (numpy's floats as Python's)."""
+    plain: dict[str, Any] = {k: float(v) if isinstance(v, float) else v for k, v in step.items()}
+    return TermChoice(**plain)
 
 
 def check_data(data: StepData, *, min_steps: int = MIN_STEPS) -> StepData:

@@ -25,8 +25,10 @@ import numpy as np
 
 from engine_hooks import events as ev
 from ledger.advice.advisor import Advisor
+from ledger.advice.answer import AdviceQuery
 from ledger.advice.fit import FitError, fit_step_time
 from ledger.advice.terms import StepData
+from ledger.records import as_json
 
 
 class ProfileError(RuntimeError):
@@ -201,12 +203,13 @@ class ProfileResult:
         except FitError as exc:
             out["fit_error"] = {"reason": exc.reason, "detail": str(exc)}
             return out
-        out["fit"] = fit.as_dict()
+        out["fit"] = as_json(fit.summary())
         if itl_target_ms is not None:
             from ledger.advice.advisor import AdviceError
 
             try:
-                out["advice"] = Advisor(data, fit).advise(itl_target_ms)
+                advice = Advisor(data, fit).advise(AdviceQuery(itl_target_ms=itl_target_ms))
+                out["advice"] = as_json(advice)
                 out["advice"].pop("fit", None)
             except AdviceError as exc:
                 out["advice_error"] = {"reason": exc.reason, "detail": str(exc)}

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 
 from ledger import schema
 from ledger.advice.advisor import AdviceError
+from ledger.advice.answer import StepWindowSummary
 from ledger.advice.defaults import DEFAULT_MAX_STEPS
 from ledger.advice.terms import COLUMNS, StepData
 from ledger.analytics.window import BadTime, Window
@@ -33,17 +34,17 @@ class StepWindow:
     # with ``previous_prefills``: each step's engine's previous step's prefill requests (0 for the first)
     prev_prefill_reqs: np.ndarray | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "source_ids": self.source_ids,
-            "since": self.since,
-            "until": self.until,
-            "first_step_ts": self.first_ts,
-            "last_step_ts": self.last_ts,
-            "steps_read": len(self.data),
-            "truncated": self.truncated,
-        }
+    def summary(self) -> StepWindowSummary:
+        return StepWindowSummary(
+            model=self.model,
+            source_ids=self.source_ids,
+            since=self.since,
+            until=self.until,
+            first_step_ts=self.first_ts,
+            last_step_ts=self.last_ts,
+            steps_read=len(self.data),
+            truncated=self.truncated,
+        )
 
 
 def _sources(

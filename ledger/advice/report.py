@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
+
+import msgspec
+
+from ledger.advice.answer import (
+    AdviceBasis,
+    ChunkSizeAdvice,
+    DepthRow,
+    FitSummary,
+    StepWindowSummary,
+)
+from ledger.records import UNSET
 
 
 def _ms(v: float | None) -> str:
@@ -20,125 +32,124 @@ def _num(v: float) -> str:
     return f"{v:,.0f}"
 
 
-def render_fit(fit: dict[str, Any]) -> list[str]:
-    covers = fit["covers"]
+def render_fit(fit: FitSummary) -> list[str]:
+    covers = fit.covers
     formula = ""
-    for c in fit["coefficients"]:
-        v = c["ms_per_unit"]
-        term = f"{abs(v):.3g} ms" + ("" if c["term"] == "intercept" else f"·{c['term']}")
+    for c in fit.coefficients:
+        v = c.ms_per_unit
+        term = f"{abs(v):.3g} ms" + ("" if c.term == "intercept" else f"·{c.term}")
         formula += (
             (f"-{term}" if v < 0 else term) if not formula else (f" - {term}" if v < 0 else f" + {term}")
         )
     lines = [
         "fit:      duration = " + formula,
-        f"          R² {fit['r2']:.4f}, residual p50 {fit['residual_ms']['p50']:+.2f} ms, "
-        f"p99 {fit['residual_ms']['p99']:+.2f} ms, cross-validated error {fit['cv_rel_error']:.1%}, "
-        f"{fit['steps_used']} steps",
-        f"covers:   prefill {covers['prefill_tokens'][0]}-{covers['prefill_tokens'][1]} tokens "
-        f"({covers['prefill_steps']} prefill steps), depth {covers['prefill_depth'][0]}-"
-        f"{covers['prefill_depth'][1]}, decode batch {covers['decode_batch'][0]}-{covers['decode_batch'][1]}",
+        f"          R² {fit.r2:.4f}, residual p50 {fit.residual_ms.p50:+.2f} ms, "
+        f"p99 {fit.residual_ms.p99:+.2f} ms, cross-validated error {fit.cv_rel_error:.1%}, "
+        f"{fit.steps_used} steps",
+        f"covers:   prefill {covers.prefill_tokens[0]}-{covers.prefill_tokens[1]} tokens "
+        f"({covers.prefill_steps} prefill steps), depth {covers.prefill_depth[0]}-"
+        f"{covers.prefill_depth[1]}, decode batch {covers.decode_batch[0]}-{covers.decode_batch[1]}",
     ]
     terms = []
-    for s in fit["term_selection"]:
-        if "cv_rel_error" not in s:
-            terms.append(f"{s['term']} (no variation)")
+    for s in fit.term_selection:
+        if s.cv_rel_error is UNSET or s.r2 is UNSET:
+            terms.append(f"{s.term} (no variation)")
             continue
-        label = "base" if s["term"] == "base" else ("+" if s["kept"] else "not ") + s["term"]
-        terms.append(f"{label} {s['cv_rel_error']:.1%} R² {s['r2']:.4f}")
+        label = "base" if s.term == "base" else ("+" if s.kept else "not ") + s.term
+        terms.append(f"{label} {s.cv_rel_error:.1%} R² {s.r2:.4f}")
     lines.append("terms:    " + "; ".join(terms))
     return lines
 
 
-def _by_depth(rows: list[dict[str, Any]], smallest: int, unconstrained_chunk: int) -> list[str]:
+def _by_depth(rows: list[DepthRow], smallest: int, unconstrained_chunk: int) -> list[str]:
     head = f"  {'depth':>8}  {'chunk':>7}  {'step p99':>10}  {'prefill tok/s':>13}"
     out = [f"{head}  vs {unconstrained_chunk}-token steps"]
     for r in rows:
-        if r["chunk_tokens"] is None:
-            if r["status"] == "unreachable":
+        if r.chunk_tokens is None:
+            if r.status == "unreachable":
                 what = "no prefill fits the target at this depth"
             else:
-                what = f"needs ~{r['needed_tokens']} tokens, below the smallest step seen ({smallest})"
-            out.append(f"  {r['depth']:>8}  {what}")
+                what = f"needs ~{r.needed_tokens} tokens, below the smallest step seen ({smallest})"
+            out.append(f"  {r.depth:>8}  {what}")
             continue
-        cost = 1 - r["throughput_vs_unconstrained"]
-        capped = " (capped: largest seen)" if r["status"] == "capped" else ""
+        cost = 1 - (r.throughput_vs_unconstrained or 0.0)
+        capped = " (capped: largest seen)" if r.status == "capped" else ""
         out.append(
-            f"  {r['depth']:>8}  {r['chunk_tokens']:>7}  {_ms(r['predicted_step_p99_ms']):>10}  "
-            f"{_num(r['prefill_tokens_per_s']):>13}  -{cost:.0%}{capped}"
+            f"  {r.depth:>8}  {r.chunk_tokens:>7}  {_ms(r.predicted_step_p99_ms):>10}  "
+            f"{_num(r.prefill_tokens_per_s or 0.0):>13}  -{cost:.0%}{capped}"
         )
     return out
 
 
-def _header(body: dict[str, Any]) -> list[str]:
-    w = body.get("window") or {}
-    lines = []
-    if w:
-        lines.append(
-            f"model {w.get('model')!s} (sources: {', '.join(w.get('source_ids', []))}); "
-            f"{w.get('steps_read', 0)} steps from {_ts(w.get('first_step_ts'))} to "
-            f"{_ts(w.get('last_step_ts'))} UTC" + (" (newest only)" if w.get("truncated") else "")
-        )
-    return lines
-
-
-def _load(a: dict[str, Any]) -> list[str]:
-    load, dec = a["load"], a["decode_ms"]
-    seen = load.get("observed_decode_only_step_ms")
-    seen_txt = f"; decode-only steps seen: p50 {_ms(seen['p50'])}, p99 {_ms(seen['p99'])}" if seen else ""
-    gap = a.get("between_steps_ms") or {}
-    gap_txt = f" - gap between steps {_ms(gap['p50'])}" if gap.get("steps") and gap["p50"] >= 0.05 else ""
+def _header(w: StepWindowSummary | None) -> list[str]:
+    if w is None:
+        return []
     return [
-        f"load:     decode batch p50 {load['decode_batch_p50']}, p99 {load['decode_batch_p99']}; "
-        f"prefill depth p50 {load['prefill_depth_p50']}, p99 {load['prefill_depth_p99']}; "
-        f"step p99 now {_ms(load['observed_step_p99_ms'])}",
-        f"decode:   {_ms(dec['at_p50_batch'])} at batch {load['decode_batch_p50']}, "
-        f"{_ms(dec['at_p99_batch'])} at batch {load['decode_batch_p99']}{seen_txt}",
-        f"budget:   {_ms(a['prefill_budget_ms'])} of prefill per step (target {a['itl_target_ms']:g} ms - "
-        f"decode {_ms(dec['at_p99_batch'])}{gap_txt}); margin {_ms(a['margin_ms'])} ({a['margin_from']})",
+        f"model {w.model!s} (sources: {', '.join(w.source_ids)}); "
+        f"{w.steps_read} steps from {_ts(w.first_step_ts)} to "
+        f"{_ts(w.last_step_ts)} UTC" + (" (newest only)" if w.truncated else "")
     ]
 
 
-def render_advice(a: dict[str, Any]) -> str:
+def _load(a: AdviceBasis) -> list[str]:
+    load, dec, gap = a.load, a.decode_ms, a.between_steps_ms
+    seen = load.observed_decode_only_step_ms
+    seen_txt = f"; decode-only steps seen: p50 {_ms(seen.p50)}, p99 {_ms(seen.p99)}" if seen else ""
+    gap_txt = f" - gap between steps {_ms(gap.p50)}" if gap.steps and gap.p50 >= 0.05 else ""
+    return [
+        f"load:     decode batch p50 {load.decode_batch_p50}, p99 {load.decode_batch_p99}; "
+        f"prefill depth p50 {load.prefill_depth_p50}, p99 {load.prefill_depth_p99}; "
+        f"step p99 now {_ms(load.observed_step_p99_ms)}",
+        f"decode:   {_ms(dec.at_p50_batch)} at batch {load.decode_batch_p50}, "
+        f"{_ms(dec.at_p99_batch)} at batch {load.decode_batch_p99}{seen_txt}",
+        f"budget:   {_ms(a.prefill_budget_ms)} of prefill per step (target {a.itl_target_ms:g} ms - "
+        f"decode {_ms(dec.at_p99_batch)}{gap_txt}); margin {_ms(a.margin_ms)} ({a.margin_from})",
+    ]
+
+
+def render_advice(a: ChunkSizeAdvice) -> str:
     """The advice as the CLI prints it."""
-    s, p, t = a["settings"], a["predicted"], a["throughput"]
-    covers = a["fit"]["covers"]
+    s, p, t = a.settings, a.predicted, a.throughput
+    covers = a.fit.covers
     lines = [
-        f"chunk-size advice for an ITL p99 target of {a['itl_target_ms']:g} ms",
-        *_header(a),
+        f"chunk-size advice for an ITL p99 target of {a.itl_target_ms:g} ms",
+        *_header(a.window),
         *_load(a),
         "",
     ]
     lines += [
-        f"advice at prefill depth {a['depth']}:",
-        f"  max_num_batched_tokens        {s['max_num_batched_tokens']}",
-        f"  long_prefill_token_threshold  {s['long_prefill_token_threshold']}   "
-        f"(a long prompt leaves {a['arrival_share']:.0%} of each step's prefill to arrivals)",
-        f"  prefill tokens per step       {a['prefill_tokens_per_step']}",
-        f"  predicted ITL p99             {_ms(p['itl_p99_ms'])} at depth {a['depth']}, "
-        f"{_ms(p['itl_p99_at_depth_0_ms'])} at depth 0",
-        f"  prefill throughput            {_num(t['prefill_tokens_per_s'])} tok/s vs "
-        f"{_num(t['unconstrained_tokens_per_s'])} tok/s in {t['unconstrained_chunk_tokens']}-token steps "
-        f"(-{t['cost']:.0%}); a long prompt alone: {_num(t['long_prompt_tokens_per_s'])} tok/s",
+        f"advice at prefill depth {a.depth}:",
+        f"  max_num_batched_tokens        {s.max_num_batched_tokens}",
+        f"  long_prefill_token_threshold  {s.long_prefill_token_threshold}   "
+        f"(a long prompt leaves {a.arrival_share:.0%} of each step's prefill to arrivals)",
+        f"  prefill tokens per step       {a.prefill_tokens_per_step}",
+        f"  predicted ITL p99             {_ms(p.itl_p99_ms)} at depth {a.depth}, "
+        f"{_ms(p.itl_p99_at_depth_0_ms)} at depth 0",
+        f"  prefill throughput            {_num(t.prefill_tokens_per_s or 0.0)} tok/s vs "
+        f"{_num(t.unconstrained_tokens_per_s)} tok/s in {t.unconstrained_chunk_tokens}-token steps "
+        f"(-{t.cost:.0%}); a long prompt alone: {_num(t.long_prompt_tokens_per_s)} tok/s",
         "",
         "largest prefill per step within the target, by depth:",
-        *_by_depth(a["by_depth"], covers["prefill_tokens"][0], t["unconstrained_chunk_tokens"]),
+        *_by_depth(a.by_depth, covers.prefill_tokens[0], t.unconstrained_chunk_tokens),
         "",
-        *render_fit(a["fit"]),
+        *render_fit(a.fit),
     ]
-    lines += [f"note:     {n}" for n in a.get("notes", [])]
+    lines += [f"note:     {n}" for n in a.notes]
     return "\n".join(lines)
 
 
-def render_refusal(body: dict[str, Any]) -> str:
-    """A refusal: the reason, and whatever the partial advice shows (decode time, depths that work)."""
+def render_refusal(body: Mapping[str, Any]) -> str:
+    """A refusal (the API's error body): the reason, and whatever the partial advice shows (decode
+    time, depths that work)."""
     lines = [f"no advice ({body.get('reason', 'error')}): {body.get('detail')}"]
-    lines += _header(body)
-    a = body.get("advice")
-    if a:
-        covers = a["fit"]["covers"]
+    if body.get("window"):
+        lines += _header(msgspec.convert(body["window"], StepWindowSummary))
+    if body.get("advice"):
+        a = msgspec.convert(body["advice"], AdviceBasis)
+        covers = a.fit.covers
         lines += [*_load(a), "", "largest prefill per step within the target, by depth:"]
-        lines += _by_depth(a["by_depth"], covers["prefill_tokens"][0], covers["prefill_tokens"][1])
-        lines += ["", *render_fit(a["fit"])]
+        lines += _by_depth(a.by_depth, covers.prefill_tokens[0], covers.prefill_tokens[1])
+        lines += ["", *render_fit(a.fit)]
     return "\n".join(lines)
 
 
@@ -165,7 +176,7 @@ def render_profile(r: dict[str, Any]) -> str:
         )
     lines.append("")
     if "fit" in r:
-        lines += render_fit(r["fit"])
+        lines += render_fit(msgspec.convert(r["fit"], FitSummary))
         if r["fit"]["cv_rel_error"] > 0.25:
             lines.append(
                 f"note:     steps vary far more than chunk size, depth and batch explain (cross-validated "

@@ -26,6 +26,7 @@ from typing import Any
 
 from ledger.advice.fit import StepTimeFit, fit_step_time
 from ledger.advice.profile import ProfilePlan, ProfileResult
+from ledger.records import as_json
 
 # ~30 s on a 2-core CPU with the tiny model: chunks of 64-256 tokens to depth 2k, beside 1 and 4 decodes
 SIZING_PLAN = ProfilePlan(chunk_sizes=(64, 128, 256), max_depth=2048, decode_batches=(1, 4), tail_steps=8)
@@ -116,7 +117,7 @@ def size_from_profile(result: ProfileResult, **size: Any) -> tuple[SceneSize, di
     """The scene for the fit of a profile's steps (``size``: the keyword arguments of
     :func:`size_scene`); the size and {"fit", "steps"}."""
     fit = fit_step_time(result.data())
-    return size_scene(fit, **size), {"fit": fit.as_dict(), "steps": len(result.steps)}
+    return size_scene(fit, **size), {"fit": as_json(fit.summary()), "steps": len(result.steps)}
 
 
 def overloaded(ttft_p99_s: float, step_p50_s: float, factor: float = 10.0) -> bool:

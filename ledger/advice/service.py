@@ -1,41 +1,56 @@
-"""``chunk_size_advice``: read a window's steps, fit step time, advise settings for an ITL target."""
+"""``chunk_size_advice``: the advice for an :class:`~ledger.advice.answer.AdviceQuery`, in three named
+stages that the API, the CLI (``--db``) and the bench share:
+
+1. :func:`load_window`: the newest steps of one model (or source) in the window;
+2. :func:`fit_cost`: the step-time fit on them (an :class:`Advisor`);
+3. :func:`compute_settings`: the settings for the target, with the window they were fitted on.
+
+Each stage's refusal is an :class:`AdviceError` (with its HTTP status), carrying the window once it is
+known.
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
+import msgspec
 import sqlalchemy as sa
 
 from ledger.advice.advisor import AdviceError, Advisor
-from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN_USEFUL_CHUNK
+from ledger.advice.answer import AdviceQuery, ChunkSizeAdvice
 from ledger.advice.fit import FitError
-from ledger.advice.query import read_steps
+from ledger.advice.query import StepWindow, read_steps
+from ledger.records import as_json
 
 
-def chunk_size_advice(
-    engine: sa.Engine,
-    *,
-    itl_target_ms: float,
-    model: str | None = None,
-    source_id: str | None = None,
-    since: str | float | None = None,
-    until: str | float | None = None,
-    depth: int | None = None,
-    arrival_share: float = DEFAULT_ARRIVAL_SHARE,
-    max_steps: int = DEFAULT_MAX_STEPS,
-    min_chunk: int = MIN_USEFUL_CHUNK,
-) -> dict[str, Any]:
-    """Advice for ``itl_target_ms`` from the ledger's steps; AdviceError (with an HTTP status) if none."""
-    window = read_steps(
-        engine, model=model, source_id=source_id, since=since, until=until, max_steps=max_steps
+def chunk_size_advice(engine: sa.Engine, query: AdviceQuery) -> ChunkSizeAdvice:
+    """Advice for ``query`` from the ledger's steps; AdviceError (with an HTTP status) if none."""
+    window = load_window(engine, query)
+    return compute_settings(fit_cost(window), window, query)
+
+
+def load_window(engine: sa.Engine, query: AdviceQuery) -> StepWindow:
+    return read_steps(
+        engine,
+        model=query.model,
+        source_id=query.source_id,
+        since=query.since,
+        until=query.until,
+        max_steps=query.max_steps,
     )
+
+
+def fit_cost(window: StepWindow) -> Advisor:
     try:
-        advisor = Advisor(window.data)
+        return Advisor(window.data)
     except FitError as exc:
-        raise AdviceError(exc.reason, str(exc), status=409, window=window.as_dict(), **exc.details) from None
+        raise AdviceError(
+            exc.reason, str(exc), status=409, window=as_json(window.summary()), **exc.details
+        ) from None
+
+
+def compute_settings(advisor: Advisor, window: StepWindow, query: AdviceQuery) -> ChunkSizeAdvice:
     try:
-        advice = advisor.advise(itl_target_ms, depth=depth, arrival_share=arrival_share, min_chunk=min_chunk)
+        advice = advisor.advise(query)
     except AdviceError as exc:
-        exc.details["window"] = window.as_dict()
+        exc.details["window"] = as_json(window.summary())
         raise
-    return {"window": window.as_dict(), **advice}
+    return ChunkSizeAdvice(window=window.summary(), **msgspec.structs.asdict(advice))

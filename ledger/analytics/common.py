@@ -13,6 +13,7 @@ import sqlalchemy as sa
 
 from ledger import schema
 from ledger.analytics.window import Window
+from ledger.rows import RequestRow
 
 R = schema.requests
 S = schema.steps
@@ -51,9 +52,10 @@ def percentile(sorted_xs: list[float], q: float) -> float:
     return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
 
 
-def request_row(conn: sa.Connection, request_id: str) -> dict[str, Any] | None:
+def request_row(conn: sa.Connection, request_id: str) -> RequestRow | None:
+    """The request's row of the ``requests`` view."""
     row = conn.execute(sa.select(R).where(R.c.request_id == request_id)).mappings().first()
-    return dict(row) if row is not None else None
+    return RequestRow(**row) if row is not None else None
 
 
 def event_data(conn: sa.Connection, request_id: str, kinds: Sequence[str]) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from ledger import schema
+from ledger.analytics.answers import RequestItl
 from ledger.analytics.common import (
     QUANTILES,
     S,
@@ -137,7 +138,7 @@ def _silent_chunk_steps(
     return silent, first_step
 
 
-def request_itl(conn: sa.Connection, request_id: str) -> dict[str, Any] | None:
+def request_itl(conn: sa.Connection, request_id: str) -> RequestItl | None:
     """One request's inter-token gaps: its first token, then the end of every later step in which it
     sampled a token: every step it decoded in, and a step whose chunk completed a recompute after a
     preemption (``_silent_chunk_steps``); a chunk that left the prefill partial yields no token.
@@ -146,13 +147,13 @@ def request_itl(conn: sa.Connection, request_id: str) -> dict[str, Any] | None:
     row = request_row(conn, request_id)
     if row is None:
         return None
-    empty: dict[str, Any] = {"n": 0, **dict.fromkeys(QUANTILES), "max": None, "mean": None, "gaps": []}
-    first, src = row["first_token_ts"], row["engine_source_id"]
+    empty = RequestItl(n=0, p50=None, p90=None, p99=None, max=None, mean=None, gaps=[])
+    first, src = row.first_token_ts, row.engine_source_id
     if first is None or src is None:
         return empty
-    last = row["last_step_ts"] or row["last_token_ts"] or first
+    last = row.last_step_ts or row.last_token_ts or first
     silent, first_step = _silent_chunk_steps(
-        event_data(conn, request_id, ["chunk", "resumed", "tokens"]), src, row["prompt_tokens"]
+        event_data(conn, request_id, ["chunk", "resumed", "tokens"]), src, row.prompt_tokens
     )
     steps = conn.execute(
         sa.select(S.c.step, (S.c.ts + S.c.duration_s).label("end"))
@@ -171,10 +172,10 @@ def request_itl(conn: sa.Connection, request_id: str) -> dict[str, Any] | None:
     if not gaps:
         return empty
     xs = sorted(gaps)
-    return {
-        "n": len(gaps),
+    return RequestItl(
+        n=len(gaps),
         **{k: percentile(xs, q) for k, q in QUANTILES.items()},
-        "max": xs[-1],
-        "mean": sum(xs) / len(xs),
-        "gaps": gaps,
-    }
+        max=xs[-1],
+        mean=sum(xs) / len(xs),
+        gaps=gaps,
+    )

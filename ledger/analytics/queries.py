@@ -21,6 +21,7 @@ from ledger.analytics.itl import decode_itl, request_itl
 from ledger.analytics.stalls import kv_stalls
 from ledger.analytics.tails import GROUPS, METRICS, SORTABLE, attribution, list_requests
 from ledger.analytics.why import why
+from ledger.analytics.why_answer import Why, WhyQuery
 
 __all__ = [
     "GROUPS",
@@ -29,6 +30,8 @@ __all__ = [
     "QUANTILES",
     "SORTABLE",
     "QueryError",
+    "Why",
+    "WhyQuery",
     "attribution",
     "decode_itl",
     "kv_stalls",

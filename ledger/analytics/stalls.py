@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import sqlalchemy as sa
 
+from ledger.analytics.answers import KvStall
 from ledger.analytics.common import (
     MAX_PAGE,
     QueryError,
@@ -15,7 +14,7 @@ from ledger.analytics.common import (
 
 def kv_stalls(
     conn: sa.Connection, now: float, *, limit: int = 50, horizon_s: float = 3600.0
-) -> list[dict[str, Any]]:
+) -> list[KvStall]:
     """Live requests ranked by how long they have gone without progress.
 
     Running requests (scheduled at least once) stall from their last step or token; waiting ones
@@ -50,4 +49,4 @@ def kv_stalls(
         .order_by(stall.desc(), R.c.request_id)
         .limit(limit)
     )
-    return [dict(r) for r in conn.execute(stmt).mappings()]
+    return [KvStall(**r) for r in conn.execute(stmt).mappings()]

@@ -8,6 +8,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from ledger.analytics.answers import METRICS, AttributionGroup, Layers, Tails
 from ledger.analytics.common import (
     MAX_PAGE,
     QUANTILES,
@@ -16,23 +17,8 @@ from ledger.analytics.common import (
     in_window,
 )
 from ledger.analytics.window import Window
-
-# The latencies summarised per request, in the order a reader follows a request through the system.
-METRICS = (
-    "entry_s",
-    "admission_s",
-    "backend_wait_s",
-    "frontend_s",
-    "engine_queue_s",
-    "prefill_s",
-    "decode_s",
-    "ttft_s",
-    "client_ttft_s",
-    "delivery_s",
-    "e2e_s",
-    "kv_idle_s",
-)
-
+from ledger.records import UNSET
+from ledger.rows import RequestList, RequestRow
 
 GROUPS = {
     "model": R.c.model,
@@ -55,8 +41,8 @@ def _tails(col: sa.ColumnElement[Any], name: str) -> list[sa.ColumnElement[Any]]
     return out
 
 
-def _summary(row: dict[str, Any], name: str) -> dict[str, Any]:
-    return {k: row[f"{name}__{k}"] for k in ("n", *QUANTILES, "max", "mean")}
+def _summary(row: sa.RowMapping, name: str) -> Tails:
+    return Tails(**{k: row[f"{name}__{k}"] for k in ("n", *QUANTILES, "max", "mean")})
 
 
 def _group_cols(group_by: Sequence[str]) -> list[sa.ColumnElement[Any]]:
@@ -75,7 +61,7 @@ def attribution(
     group_by: Sequence[str] = (),
     bucket_s: float | None = None,
     max_buckets: int | None = None,
-) -> list[dict[str, Any]]:
+) -> list[AttributionGroup]:
     """Finished requests (by end time) in the window: count and tails of every layer, TTFT, e2e.
 
     One entry per group (and per time bucket when ``bucket_s`` is set, keyed by the bucket start).
@@ -118,14 +104,16 @@ def attribution(
     for row in conn.execute(stmt).mappings():
         if not row["requests"]:
             continue
-        entry: dict[str, Any] = {g: row[g] for g in group_by}
-        if bucket_s is not None:
-            entry["bucket_ts"] = row["bucket_ts"]
-        entry["requests"] = row["requests"]
-        entry["output_tokens"] = row["output_tokens"] or 0
-        entry["preemptions"] = row["preemptions"] or 0
-        entry["layers"] = {m: _summary(dict(row), m) for m in METRICS}
-        out.append(entry)
+        out.append(
+            AttributionGroup(
+                **{g: row[g] for g in group_by},
+                bucket_ts=row["bucket_ts"] if bucket_s is not None else UNSET,
+                requests=row["requests"],
+                output_tokens=int(row["output_tokens"] or 0),
+                preemptions=int(row["preemptions"] or 0),
+                layers=Layers(**{m: _summary(row, m) for m in METRICS}),
+            )
+        )
     return out
 
 
@@ -143,7 +131,7 @@ def list_requests(
     descending: bool = True,
     limit: int = 100,
     offset: int = 0,
-) -> dict[str, Any]:
+) -> RequestList:
     """Rows of the ``requests`` view, filtered, sorted by any column, a page at a time.
 
     The window applies to the request's start (``start_ts``) so that live requests are listed too.
@@ -172,5 +160,5 @@ def list_requests(
     key = R.c[sort].desc() if descending else R.c[sort].asc()
     nulls = key.nulls_last()
     page = base.order_by(nulls, R.c.request_id).limit(limit).offset(offset)
-    rows = [dict(r) for r in conn.execute(page).mappings()]
-    return {"total": total, "offset": offset, "limit": limit, "sort": sort, "rows": rows}
+    rows = [RequestRow(**r) for r in conn.execute(page).mappings()]
+    return RequestList(total=total, offset=offset, limit=limit, sort=sort, rows=rows)

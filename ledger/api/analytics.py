@@ -1,8 +1,9 @@
 """Read-only analytics endpoints (read token): attribution, request lists, ITL, why, KV stalls.
 
 Every handler is a thin wrapper over a named query in ``ledger.analytics.queries``; parameter errors
-answer 422 naming the field, like the ingest endpoint. The answers can hold thousands of rows: their
-models are documented, and the rows are sent as the queries return them (no validation per request).
+answer 422 naming the field, like the ingest endpoint. Each answer is a record (``ledger.analytics.answers``,
+``ledger.analytics.why_answer``, ``ledger.rows``) sent as the query built it, without validating it again
+(the answers can hold thousands of rows); the document's schema is generated from the same record.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Path, Query, Response, status
 
 from ledger.analytics import queries as q
+from ledger.analytics.answers import Attribution, Itl, KvStalls, ModelTails, RequestItl
+from ledger.analytics.why_answer import TOP_DEFAULT
 from ledger.analytics.window import BadTime, Window
 from ledger.api import errors
+from ledger.api.answers import documents, encoded
 from ledger.api.deps import ReadsDep, SettingsDep, require
-from ledger.api.models import Attribution, Itl, KvStalls, RequestItl, RequestList, Why, json_response
+from ledger.api.queries import query_param
 from ledger.reads import Reads
+from ledger.rows import RequestList
 
 router = APIRouter(prefix="/v1", tags=["analytics"], dependencies=[require("read")])
 
@@ -31,14 +36,6 @@ RequestId = Annotated[str, Path(min_length=1, max_length=256)]
 
 def _bad(field: str, reason: str) -> errors.ApiError:
     return errors.ApiError(status.HTTP_422_UNPROCESSABLE_CONTENT, f"{field}: {reason}", reason="invalid")
-
-
-def _documents(model: type[Any], *statuses: int) -> dict[str, Any]:
-    """The route's 200 model and error bodies, for the document only (``response_model=None``)."""
-    return {
-        "response_model": None,
-        "responses": {200: {"model": model}, **errors.responses(*errors.AUTH, *statuses, 422)},
-    }
 
 
 @contextmanager
@@ -56,13 +53,18 @@ def _window(since: str | None, until: str | None) -> Window:
         raise _bad("since/until", str(exc)) from None
 
 
+def _tails(rows: list[dict[str, Any]]) -> list[ModelTails]:
+    """``decode_itl``'s rows (plain: what-if reads them too) as the records the answers hold."""
+    return [ModelTails(**row) for row in rows]
+
+
 def _read(reads: Reads, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
     """``fn`` on a read connection (``ledger.reads``: its own pool and time limit, never ingest's)."""
     with _params(), reads.connect() as conn:
         return fn(conn, *args, **kw)
 
 
-@router.get("/attribution", **_documents(Attribution))
+@router.get("/attribution", **documents(Attribution, 422))
 def attribution(
     reads: ReadsDep,
     settings: SettingsDep,
@@ -78,10 +80,10 @@ def attribution(
     most = settings.attribution_max_buckets
     rows = _read(reads, q.attribution, w, group_by=groups, bucket_s=bucket_s, max_buckets=most)
     itl = _read(reads, q.decode_itl, w, group_by_model="model" in groups)
-    return json_response({"since": w.since, "until": w.until, "group_by": groups, "groups": rows, "itl": itl})
+    return encoded(Attribution(since=w.since, until=w.until, group_by=groups, groups=rows, itl=_tails(itl)))
 
 
-@router.get("/requests", **_documents(RequestList))
+@router.get("/requests", **documents(RequestList, 422))
 def list_requests(
     reads: ReadsDep,
     since: Since = None,
@@ -98,7 +100,7 @@ def list_requests(
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> Response:
     """Requests whose start falls in the window, filtered and sorted by any column, a page at a time."""
-    return json_response(
+    return encoded(
         _read(
             reads,
             q.list_requests,
@@ -117,33 +119,37 @@ def list_requests(
     )
 
 
-@router.get("/itl", **_documents(Itl))
+@router.get("/itl", **documents(Itl, 422))
 def itl(reads: ReadsDep, since: Since = None, until: Until = None, by_model: bool = False) -> Response:
     """Decode inter-token latency tails over the window, from the engines' steps."""
     w = _window(since, until)
     rows = _read(reads, q.decode_itl, w, group_by_model=by_model)
-    return json_response({"since": w.since, "until": w.until, "itl": rows})
+    return encoded(Itl(since=w.since, until=w.until, itl=_tails(rows)))
 
 
-@router.get("/requests/{request_id}/itl", **_documents(RequestItl, 404))
+@router.get("/requests/{request_id}/itl", **documents(RequestItl, 404, 422))
 def request_itl(reads: ReadsDep, request_id: RequestId) -> Response:
     """One request's inter-token gaps and their tails."""
     out = _read(reads, q.request_itl, request_id)
     if out is None:
         raise errors.ApiError(status.HTTP_404_NOT_FOUND, f"no request {request_id!r} in the ledger")
-    return json_response(out)
+    return encoded(out)
 
 
-@router.get("/requests/{request_id}/why", **_documents(Why, 404))
-def why(reads: ReadsDep, request_id: RequestId, top: Annotated[int, Query(ge=1, le=50)] = 5) -> Response:
+@router.get("/requests/{request_id}/why", **documents(q.Why, 404, 422))
+def why(
+    reads: ReadsDep,
+    request_id: RequestId,
+    top: Annotated[int, query_param(q.WhyQuery, "top")] = TOP_DEFAULT,
+) -> Response:
     """What delayed the request, biggest first, with the requests behind each delay."""
-    out = _read(reads, q.why, request_id, top=top)
+    out = _read(reads, q.why, q.WhyQuery(request_id=request_id, top=top))
     if out is None:
         raise errors.ApiError(status.HTTP_404_NOT_FOUND, f"no request {request_id!r} in the ledger")
-    return json_response(out)
+    return encoded(out)
 
 
-@router.get("/kv/stalls", **_documents(KvStalls))
+@router.get("/kv/stalls", **documents(KvStalls, 422))
 def kv_stalls(
     reads: ReadsDep,
     limit: Annotated[int, Query(ge=1, le=q.MAX_PAGE)] = 50,
@@ -151,6 +157,6 @@ def kv_stalls(
 ) -> Response:
     """Live requests ranked by seconds without progress (KV held idle, or waiting to start)."""
     now = time.time()
-    return json_response(
-        {"now": now, "requests": _read(reads, q.kv_stalls, now, limit=limit, horizon_s=horizon_s)}
+    return encoded(
+        KvStalls(now=now, requests=_read(reads, q.kv_stalls, now, limit=limit, horizon_s=horizon_s))
     )

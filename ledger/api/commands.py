@@ -10,10 +10,11 @@ from fastapi.concurrency import run_in_threadpool
 
 from engine_hooks import events as ev
 from ledger.api import errors
+from ledger.api.answers import documents, encoded
 from ledger.api.deps import on_ingest_pool, require
-from ledger.api.models import Cutoffs, json_response
 from ledger.api.policy import runaway
 from ledger.producers import ProducerBook, digest
+from ledger.rows import Cutoffs
 
 router = APIRouter(prefix="/v1", tags=["rules"])
 _encode = msgspec.json.Encoder().encode
@@ -54,8 +55,7 @@ async def get_commands(
 @router.get(
     "/cutoffs",
     dependencies=[require("read")],
-    response_model=None,
-    responses={200: {"model": Cutoffs}, **errors.responses(*errors.AUTH, 422)},
+    **documents(Cutoffs, 422),
 )
 async def get_cutoffs(
     request: Request,
@@ -67,4 +67,4 @@ async def get_cutoffs(
     rows = await run_in_threadpool(
         runaway(request).book.rows, request_id=request_id, state=state, limit=limit
     )
-    return json_response({"cutoffs": rows})
+    return encoded(Cutoffs(cutoffs=rows))

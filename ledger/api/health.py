@@ -2,32 +2,49 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+import msgspec
+from fastapi import APIRouter, Response
 
 from ledger import migrate
 from ledger.api import errors
+from ledger.api.answers import documents, encoded
 from ledger.api.deps import StoreDep, WriterDep
-from ledger.api.models import Health, NotReady, Readiness
+from ledger.api.models import NotReady
+from ledger.records import Record
+
+
+class Health(Record, kw_only=True):
+    """``GET /healthz``."""
+
+    status: Annotated[str, msgspec.Meta(description="ok: the process answers", examples=["ok"])]
+
+
+class Readiness(Record, kw_only=True):
+    """``GET /readyz`` when the ledger can take events."""
+
+    status: Annotated[str, msgspec.Meta(description="ready")]
+    schema: Annotated[str | None, msgspec.Meta(description="the database's migration revision")]
+    problems: Annotated[list[str], msgspec.Meta(description="empty when ready")]
+
 
 router = APIRouter(tags=["health"])
 _HEAD = migrate.head_revision()
 
 
-@router.get("/healthz", response_model=Health)
-def healthz() -> dict[str, str]:
+_HEALTHY = Health(status="ok")
+_NOT_READY = {503: {"model": NotReady, "description": "not ready: the problems say why"}}
+
+
+@router.get("/healthz", **documents(Health, token=False))
+def healthz() -> Response:
     """The process answers (no token)."""
-    return {"status": "ok"}
+    return encoded(_HEALTHY)
 
 
-@router.get(
-    "/readyz",
-    response_model=Readiness,
-    responses={503: {"model": NotReady, "description": "not ready: the problems say why"}},
-)
-def readyz(store: StoreDep, writer: WriterDep) -> dict[str, Any] | JSONResponse:
+@router.get("/readyz", **documents(Readiness, token=False, more=_NOT_READY))
+def readyz(store: StoreDep, writer: WriterDep) -> Response:
     """The database answers at the expected schema, the writer runs and its latest write succeeded (no
     token)."""
     problems = []
@@ -43,11 +60,8 @@ def readyz(store: StoreDep, writer: WriterDep) -> dict[str, Any] | JSONResponse:
         problems.append("writer stopped")
     if writer.failing is not None:
         problems.append(f"storing batches fails: {writer.failing}")
-    body: dict[str, Any] = {
-        "status": "ready" if not problems else "not ready",
-        "schema": revision,
-        "problems": problems,
-    }
     if not problems:
-        return body
-    return errors.error_response(503, "not ready: " + "; ".join(problems), reason="not_ready", **body)
+        return encoded(Readiness(status="ready", schema=revision, problems=problems))
+    body = Readiness(status="not ready", schema=revision, problems=problems)
+    detail = "not ready: " + "; ".join(problems)
+    return errors.error_response(503, detail, reason="not_ready", **msgspec.structs.asdict(body))

@@ -1,10 +1,10 @@
-"""The API's response models: what every route answers, named in the OpenAPI document.
+"""The answers still described by pydantic models: the error bodies, the producer release, the policy
+(whose model parses ``PUT /v1/policy`` too) and the what-if.
 
-Small answers (health, the policy, webhook subscriptions, sources) are declared as ``response_model`` and
-checked as they go out. The large ones (ingest, analytics rows, request timelines, SQL results, the
-cutoff and delivery logs) are only documented (``responses={200: {"model": ...}}``): their handlers
-return a ``Response`` (see :func:`json_response`), so nothing is validated again per request. Row models
-name and describe the main columns and allow the others (``extra="allow"``).
+Every other answer is a record (:mod:`ledger.records`) whose schema is generated from it
+(:mod:`ledger.api.answers`). The models here are declared as ``response_model`` (small answers, checked
+as they go out) or only documented (``responses={200: {"model": ...}}``, the handler returning a
+``Response``, see :func:`json_response`).
 
 Every error answer is one :class:`ErrorBody` (``ledger.api.errors`` builds and sends it).
 """
@@ -17,10 +17,7 @@ from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from pydantic.json_schema import SkipJsonSchema
 
-from ledger.analytics.common import MAX_PAGE
-from ledger.fold import AGGREGATES
 from ledger.rules.policy import Policy
-from ledger.schema import ATTRIBUTION, SPAN
 
 _ANY = TypeAdapter(Any)
 
@@ -77,305 +74,25 @@ class NotReady(ErrorBody):
     problems: list[str] = Field(description="what is wrong (the detail joins them)")
 
 
-# -- health -----------------------------------------------------------------------------------------
-class Health(BaseModel):
-    status: str = Field(description="ok: the process answers", examples=["ok"])
-
-
-class Readiness(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-
-    status: str = Field(description="ready")
-    schema_revision: str | None = Field(alias="schema", description="the database's migration revision")
-    problems: list[str] = Field(description="empty when ready")
-
-
+# -- ingest -----------------------------------------------------------------------------------------
 class ProducerReleased(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     source_id: str = Field(description="the source id released")
     released: bool = Field(
         description="true: it was bound to this producer and is now free; false: it was not bound"
     )
 
 
-# -- requests and sources ---------------------------------------------------------------------------
-def _doc(name: str) -> str:
-    if name in AGGREGATES:
-        return AGGREGATES[name].doc
-    return ATTRIBUTION.get(name) or SPAN[name]
-
-
-class RequestRow(BaseModel):
-    """One row of the ``requests`` view: every lifecycle point, token count and layer of one request
-    (the columns are those of ``chunkledger query "SELECT * FROM requests"``; a few are named here)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    request_id: str
-    model: str | None = Field(None, description=_doc("model"))
-    engine_source_id: str | None = Field(None, description=_doc("engine_source_id"))
-    gateway_source_id: str | None = Field(None, description=_doc("gateway_source_id"))
-    finish_reason: str | None = Field(None, description=_doc("finish_reason"))
-    prompt_tokens: int | None = Field(None, description=_doc("prompt_tokens"))
-    output_tokens: int | None = Field(None, description=_doc("output_tokens"))
-    preemptions: int | None = Field(None, description=_doc("preemptions"))
-    start_ts: float | None = Field(None, description=_doc("start_ts"))
-    end_ts: float | None = Field(None, description=_doc("end_ts") + " (null while live)")
-    entry_s: float | None = Field(None, description=_doc("entry_s"))
-    admission_s: float | None = Field(None, description=_doc("admission_s"))
-    frontend_s: float | None = Field(None, description=_doc("frontend_s"))
-    engine_queue_s: float | None = Field(None, description=_doc("engine_queue_s"))
-    prefill_s: float | None = Field(None, description=_doc("prefill_s"))
-    decode_s: float | None = Field(None, description=_doc("decode_s"))
-    ttft_s: float | None = Field(None, description=_doc("ttft_s"))
-    client_ttft_s: float | None = Field(None, description=_doc("client_ttft_s"))
-    e2e_s: float | None = Field(None, description=_doc("e2e_s"))
-    kv_idle_s: float | None = Field(None, description=_doc("kv_idle_s"))
-
-
-class EventRow(BaseModel):
-    """One stored event of the request, with the fields of its kind (see the Batch schema)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    source_id: str
-    seq: int = Field(description="the source's sequence number")
-    ts: float = Field(description="unix seconds (source clock)")
-    kind: str = Field(description="queued, chunk, tokens, finished, arrived, ...")
-
-
-class RequestDetail(BaseModel):
-    """``GET /v1/requests/{request_id}``: the request's row and its events, oldest first."""
-
-    request: RequestRow
-    events: list[EventRow]
-
-
-class SourceRow(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    source_id: str
-    kind: str = Field(description="engine or gateway")
-    model: str | None = Field(None, description="served model, as the source reports it")
-    last_seq: int = Field(description="highest sequence number stored")
-    events_total: int
-    dropped_total: int = Field(description="events the source reported lost before sending")
-    first_seen_ts: float
-    last_seen_ts: float
-    producer: str | None = Field(
-        None, description="digest of the producer key the id is bound to (null: unbound, an older exporter)"
-    )
-
-
-class Sources(BaseModel):
-    sources: list[SourceRow]
-
-
-# -- analytics --------------------------------------------------------------------------------------
-class Tails(BaseModel):
-    """Count and tails (seconds; null when there is nothing to summarise)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    n: int
-    p50: float | None = None
-    p90: float | None = None
-    p99: float | None = None
-    max: float | None = None
-    mean: float | None = Field(None, description="only ever shown next to the tails")
-
-
-class ModelTails(Tails):
-    model: str | None = Field(None, description="served model, with by_model / group_by=model")
-
-
-class AttributionGroup(BaseModel):
-    """One group (and time bucket): the group_by columns, then the counts and every layer's tails."""
-
-    model_config = ConfigDict(extra="allow")
-
-    bucket_ts: float | None = Field(None, description="bucket start, with bucket_s")
-    requests: int = Field(description="finished requests in the group")
-    output_tokens: int
-    preemptions: int
-    layers: dict[str, Tails] = Field(description="entry_s, admission_s, ..., e2e_s, kv_idle_s")
-
-
-class Attribution(BaseModel):
-    since: float | None
-    until: float | None
-    group_by: list[str]
-    groups: list[AttributionGroup]
-    itl: list[ModelTails] = Field(description="decode inter-token latency of the same window")
-
-
-class RequestList(BaseModel):
-    total: int = Field(description="requests matching the filters")
-    offset: int
-    limit: int = Field(le=MAX_PAGE)
-    sort: str
-    rows: list[RequestRow]
-
-
-class Itl(BaseModel):
-    since: float | None
-    until: float | None
-    itl: list[ModelTails]
-
-
-class RequestItl(Tails):
-    gaps: list[float] = Field(description="seconds between its tokens, in order")
-
-
-class Culprit(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    request_id: str | None = None
-
-
-class WhyItem(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    kind: str = Field(
-        description="admission_queue, frontend, engine_queue, preempted, sat_out, shared_prefill, "
-        "shared_prefill_steps"
-    )
-    seconds: float | None
-    start_ts: float | None = None
-    detail: str
-    steps: list[int] | None = None
-    culprits: list[Culprit] = Field(description="the requests behind the delay, biggest first")
-
-
-class Why(BaseModel):
-    request_id: str
-    e2e_s: float | None
-    ttft_s: float | None
-    client_ttft_s: float | None
-    layers: dict[str, float | None]
-    items: list[WhyItem] = Field(description="biggest first")
-
-
-class KvStall(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    request_id: str
-    model: str | None = None
-    engine_source_id: str | None = None
-    state: str = Field(description="running (holds KV) or waiting (never scheduled)")
-    stall_s: float = Field(description="seconds since its last progress")
-    kv_idle_s: float | None = None
-    kv_blocks_max: int | None = None
-    queued_ts: float | None = None
-
-
-class KvStalls(BaseModel):
-    now: float
-    requests: list[KvStall]
-
-
 # -- rules, commands, policy ------------------------------------------------------------------------
-class CutoffRow(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    command_id: str
-    request_id: str
-    rule: str
-    action: str
-    detail: str
-    state: str = Field(description="pending, applied, moot or expired")
-    decided_ts: float
-    delivered_ts: float | None = None
-    applied_ts: float | None = None
-
-
-class Cutoffs(BaseModel):
-    cutoffs: list[CutoffRow] = Field(description="newest first")
-
-
 class PolicyVersion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     version: int = Field(description="one more with every accepted policy")
     created_ts: float
     origin: str = Field(description="where it came from: default, file or api")
     policy: Policy
 
 
-# -- webhooks ---------------------------------------------------------------------------------------
-class Webhook(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    id: str
-    url: str
-    event_types: list[str]
-    format: str = Field(description="json or text")
-    created_ts: float
-
-
-class Webhooks(BaseModel):
-    webhooks: list[Webhook]
-
-
-class WebhookDeleted(BaseModel):
-    deleted: str = Field(description="the subscription's id")
-
-
-class DeliveryAttempt(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    attempt: int
-    ts: float
-    status_code: int | None = None
-    error: str | None = None
-    duration_s: float
-
-
-class Delivery(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    id: str
-    subscription_id: str
-    event_type: str
-    event_id: str
-    body: dict[str, Any] = Field(description="what was (or will be) posted")
-    state: str = Field(description="pending, delivered or dead")
-    attempts: int
-    created_ts: float
-    delivered_ts: float | None = None
-    last_status: int | None = None
-    last_error: str | None = None
-    log: list[DeliveryAttempt]
-
-
-class Deliveries(BaseModel):
-    deliveries: list[Delivery] = Field(description="newest first")
-
-
-# -- sql and advice ---------------------------------------------------------------------------------
-class SqlResult(BaseModel):
-    """``POST /v1/sql`` as JSON (``format=csv`` or ``Accept: text/csv``: CSV, with the types and the
-    truncation in ``X-Chunkledger-*`` headers)."""
-
-    columns: list[str]
-    types: list[str] = Field(description="portable type per column: int, float, str, bool, json, ...")
-    rows: list[list[Any]]
-    truncated: bool
-    truncated_by: str | None = Field(description="rows (max_rows) or bytes (sql_max_bytes)")
-    elapsed_s: float
-
-
-class ChunkSizeAdvice(BaseModel):
-    """Engine settings for the ITL target, from the fitted step time."""
-
-    model_config = ConfigDict(extra="allow")
-
-    window: dict[str, Any] = Field(description="what the fit read: model, source_ids, steps_read, ...")
-    prefill_tokens_per_step: int
-    settings: dict[str, Any] = Field(
-        description="vLLM settings: max_num_batched_tokens, long_prefill_token_threshold, ..."
-    )
-    arrival_share: float
-    predicted: dict[str, float] = Field(description="itl_p99_ms, itl_p99_at_depth_0_ms")
-    throughput: dict[str, float]
-    notes: list[str]
-
-
+# -- export -----------------------------------------------------------------------------------------
 PARQUET = "application/vnd.apache.parquet"  # GET /v1/export/{table}.parquet

@@ -4,8 +4,9 @@
 own JSON, so FastAPI knows neither body: their request schemas come from ``engine_hooks.events.Batch``
 (msgspec's JSON Schema) and ``ledger.rules.policy.Policy`` (pydantic's), and the answers of
 ``POST /v1/events`` and ``GET /v1/commands`` from the contract's ``IngestResponse`` and
-``CommandsResponse``. ``GET /v1/whatif`` answers ``ledger.whatif.answer.WhatIf`` (msgspec's schema, its
-records named ``whatif.<record>``). Every other answer is a pydantic model of ``ledger.api.models``.
+``CommandsResponse``. An answer the domain builds as a record (:mod:`ledger.records`) has the schema
+msgspec generates from that record (``ledger.api.answers.documents`` names it); the others are still
+pydantic models of ``ledger.api.models``.
 
 Every error answer is one body, ``ErrorBody``: ``{"reason": "<machine word>", "detail": "<field>:
 <reason>"}``, with ``errors`` where there is a list (FastAPI's validation errors on a 422 ``invalid``;
@@ -25,6 +26,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from engine_hooks import events as ev
+from ledger.api.answers import RECORDS
 from ledger.rules.policy import Policy
 from ledger.whatif.answer import WhatIf
 
@@ -78,10 +80,10 @@ def install(app: FastAPI) -> None:
         )
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         _, contract = msgspec.json.schema_components(
-            [ev.Batch, ev.IngestResponse, ev.CommandsResponse], ref_template=_REF
+            [ev.Batch, ev.IngestResponse, ev.CommandsResponse, *RECORDS.values()], ref_template=_REF
         )
         clash = set(contract) & set(schemas)
-        assert not clash, f"the contract's schema names clash with the API's models: {sorted(clash)}"
+        assert not clash, f"the records' schema names clash with the API's models: {sorted(clash)}"
         schemas.update(contract)
         policy = Policy.model_json_schema(ref_template=_REF.replace("{name}", "{model}"))
         schemas.update(policy.pop("$defs", {}))

@@ -12,11 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ledger import export
 from ledger.api import errors
+from ledger.api.answers import documents
 from ledger.api.deps import ReadsDep, SettingsDep, require
-from ledger.api.models import PARQUET, SqlResult
+from ledger.api.models import PARQUET
 from ledger.api.streams import ThreadedStream
 from ledger.reads import read_priority
-from ledger.sql.base import SqlError
+from ledger.sql.base import SqlError, SqlResult
 from ledger.sql.runners import SqlRunner
 from ledger.sql.values import dumps, to_csv
 
@@ -42,15 +43,16 @@ def _error(exc: SqlError) -> JSONResponse:
 
 @router.post(
     "/sql",
-    response_model=None,
-    responses={
-        200: {
-            "model": SqlResult,
-            "content": {"text/csv": {"schema": {"type": "string"}}},
-            "description": "the result as JSON, or as CSV (format=csv or Accept: text/csv)",
-        },
-        **errors.responses(400, *errors.AUTH, 408, 422, 429, 503),
-    },
+    **documents(
+        SqlResult,
+        400,
+        408,
+        422,
+        429,
+        503,
+        description="the result as JSON, or as CSV (format=csv or Accept: text/csv)",
+        media={"text/csv": {"schema": {"type": "string"}}},
+    ),
 )
 def run_sql(
     body: SqlRequest,

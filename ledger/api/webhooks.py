@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
 from ledger.api import errors
+from ledger.api.answers import documents, encoded
 from ledger.api.deps import require
-from ledger.api.models import Deliveries, Webhook, WebhookDeleted, json_response
-from ledger.api.models import Webhooks as WebhookList
 from ledger.api.policy import runaway
-from ledger.webhooks.outbox import SubscriptionError, Webhooks
+from ledger.rows import Deliveries, Webhook, WebhookDeleted, Webhooks
+from ledger.webhooks.outbox import SubscriptionError
+from ledger.webhooks.outbox import Webhooks as Outbox
 
 router = APIRouter(prefix="/v1", tags=["webhooks"], dependencies=[require("admin")])
 
@@ -27,7 +28,7 @@ class SubscriptionIn(BaseModel):
     format: Literal["json", "text"] = "json"
 
 
-def _hooks(request: Request) -> Webhooks:
+def _hooks(request: Request) -> Outbox:
     hooks = runaway(request).webhooks
     if hooks is None:
         raise errors.ApiError(
@@ -36,47 +37,36 @@ def _hooks(request: Request) -> Webhooks:
     return hooks
 
 
-@router.get("/webhooks", response_model=WebhookList, responses=errors.responses(*errors.AUTH, 409))
-async def list_webhooks(request: Request) -> dict[str, Any]:
+@router.get("/webhooks", **documents(Webhooks, 409))
+async def list_webhooks(request: Request) -> Response:
     """The subscriptions (their secrets are never shown)."""
-    return {"webhooks": await run_in_threadpool(_hooks(request).subscriptions)}
+    rows = await run_in_threadpool(_hooks(request).subscriptions)
+    return encoded(Webhooks(webhooks=rows))
 
 
-@router.post(
-    "/webhooks",
-    status_code=201,
-    response_model=Webhook,
-    responses=errors.responses(*errors.AUTH, 408, 409, 422),
-)
-async def create_webhook(request: Request, body: SubscriptionIn) -> Any:
+@router.post("/webhooks", status_code=201, **documents(Webhook, 408, 409, 422, ok=201))
+async def create_webhook(request: Request, body: SubscriptionIn) -> Response:
     """Subscribe a URL to event types; answers the subscription (without its secret)."""
     try:
-        return await run_in_threadpool(
+        row = await run_in_threadpool(
             lambda: _hooks(request).create(
                 url=body.url, secret=body.secret, event_types=body.event_types, format=body.format
             )
         )
     except SubscriptionError as exc:
         return errors.error_response(422, str(exc), reason="invalid")
+    return encoded(row, status_code=201)
 
 
-@router.delete(
-    "/webhooks/{sub_id}",
-    response_model=WebhookDeleted,
-    responses=errors.responses(*errors.AUTH, 404, 409, 422),
-)
-async def delete_webhook(request: Request, sub_id: str) -> dict[str, Any]:
+@router.delete("/webhooks/{sub_id}", **documents(WebhookDeleted, 404, 409, 422))
+async def delete_webhook(request: Request, sub_id: str) -> Response:
     """Unsubscribe; its pending deliveries are dropped (dead)."""
     if not await run_in_threadpool(_hooks(request).delete, sub_id):
         raise errors.ApiError(404, f"no webhook subscription {sub_id!r}")
-    return {"deleted": sub_id}
+    return encoded(WebhookDeleted(deleted=sub_id))
 
 
-@router.get(
-    "/webhooks/deliveries",
-    response_model=None,
-    responses={200: {"model": Deliveries}, **errors.responses(*errors.AUTH, 409, 422)},
-)
+@router.get("/webhooks/deliveries", **documents(Deliveries, 409, 422))
 async def list_deliveries(
     request: Request,
     state: Annotated[Literal["pending", "delivered", "dead"] | None, Query()] = None,
@@ -84,4 +74,4 @@ async def list_deliveries(
 ) -> Response:
     """Newest deliveries first, each with its attempt log (time, status code, error, duration)."""
     rows = await run_in_threadpool(lambda: _hooks(request).deliveries(state=state, limit=limit))
-    return json_response({"deliveries": rows})
+    return encoded(Deliveries(deliveries=rows))

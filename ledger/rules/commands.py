@@ -31,6 +31,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from engine_hooks import events as ev
+from ledger.rows import CutoffRow
 from ledger.rules.cutoff_rows import INSERT_ONE, insert_many, values_update
 from ledger.rules.engine import Decision
 
@@ -469,7 +470,8 @@ class CommandBook:
     # -- reads -------------------------------------------------------------------------------------
     def rows(
         self, *, request_id: str | None = None, state: str | None = None, limit: int = 100
-    ) -> list[dict[str, Any]]:
+    ) -> list[CutoffRow]:
+        """Stored decisions, newest first."""
         if self.engine is None:
             return []
         where, params = [], {"limit": limit}
@@ -482,4 +484,4 @@ class CommandBook:
         sql = "SELECT * FROM cutoffs" + (" WHERE " + " AND ".join(where) if where else "")
         sql += " ORDER BY decided_ts DESC LIMIT :limit"
         with self.engine.connect() as conn:
-            return [dict(r._mapping) for r in conn.execute(sa.text(sql), params)]
+            return [CutoffRow(**r._mapping) for r in conn.execute(sa.text(sql), params)]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+
+from ledger.records import Record
 
 Params = Mapping[str, Any] | None
 
@@ -22,14 +25,19 @@ class SqlError(Exception):
         return {"reason": self.reason, "detail": self.message}
 
 
-@dataclass
-class SqlResult:
+class SqlResult(Record, kw_only=False):
+    """``POST /v1/sql`` as JSON (``format=csv`` or ``Accept: text/csv``: CSV, with the types and the
+    truncation in ``X-Chunkledger-*`` headers). ``as_dict`` is what is sent (the values as
+    ``ledger.sql.values.dumps`` writes them)."""
+
     columns: list[str]
-    types: list[str]
+    types: Annotated[list[str], msgspec.Meta(description="portable type per column: int, float, str, ...")]
     rows: list[list[Any]]
     truncated: bool
     elapsed_s: float
-    truncated_by: str | None = None  # "rows" (max_rows) or "bytes" (sql_max_bytes) when truncated
+    truncated_by: Annotated[
+        str | None, msgspec.Meta(description="rows (max_rows) or bytes (sql_max_bytes)")
+    ] = None
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
+from ledger.rows import Delivery, DeliveryAttempt, Webhook
 from ledger.webhooks.signing import HEADER, sign
 from ledger.webhooks.targets import TargetPolicy, TargetRefused
 
@@ -97,9 +98,7 @@ class Webhooks:
         self._http: httpx.Client | None = None
 
     # -- subscriptions -----------------------------------------------------------------------------
-    def create(
-        self, *, url: str, secret: str, event_types: list[str], format: str = "json"
-    ) -> dict[str, Any]:
+    def create(self, *, url: str, secret: str, event_types: list[str], format: str = "json") -> Webhook:
         if len(secret) < 16:
             raise SubscriptionError("secret: at least 16 characters")
         if not event_types:
@@ -132,16 +131,12 @@ class Webhooks:
         return self._public(row)
 
     @staticmethod
-    def _public(row: Any) -> dict[str, Any]:
-        d = dict(row)
-        d.pop("secret", None)
-        d.pop("deleted_ts", None)
-        d["event_types"] = d["event_types"].split(",")
-        return d
+    def _public(row: Any) -> Webhook:
+        """The subscription as it is shown: without its secret."""
+        shown = {k: v for k, v in row.items() if k not in ("secret", "deleted_ts", "event_types")}
+        return Webhook(**shown, event_types=row["event_types"].split(","))
 
-    def subscriptions(
-        self, event_type: str | None = None, *, with_secret: bool = False
-    ) -> list[dict[str, Any]]:
+    def subscriptions(self, event_type: str | None = None) -> list[Webhook]:
         with self.engine.connect() as conn:
             rows = conn.execute(
                 sa.text("SELECT * FROM webhook_subscriptions WHERE deleted_ts IS NULL ORDER BY created_ts")
@@ -151,7 +146,7 @@ class Webhooks:
             m = dict(r._mapping)
             if event_type is not None and event_type not in m["event_types"].split(","):
                 continue
-            out.append({**m, "event_types": m["event_types"].split(",")} if with_secret else self._public(m))
+            out.append(self._public(m))
         return out
 
     def delete(self, sub_id: str) -> bool:
@@ -191,7 +186,7 @@ class Webhooks:
         for data in items:
             event_id = uuid.uuid4().hex  # the same for every subscriber of this event
             for s in subs:
-                if s["format"] == "text":
+                if s.format == "text":
                     body = json.dumps({"text": render_text(event_type, data)})
                 else:
                     body = json.dumps(
@@ -200,7 +195,7 @@ class Webhooks:
                 rows.append(
                     {
                         "id": uuid.uuid4().hex,
-                        "subscription_id": s["id"],
+                        "subscription_id": s.id,
                         "event_type": event_type,
                         "event_id": event_id,
                         "body": body,
@@ -352,7 +347,7 @@ class Webhooks:
                 ).scalar_one()
             )
 
-    def deliveries(self, *, state: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+    def deliveries(self, *, state: str | None = None, limit: int = 100) -> list[Delivery]:
         """Newest deliveries with their attempt log."""
         sql = "SELECT * FROM webhook_outbox" + (" WHERE state = :state" if state else "")
         sql += " ORDER BY created_ts DESC LIMIT :limit"
@@ -367,15 +362,16 @@ class Webhooks:
                 ).bindparams(sa.bindparam("ids", expanding=True)),
                 {"ids": [r["id"] for r in rows]},
             ).all()
-        log_by: dict[str, list[dict[str, Any]]] = {}
+        log_by: dict[str, list[DeliveryAttempt]] = {}
         for a in attempts:
             m = dict(a._mapping)
-            log_by.setdefault(m.pop("delivery_id"), []).append(m)
+            log_by.setdefault(m.pop("delivery_id"), []).append(DeliveryAttempt(**m))
+        out = []
         for r in rows:
             r.pop("lease_until", None)
             r["body"] = json.loads(r["body"])
-            r["log"] = log_by.get(r["id"], [])
-        return rows
+            out.append(Delivery(**r, log=log_by.get(r["id"], [])))
+        return out
 
     # -- worker ------------------------------------------------------------------------------------
     def start(self) -> None:

@@ -13,9 +13,11 @@ import pytest
 
 from engine_hooks import events as ev
 from ledger.advice.advisor import AdviceError, Advisor
+from ledger.advice.answer import AdviceQuery
 from ledger.advice.fit import FitError, fit_step_time
 from ledger.advice.service import chunk_size_advice
 from ledger.advice.terms import StepData
+from ledger.records import as_json
 from ledger.store import Store, open_store
 from tools.synthetic_steps import MEASURED_CPU, WORKED_EXAMPLE, LinearCost, MeasuredCost, synthetic_steps
 
@@ -28,6 +30,16 @@ NOISE_P99 = float(np.exp(2.326 * 0.03))  # the generator's log-normal noise (sig
 
 def as_data(steps: list[ev.Step]) -> StepData:
     return StepData.from_steps(steps)
+
+
+def _advise(advisor: Advisor, itl_target_ms: float, **kw) -> dict:
+    """The advice for the target, as the API sends it."""
+    return as_json(advisor.advise(AdviceQuery(itl_target_ms=itl_target_ms, **kw)))
+
+
+def _chunk_size_advice(engine, **kw) -> dict:
+    """``chunk_size_advice`` for the query, as the API sends it."""
+    return as_json(chunk_size_advice(engine, AdviceQuery(**kw)))
 
 
 def measured_steps(n: int = 3000, seed: int = 0, **kw) -> list[ev.Step]:
@@ -168,7 +180,7 @@ def test_fit_refuses_data_that_cannot_support_it_and_names_the_reason(steps, rea
 
 def test_advice_keeps_the_true_p99_step_within_the_target_and_close_to_it():
     advisor = Advisor(as_data(worked_steps()))
-    a = advisor.advise(50)
+    a = _advise(advisor, 50)
     prefill = a["settings"]["max_num_batched_tokens"] - a["load"]["decode_batch_p99"]
     true_p99_ms = WORKED_EXAMPLE.cost_s(prefill, a["depth"], a["load"]["decode_batch_p99"]) * 1e3 * NOISE_P99
     assert 45.0 <= true_p99_ms <= 50.0
@@ -178,7 +190,7 @@ def test_advice_keeps_the_true_p99_step_within_the_target_and_close_to_it():
 def test_advice_refuses_a_target_below_decode_time():
     advisor = Advisor(as_data(worked_steps()))
     with pytest.raises(AdviceError) as err:
-        advisor.advise(9.0)
+        _advise(advisor, 9.0)
     assert err.value.reason == "target_unreachable"
     assert err.value.status == 409
     assert "10.0 ms for 128 decodes" in str(err.value)
@@ -187,24 +199,24 @@ def test_advice_refuses_a_target_below_decode_time():
 
 
 def test_advice_caps_the_chunk_at_the_largest_step_the_data_covers():
-    a = Advisor(as_data(worked_steps())).advise(1000)
+    a = _advise(Advisor(as_data(worked_steps())), 1000)
     assert a["prefill_tokens_per_step"] == 2048
     assert a["by_depth"][0]["status"] == "capped"
     assert any("largest prefill step in the data" in n for n in a["notes"])
 
 
 def test_advice_says_when_the_fit_explains_step_time_poorly():
-    quiet = Advisor(as_data(worked_steps())).advise(200)
+    quiet = _advise(Advisor(as_data(worked_steps())), 200)
     assert not any("explains step time poorly" in n for n in quiet["notes"])
-    busy = Advisor(as_data(worked_steps(noise_sigma=0.5))).advise(200)
+    busy = _advise(Advisor(as_data(worked_steps(noise_sigma=0.5))), 200)
     assert any("explains step time poorly" in n for n in busy["notes"])
     assert busy["margin_ms"] > 5 * quiet["margin_ms"]  # the noise goes into the margin
 
 
 def test_arrival_share_sets_the_long_prefill_threshold_below_the_prefill_share():
     advisor = Advisor(as_data(worked_steps()))
-    chunk = advisor.advise(50, arrival_share=0.0)["prefill_tokens_per_step"]
-    half = advisor.advise(50, arrival_share=0.5)
+    chunk = _advise(advisor, 50, arrival_share=0.0)["prefill_tokens_per_step"]
+    half = _advise(advisor, 50, arrival_share=0.5)
     assert half["settings"]["long_prefill_token_threshold"] == (chunk // 2) // 16 * 16
     assert half["settings"]["max_num_batched_tokens"] == (chunk + 128) // 16 * 16
 
@@ -224,7 +236,7 @@ def ledger_store(db_url: str):
 
 def test_worked_example_target_50_with_decode_10_gives_a_40_ms_budget(ledger_store):
     write_steps(ledger_store, WORKED_SOURCE, worked_steps())
-    a = chunk_size_advice(ledger_store.engine, itl_target_ms=50)
+    a = _chunk_size_advice(ledger_store.engine, itl_target_ms=50)
     assert a["window"]["model"] == "worked-example"
     assert a["window"]["steps_read"] == 3000
     assert a["load"]["decode_batch_p99"] == 128
@@ -248,7 +260,7 @@ def test_worked_example_target_50_with_decode_10_gives_a_40_ms_budget(ledger_sto
 
 def test_the_gap_between_steps_counts_against_the_target(ledger_store):
     write_steps(ledger_store, WORKED_SOURCE, worked_steps(gap_s=0.003))
-    a = chunk_size_advice(ledger_store.engine, itl_target_ms=50)
+    a = _chunk_size_advice(ledger_store.engine, itl_target_ms=50)
     assert a["between_steps_ms"]["p50"] == pytest.approx(3.0, abs=0.01)
     assert a["between_steps_ms"]["steps"] > 2500
     assert a["prefill_budget_ms"] == pytest.approx(37.0, abs=0.3)  # 50 - decode 10 - gap 3
@@ -260,7 +272,7 @@ def test_the_gap_between_steps_counts_against_the_target(ledger_store):
 
 def test_measured_model_advice_differs_by_depth_as_the_figures_say(ledger_store):
     write_steps(ledger_store, MEASURED_SOURCE, measured_steps())
-    a = chunk_size_advice(ledger_store.engine, itl_target_ms=150, model="llama-h512-l4-cpu")
+    a = _chunk_size_advice(ledger_store.engine, itl_target_ms=150, model="llama-h512-l4-cpu")
     rows = {r["depth"]: r for r in a["by_depth"]}
     assert set(rows) == {0, 8192, 16384}
     b99 = a["load"]["decode_batch_p99"]
@@ -279,12 +291,12 @@ def test_measured_model_advice_differs_by_depth_as_the_figures_say(ledger_store)
 def test_measured_model_at_50_ms_refuses_deep_advice_but_advises_shallow(ledger_store):
     write_steps(ledger_store, MEASURED_SOURCE, measured_steps())
     with pytest.raises(AdviceError) as err:
-        chunk_size_advice(ledger_store.engine, itl_target_ms=50)
+        _chunk_size_advice(ledger_store.engine, itl_target_ms=50)
     assert err.value.reason == "outside_data"
     assert "smaller than any in the data" in str(err.value)
     partial = err.value.details["advice"]
     assert [r["status"] for r in partial["by_depth"]] == ["ok", "below_data", "below_data"]
-    a = chunk_size_advice(ledger_store.engine, itl_target_ms=50, depth=0)
+    a = _chunk_size_advice(ledger_store.engine, itl_target_ms=50, depth=0)
     want = true_chunk(MEASURED_CPU, 0, a["load"]["decode_batch_p99"], 50, a["margin_ms"], 256, 2048)
     assert a["prefill_tokens_per_step"] == pytest.approx(want, rel=0.08)
 
@@ -293,15 +305,15 @@ def test_advice_reads_one_model_and_refuses_to_mix_models(ledger_store):
     write_steps(ledger_store, WORKED_SOURCE, worked_steps())
     write_steps(ledger_store, MEASURED_SOURCE, measured_steps(1000))
     with pytest.raises(AdviceError) as err:
-        chunk_size_advice(ledger_store.engine, itl_target_ms=50)
+        _chunk_size_advice(ledger_store.engine, itl_target_ms=50)
     assert err.value.reason == "several_models"
     assert err.value.details["models"] == ["llama-h512-l4-cpu", "worked-example"]
-    a = chunk_size_advice(ledger_store.engine, itl_target_ms=50, model="worked-example")
+    a = _chunk_size_advice(ledger_store.engine, itl_target_ms=50, model="worked-example")
     assert a["window"]["source_ids"] == ["engine-worked"] and a["window"]["steps_read"] == 3000
-    b = chunk_size_advice(ledger_store.engine, itl_target_ms=50, source_id="engine-worked")
+    b = _chunk_size_advice(ledger_store.engine, itl_target_ms=50, source_id="engine-worked")
     assert b["settings"] == a["settings"]
     with pytest.raises(AdviceError) as err:
-        chunk_size_advice(ledger_store.engine, itl_target_ms=50, model="gpt-7")
+        _chunk_size_advice(ledger_store.engine, itl_target_ms=50, model="gpt-7")
     assert err.value.status == 404 and "llama-h512-l4-cpu, worked-example" in str(err.value)
 
 
@@ -309,21 +321,21 @@ def test_advice_window_reads_only_steps_since_and_the_newest_max_steps(ledger_st
     steps = worked_steps()
     write_steps(ledger_store, WORKED_SOURCE, steps)
     mid = steps[1000].ts
-    a = chunk_size_advice(ledger_store.engine, itl_target_ms=50, since=mid)
+    a = _chunk_size_advice(ledger_store.engine, itl_target_ms=50, since=mid)
     assert a["window"]["steps_read"] == 2000
     assert a["window"]["first_step_ts"] == pytest.approx(mid)
-    b = chunk_size_advice(ledger_store.engine, itl_target_ms=50, max_steps=500)
+    b = _chunk_size_advice(ledger_store.engine, itl_target_ms=50, max_steps=500)
     assert b["window"]["steps_read"] == 500 and b["window"]["truncated"]
     assert b["window"]["last_step_ts"] == pytest.approx(steps[-1].ts)
     with pytest.raises(AdviceError) as err:
-        chunk_size_advice(ledger_store.engine, itl_target_ms=50, since=steps[-50].ts)
+        _chunk_size_advice(ledger_store.engine, itl_target_ms=50, since=steps[-50].ts)
     assert err.value.reason == "too_little_data" and err.value.status == 409
 
 
 def test_advice_refuses_a_depth_outside_the_data_with_422(ledger_store):
     write_steps(ledger_store, WORKED_SOURCE, worked_steps())
     with pytest.raises(AdviceError) as err:
-        chunk_size_advice(ledger_store.engine, itl_target_ms=50, depth=20000)
+        _chunk_size_advice(ledger_store.engine, itl_target_ms=50, depth=20000)
     assert err.value.status == 422
     assert err.value.reason == "depth_outside_data"
     assert "0..8192" in str(err.value)
@@ -356,7 +368,7 @@ def test_advice_refuses_a_target_that_leaves_no_useful_chunk_and_names_the_targe
     advised = None
     for tenths in range(100, 400, 5):  # 10.0 .. 40 ms
         try:
-            advised = advisor.advise(tenths / 10)
+            advised = _advise(advisor, tenths / 10)
             break
         except AdviceError as exc:
             refused.append((tenths / 10, exc))
@@ -372,13 +384,13 @@ def test_advice_refuses_a_target_that_leaves_no_useful_chunk_and_names_the_targe
     # the target it names does give a useful chunk, and the budget holds the decode batch and the chunk
     needed = err.details["needed_itl_target_ms"]
     assert needed > target
-    a = advisor.advise(needed)
+    a = _advise(advisor, needed)
     b99 = a["load"]["decode_batch_p99"]
     assert a["prefill_tokens_per_step"] >= 64
     assert a["settings"]["max_num_batched_tokens"] >= b99 + 48  # rounded down to a multiple of 16
     assert a["settings"]["long_prefill_token_threshold"] >= 48
     # a caller can ask for a smaller minimum
-    assert advisor.advise(target, min_chunk=1)["prefill_tokens_per_step"] == err.details["chunk_tokens"]
+    assert _advise(advisor, target, min_chunk=1)["prefill_tokens_per_step"] == err.details["chunk_tokens"]
 
 
 def test_offline_step_intervals_follow_the_ledgers_rule_across_restarts_and_long_gaps(ledger_store):

@@ -192,3 +192,12 @@ def test_advice_recovers_the_fleet_simulators_step_cost_through_exporter_and_led
     want = int(budget_s / (sc.step_b_s + sc.step_c_s * depth))
     assert want < a["fit"]["covers"]["prefill_tokens"][1]  # within the data: not capped
     assert abs(a["prefill_tokens_per_step"] - want) <= 1
+
+
+def test_cli_advise_refuses_an_option_outside_the_querys_bounds_before_asking():
+    result = runner.invoke(cli_app, ["advise", "--itl-target-ms", "0", "--ledger", "http://127.0.0.1:9"])
+    assert result.exit_code == 2 and "itl_target_ms" in result.output
+    result = runner.invoke(
+        cli_app, ["advise", "--itl-target-ms", "50", "--arrival-share", "1", "--ledger", "http://127.0.0.1:9"]
+    )
+    assert result.exit_code == 2 and "arrival_share" in result.output

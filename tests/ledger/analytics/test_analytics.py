@@ -14,6 +14,7 @@ from ledger.analytics import queries as q
 from ledger.analytics.window import BadTime, Window, parse_time
 from ledger.app import create_app
 from ledger.config import Settings
+from ledger.records import as_json
 from tests.support.factories import ENGINE, GATEWAY, batch
 
 T0 = 1_700_000_000.0
@@ -107,6 +108,21 @@ def _conn(store):
     return store.engine.connect()
 
 
+def _as_json(fn):
+    """``fn`` with its record(s) as the API sends them."""
+    return lambda *args, **kw: as_json(fn(*args, **kw))
+
+
+_attribution, _list_requests, _kv_stalls, _request_itl = (
+    _as_json(fn) for fn in (q.attribution, q.list_requests, q.kv_stalls, q.request_itl)
+)
+
+
+def _why(conn, request_id: str):
+    """``why``'s record as the API sends it."""
+    return as_json(q.why(conn, q.WhyQuery(request_id=request_id)))
+
+
 def test_kv_idle_is_the_time_of_the_steps_a_request_sat_out(loaded):
     row = loaded.get_request("dec")
     assert row["stalled_steps"] == 2
@@ -117,7 +133,7 @@ def test_kv_idle_is_the_time_of_the_steps_a_request_sat_out(loaded):
 
 def test_request_itl_counts_the_gap_across_the_steps_it_sat_out(loaded):
     with _conn(loaded) as conn:
-        itl = q.request_itl(conn, "dec")
+        itl = _request_itl(conn, "dec")
     # first token at step 0's end; tokens at the ends of steps 1, 4, 5, 6 (2 and 3 sat out)
     assert itl["gaps"] == pytest.approx([0.120, 0.130 + 0.110 + 0.010, 0.010, 0.010])
     assert itl["max"] == pytest.approx(0.25)
@@ -126,8 +142,8 @@ def test_request_itl_counts_the_gap_across_the_steps_it_sat_out(loaded):
 
 def test_request_itl_skips_prefill_steps_and_is_empty_with_one_token(loaded):
     with _conn(loaded) as conn:
-        assert q.request_itl(conn, "short")["n"] == 0
-        assert q.request_itl(conn, "nope") is None
+        assert _request_itl(conn, "short")["n"] == 0
+        assert _request_itl(conn, "nope") is None
 
 
 def test_decode_itl_weights_step_gaps_by_decoding_requests(loaded):
@@ -142,7 +158,7 @@ def test_decode_itl_weights_step_gaps_by_decoding_requests(loaded):
 
 def test_why_names_the_long_prefill_behind_a_short_requests_wait(loaded):
     with _conn(loaded) as conn:
-        out = q.why(conn, "short")
+        out = _why(conn, "short")
     first = out["items"][0]
     assert first["kind"] == "engine_queue"
     assert first["seconds"] == pytest.approx(sum(STEP_S[1:4]))
@@ -152,7 +168,7 @@ def test_why_names_the_long_prefill_behind_a_short_requests_wait(loaded):
 
 def test_why_lists_the_steps_a_decode_sat_out_and_who_filled_them(loaded):
     with _conn(loaded) as conn:
-        out = q.why(conn, "dec")
+        out = _why(conn, "dec")
     sat = next(i for i in out["items"] if i["kind"] == "sat_out")
     assert sat["steps"] == [2, 3]
     assert sat["seconds"] == pytest.approx(0.24)
@@ -163,7 +179,7 @@ def test_why_lists_the_steps_a_decode_sat_out_and_who_filled_them(loaded):
 
 def test_why_names_a_culprit_by_its_whole_prompt_not_only_the_chunk_that_shared_the_step(loaded):
     with _conn(loaded) as conn:
-        out = q.why(conn, "dec")
+        out = _why(conn, "dec")
     shared = next(i for i in out["items"] if i["kind"] == "shared_prefill_steps")
     assert shared["steps"] == [1]
     (culprit,) = shared["culprits"]
@@ -183,7 +199,7 @@ def test_why_reports_preemptions_with_their_wait(store):
     )
     store.write([batch(ENGINE, evs)])
     with _conn(store) as conn:
-        out = q.why(conn, "p")
+        out = _why(conn, "p")
     assert out["items"][0]["kind"] == "preempted" and out["items"][0]["seconds"] == pytest.approx(2.0)
     assert "7 KV blocks freed" in out["items"][0]["detail"]
 
@@ -191,18 +207,18 @@ def test_why_reports_preemptions_with_their_wait(store):
 def test_kv_stalls_rank_live_requests_by_time_without_progress(loaded):
     now = T0 + 10
     with _conn(loaded) as conn:
-        rows = q.kv_stalls(conn, now)
+        rows = _kv_stalls(conn, now)
     assert [r["request_id"] for r in rows] == ["dec"]  # long and short finished
     assert rows[0]["state"] == "running"
     assert rows[0]["stall_s"] == pytest.approx(now - (T0 + sum(STEP_S)))
     with _conn(loaded) as conn:
-        assert q.kv_stalls(conn, now + 7200, horizon_s=3600) == []  # its engine went quiet
+        assert _kv_stalls(conn, now + 7200, horizon_s=3600) == []  # its engine went quiet
 
 
 def test_kv_stalls_are_never_negative_when_a_sources_clock_runs_ahead(loaded):
     now = T0 + sum(STEP_S) - 5  # the ledger's clock 5 s behind the engine's last stamp
     with _conn(loaded) as conn:
-        rows = q.kv_stalls(conn, now)
+        rows = _kv_stalls(conn, now)
     assert [r["request_id"] for r in rows] == ["dec"] and rows[0]["stall_s"] == 0
 
 
@@ -221,7 +237,7 @@ def test_attribution_gives_tails_per_layer_and_group(store):
     other = ev.Source(id="engine-1", kind="engine", model="other")
     store.write([batch(ENGINE, _seq(evs)), batch(other, _seq(_finished("b0", 5.0)))])
     with _conn(store) as conn:
-        groups = q.attribution(conn, group_by=["model"])
+        groups = _attribution(conn, group_by=["model"])
     by = {g["model"]: g for g in groups}
     tiny = by["tiny-llama"]["layers"]["e2e_s"]
     assert by["tiny-llama"]["requests"] == 10
@@ -235,8 +251,8 @@ def test_attribution_gives_tails_per_layer_and_group(store):
 def test_attribution_window_is_on_end_time_and_buckets_by_it(store):
     store.write([batch(ENGINE, _seq(_finished("x", 1.0) + _finished("y", 3.0)))])
     with _conn(store) as conn:
-        assert q.attribution(conn, Window(since=T0 + 2))[0]["requests"] == 1
-        buckets = q.attribution(conn, bucket_s=2.0)
+        assert _attribution(conn, Window(since=T0 + 2))[0]["requests"] == 1
+        buckets = _attribution(conn, bucket_s=2.0)
     assert [(b["bucket_ts"], b["requests"]) for b in buckets] == [(T0, 1), (T0 + 2, 1)]
 
 
@@ -245,14 +261,14 @@ def test_list_requests_sorts_by_any_column_and_pages(store):
     evs.append(ev.Queued(ts=T0, seq=0, request_id="live", prompt_tokens=3))
     store.write([batch(ENGINE, _seq(evs))])
     with _conn(store) as conn:
-        page = q.list_requests(conn, sort="e2e_s", limit=2)
+        page = _list_requests(conn, sort="e2e_s", limit=2)
         assert page["total"] == 4
         assert [r["request_id"] for r in page["rows"]] == ["r0", "r2"]
-        page2 = q.list_requests(conn, sort="e2e_s", limit=2, offset=2)
+        page2 = _list_requests(conn, sort="e2e_s", limit=2, offset=2)
         assert [r["request_id"] for r in page2["rows"]] == ["r1", "live"]  # NULLs last
-        assert [r["request_id"] for r in q.list_requests(conn, live=True)["rows"]] == ["live"]
+        assert [r["request_id"] for r in _list_requests(conn, live=True)["rows"]] == ["live"]
         with pytest.raises(q.QueryError) as exc:
-            q.list_requests(conn, sort="drop table")
+            _list_requests(conn, sort="drop table")
     assert exc.value.field == "sort"
 
 
@@ -264,7 +280,7 @@ def test_gateway_and_engine_rows_join_in_the_list(store):
         ]
     )
     with _conn(store) as conn:
-        (row,) = q.list_requests(conn)["rows"]
+        (row,) = _list_requests(conn)["rows"]
     assert row["start_ts"] == pytest.approx(T0 - 0.5) and row["e2e_s"] == pytest.approx(1.5)
 
 
@@ -337,7 +353,7 @@ def test_why_blames_the_long_prefill_that_shared_a_short_requests_prefill_step(s
     )
     store.write([batch(ENGINE, evs)])
     with _conn(store) as conn:
-        out = q.why(conn, "small")
+        out = _why(conn, "small")
     item = next(i for i in out["items"] if i["kind"] == "shared_prefill")
     assert item["seconds"] == pytest.approx(0.1)
     assert item["steps"] == [0] and item["culprits"][0]["request_id"] == "big"
@@ -357,7 +373,7 @@ def test_why_names_the_engine_front_end_apart_from_the_engine_queue(store):
     )
     store.write([batch(ENGINE, evs)])
     with _conn(store) as conn:
-        items = {i["kind"]: i for i in q.why(conn, "late")["items"]}
+        items = {i["kind"]: i for i in _why(conn, "late")["items"]}
     assert items["frontend"]["seconds"] == pytest.approx(0.8)
     assert "front end" in items["frontend"]["detail"] and items["frontend"]["culprits"] == []
     assert items["engine_queue"]["seconds"] == pytest.approx(0.1)
@@ -385,7 +401,7 @@ def test_why_splits_the_backend_wait_at_the_engines_door(store):
     )
     store.write([batch(ENGINE, engine), batch(GATEWAY, gateway)])
     with _conn(store) as conn:
-        items = {i["kind"]: i for i in q.why(conn, "late")["items"]}
+        items = {i["kind"]: i for i in _why(conn, "late")["items"]}
         row = conn.execute(
             sa.text(
                 "SELECT frontend_s, engine_queue_s, backend_wait_ttft_s FROM requests "
@@ -431,7 +447,7 @@ def test_why_blames_only_requests_that_held_the_engine_while_it_waited_and_came_
     )
     store.write([batch(ENGINE, evs)])
     with _conn(store) as conn:
-        items = {i["kind"]: i for i in q.why(conn, "slow")["items"]}
+        items = {i["kind"]: i for i in _why(conn, "slow")["items"]}
     wait = items["engine_queue"]
     assert wait["seconds"] == pytest.approx(0.2)
     (held,) = wait["culprits"]

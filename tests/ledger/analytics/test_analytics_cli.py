@@ -42,3 +42,12 @@ def test_cli_reports_ledger_errors_without_a_traceback(ledger_server):
     assert "422" in result.output and "sort" in result.output
     result = runner.invoke(app, ["why", "r", "--ledger", "http://127.0.0.1:9"])
     assert result.exit_code == 1 and "cannot reach the ledger" in result.output
+
+
+def test_cli_why_asks_the_ledger_for_top_culprits_and_refuses_a_top_out_of_the_querys_bounds(ledger_server):
+    r = httpx.post(f"{ledger_server.url}/v1/events", content=ev.encode_batch(ENGINE, scene()))
+    assert r.status_code == 200, r.text
+    out = json.loads(_run(ledger_server, "why", "dec", "--top", "1", "--format", "json"))
+    assert out["items"] and all(len(i["culprits"]) <= 1 for i in out["items"])
+    refused = runner.invoke(app, ["why", "dec", "--top", "51", "--ledger", ledger_server.url])
+    assert refused.exit_code == 2 and "top" in refused.output

@@ -21,6 +21,7 @@ from engine_hooks import events as ev
 from ledger.analytics import queries as q
 from ledger.app import create_app
 from ledger.config import Settings
+from ledger.records import as_json
 from ledger.store import open_store
 from ledger.store.step_memory import _STEPS_MAX
 from tests.support.factories import batch, numbered
@@ -419,7 +420,7 @@ def _gaps(store: Any, rid: str) -> dict[str, Any]:
     with store.engine.connect() as conn:
         out = q.request_itl(conn, rid)
     assert out is not None
-    return out
+    return as_json(out)  # type: ignore[no-any-return]
 
 
 def test_a_request_resumed_with_a_one_token_recompute_gets_a_gap_per_token_after_the_first(store):

@@ -18,6 +18,7 @@ from bench.toolkit import free_port
 from engine_hooks import events as ev
 from ledger.app import create_app
 from ledger.config import Settings
+from ledger.records import as_json
 from ledger.rules.policy import parse_policy
 from ledger.rules.service import SloMonitor
 from ledger.store import open_store
@@ -78,6 +79,16 @@ class Receiver:
         self.server.server_close()
 
 
+def _deliveries(wh, **kw) -> list:
+    """The delivery log as the API sends it."""
+    return as_json(wh.deliveries(**kw))
+
+
+def _create(wh, **kw) -> dict:
+    """A new subscription as the API sends it."""
+    return as_json(wh.create(**kw))
+
+
 def test_signature_verifies_and_rejects_tampering_wrong_secret_and_stale_timestamps():
     body = b'{"type": "cutoff"}'
     header = sign(SECRET, body, t=1_800_000_000)
@@ -124,7 +135,7 @@ def _webhooks(db_url, **kw):
 def test_receiver_that_fails_three_times_gets_the_delivery_on_the_fourth_attempt(db_url):
     store, wh, attempts = _webhooks(db_url, max_attempts=8)
     with Receiver(fail=3) as rx:
-        sub = wh.create(url=rx.url, secret=SECRET, event_types=["cutoff"])
+        sub = _create(wh, url=rx.url, secret=SECRET, event_types=["cutoff"])
         assert wh.emit("cutoff", {"request_id": "r1", "rule": "loop", "action": "abort", "detail": "d"}) == 1
         assert wh.emit("data_loss", {"source_id": "e0"}) == 0  # nobody subscribed to that
         wh.start()
@@ -135,7 +146,7 @@ def test_receiver_that_fails_three_times_gets_the_delivery_on_the_fourth_attempt
     assert rx.statuses == [500, 500, 500, 200] and rx.bad_signatures == 0
     assert rx.received[0]["event"] == "cutoff"
     assert rx.received[0]["body"]["data"]["request_id"] == "r1" and rx.received[0]["body"]["type"] == "cutoff"
-    (d,) = wh.deliveries()
+    (d,) = _deliveries(wh)
     assert d["state"] == "delivered" and d["attempts"] == 4 and d["subscription_id"] == sub["id"]
     assert [a["status_code"] for a in d["log"]] == [500, 500, 500, 200]
     assert [a[2] for a in attempts] == ["status", "status", "status", None]
@@ -149,11 +160,11 @@ def test_delivery_is_dead_lettered_after_max_attempts(db_url):
         wh.emit("starvation", {"request_id": "r", "model": "m", "waited_s": 75.0, "bound_s": 60})
         wh.start()
         try:
-            assert wait_until(lambda: wh.deliveries()[0]["state"] == "dead", 10)
+            assert wait_until(lambda: _deliveries(wh)[0]["state"] == "dead", 10)
             time.sleep(0.3)  # no further attempts after the dead letter
         finally:
             wh.stop()
-    (d,) = wh.deliveries(state="dead")
+    (d,) = _deliveries(wh, state="dead")
     assert d["attempts"] == 3 and len(d["log"]) == 3 and d["last_status"] == 500
     assert len(rx.statuses) == 3 and attempts[-1][3] is True  # (event_type, status, reason, dead)
     store.close()
@@ -165,10 +176,10 @@ def test_unreachable_receiver_is_retried_and_logged_as_a_connection_error(db_url
     wh.emit("data_loss", {"source_id": "e0", "count": 3, "reason": "spool_full"})
     wh.start()
     try:
-        assert wait_until(lambda: wh.deliveries()[0]["state"] == "dead", 10)
+        assert wait_until(lambda: _deliveries(wh)[0]["state"] == "dead", 10)
     finally:
         wh.stop()
-    (d,) = wh.deliveries()
+    (d,) = _deliveries(wh)
     assert all(a["status_code"] is None and "Connect" in a["error"] for a in d["log"])
     store.close()
 
@@ -314,10 +325,10 @@ def test_pending_deliveries_go_out_after_a_ledger_restart(db_url, tmp_path):
 
 def test_deleting_a_subscription_dead_letters_its_pending_deliveries(db_url):
     store, wh, _ = _webhooks(db_url)
-    sub = wh.create(url=f"http://127.0.0.1:{free_port()}/x", secret=SECRET, event_types=["cutoff"])
+    sub = _create(wh, url=f"http://127.0.0.1:{free_port()}/x", secret=SECRET, event_types=["cutoff"])
     wh.emit("cutoff", {"request_id": "r"})
     assert wh.delete(sub["id"]) and not wh.delete(sub["id"])
-    (d,) = wh.deliveries()
+    (d,) = _deliveries(wh)
     assert d["state"] == "dead" and d["last_error"] == "subscription deleted"
     assert wh.emit("cutoff", {"request_id": "r2"}) == 0
     store.close()
@@ -439,11 +450,11 @@ def test_a_name_that_rebinds_to_loopback_after_registration_is_refused_at_delive
         wh.emit("data_loss", {"source_id": "e0"})
         wh.start()
         try:
-            assert wait_until(lambda: wh.deliveries()[0]["state"] == "dead", 10)
+            assert wait_until(lambda: _deliveries(wh)[0]["state"] == "dead", 10)
         finally:
             wh.stop()
     assert rx.hosts == []  # nothing reached the loopback receiver
-    (d,) = wh.deliveries()
+    (d,) = _deliveries(wh)
     assert all("target refused" in a["error"] and "127.0.0.1" in a["error"] for a in d["log"])
     store.close()
 
