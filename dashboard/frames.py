@@ -14,7 +14,7 @@ import pandas as pd
 
 if TYPE_CHECKING:
     from dashboard.data import LedgerData
-    from ledger.whatif.answer import CalibrationError, Candidate, Relative, Tails, WhatIf
+    from ledger.whatif.answer import CalibrationError, Candidate, Relative, ReplayTails, WhatIf
 
 LAYERS = ("entry_s", "admission_s", "frontend_s", "engine_queue_s", "prefill_s", "decode_s")
 LAYER_NAMES = {
@@ -263,7 +263,7 @@ def whatif_rows(answer: WhatIf) -> pd.DataFrame:
     """``GET /v1/whatif``'s answer as one row per setting: measured, the recorded setting replayed,
     then each asked one (milliseconds; the change from the recorded setting replayed)."""
     cal = answer.calibration
-    rows: list[tuple[str, str, Tails, Relative | CalibrationError | None, Candidate | None]] = [
+    rows: list[tuple[str, str, ReplayTails, Relative | CalibrationError | None, Candidate | None]] = [
         ("measured", "measured", cal.measured, None, None),
         ("recorded (replayed)", "replayed", cal.predicted, cal.error, None),
     ]

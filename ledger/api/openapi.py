@@ -28,7 +28,6 @@ from fastapi.openapi.utils import get_openapi
 from engine_hooks import events as ev
 from ledger.api.answers import RECORDS
 from ledger.rules.policy import Policy
-from ledger.whatif.answer import WhatIf
 
 _REF = "#/components/schemas/{name}"
 
@@ -54,19 +53,6 @@ def _json(name: str, description: str) -> dict[str, Any]:
 
 def _body(name: str) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(name=name)}}}}
-
-
-def _install_whatif(schemas: dict[str, Any], operation: dict[str, Any]) -> None:
-    """The what-if answer's records under ``whatif.<name>`` (apart from the API's models of the same
-    names), and its 200 answer."""
-    _, records = msgspec.json.schema_components([WhatIf], ref_template=_REF.format(name="whatif.{name}"))
-    named = {f"whatif.{name}": schema for name, schema in records.items()}
-    clash = set(named) & set(schemas)
-    assert not clash, f"the what-if records clash with the API's schemas: {sorted(clash)}"
-    schemas.update(named)
-    operation["responses"]["200"] = _json(
-        "whatif.WhatIf", "predicted tails under each asked setting, beside the recorded one"
-    )
 
 
 def install(app: FastAPI) -> None:
@@ -97,7 +83,6 @@ def install(app: FastAPI) -> None:
             "CommandsResponse", "the source's unconfirmed commands (re-sent until confirmed)"
         )
         paths["/v1/policy"]["put"]["requestBody"] = _body("Policy")
-        _install_whatif(schemas, paths["/v1/whatif"]["get"])
         app.openapi_schema = doc
         return doc
 

@@ -1,6 +1,7 @@
-"""Query objects (msgspec Structs of the domain: ``WhyQuery``, ``AdviceQuery``) as FastAPI query
-parameters: each field's type, default, bounds and description come from the object, so the API, the
-CLI and the function read one definition, and FastAPI checks the bounds and documents them."""
+"""Query objects (msgspec Structs of the domain: ``WhyQuery``, ``AdviceQuery``, ``WhatIfQuery``) as
+FastAPI query parameters: each field's type, default, bounds and description come from the object, so
+the API, the CLI and the function read one definition, and FastAPI checks the bounds and documents
+them."""
 
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ def query_param(query: type[msgspec.Struct], field: str) -> Any:
     return Query(**_constraints(info.type))
 
 
+def _default(field: Any) -> Any:
+    """A field's default for the signature (a list's default comes from its factory)."""
+    if field.required:
+        return inspect.Parameter.empty
+    return field.default if field.default is not msgspec.NODEFAULT else field.default_factory()
+
+
 def query_dependency(query: type[Q]) -> Callable[..., Q]:
     """A FastAPI dependency that takes every field of ``query`` as a query parameter and builds it."""
     hints = typing.get_type_hints(query)  # the plain types: float, str | None, ...
@@ -47,7 +55,7 @@ def query_dependency(query: type[Q]) -> Callable[..., Q]:
         inspect.Parameter(
             f.name,
             inspect.Parameter.KEYWORD_ONLY,
-            default=inspect.Parameter.empty if f.required else f.default,
+            default=_default(f),
             annotation=Annotated[hints[f.name], Query(**_constraints(f.type))],
         )
         for f in fields

@@ -2,19 +2,20 @@
 
 The query is :class:`ledger.whatif.query.WhatIfQuery` (its fields are the parameters); the answer is
 :class:`ledger.whatif.answer.WhatIf`, encoded by msgspec; its schema in the OpenAPI document is msgspec's
-(:mod:`ledger.api.openapi`)."""
+(:mod:`ledger.api.answers`)."""
 
 from __future__ import annotations
 
 import threading
 from typing import Annotated
 
-import msgspec
 from fastapi import APIRouter, Depends, Response
 
 from ledger.api import errors
+from ledger.api.answers import documents, encoded
 from ledger.api.deps import ReadsDep, SettingsDep, StoreDep, require
-from ledger.api.struct_query import struct_query
+from ledger.api.queries import query_dependency
+from ledger.whatif.answer import WhatIf
 from ledger.whatif.query import WhatIfQuery
 from ledger.whatif.service import what_if
 
@@ -24,16 +25,20 @@ router = APIRouter(prefix="/v1", tags=["whatif"], dependencies=[require("read")]
 # ingest shares: one at a time; another asked meanwhile is told to come back.
 _BUSY = threading.Lock()
 # the query's parameters: WhatIfQuery's fields (names, defaults, limits), checked by FastAPI
-QueryDep = Annotated[WhatIfQuery, Depends(struct_query(WhatIfQuery))]
+QueryDep = Annotated[WhatIfQuery, Depends(query_dependency(WhatIfQuery))]
 
 
 @router.get(
     "/whatif",
-    response_model=None,
-    responses={
-        200: {"description": "the answer (WhatIf)"},
-        **errors.responses(*errors.AUTH, 404, 408, 409, 422, 429),
-    },
+    **documents(
+        WhatIf,
+        404,
+        408,
+        409,
+        422,
+        429,
+        description="predicted tails under each asked setting, beside the recorded one",
+    ),
 )
 def whatif(store: StoreDep, reads: ReadsDep, settings: SettingsDep, query: QueryDep) -> Response:
     if store.dialect == "null":
@@ -53,4 +58,4 @@ def whatif(store: StoreDep, reads: ReadsDep, settings: SettingsDep, query: Query
             answer = what_if(reads.engine, query, timeout_s=settings.whatif_timeout_s)
     finally:
         _BUSY.release()
-    return Response(msgspec.json.encode(answer), media_type="application/json")
+    return encoded(answer)

@@ -14,16 +14,13 @@ from typing import TYPE_CHECKING, Any, get_type_hints
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from ledger.records import Record
 from ledger.refusal import Refusal
 from ledger.whatif.types import EngineSettings
 
 
 class WhatIfError(Refusal):
     """No answer: ``reason`` is a short code, ``status`` the HTTP status the API answers with."""
-
-
-class Record(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A record of the answer: keyword fields, no field but its own."""
 
 
 def _settings_record(name: str, doc: str, *, partial: bool) -> type[msgspec.Struct]:
@@ -158,8 +155,8 @@ METRICS: tuple[str, ...] = Relative.__struct_fields__  # the tails a candidate i
 CALIBRATED: tuple[str, ...] = CalibrationError.__struct_fields__  # those the calibration checks
 
 
-class Tails(Record):
-    """Tails in seconds (long TTFT: the longest of the long prompts'), preemptions, requests."""
+class ReplayTails(Record):
+    """A replay's tails in seconds (long TTFT: the longest of the long prompts'), preemptions, requests."""
 
     ttft_p50_s: float | None
     ttft_p99_s: float | None
@@ -176,8 +173,8 @@ class Calibration(Record):
 
     settings: Settings
     inferred: list[str]
-    measured: Tails
-    predicted: Tails
+    measured: ReplayTails
+    predicted: ReplayTails
     error: CalibrationError
     max_error: float | None
     max_error_allowed: float
@@ -197,7 +194,7 @@ class Candidate(Record):
     name: str
     set: AskedSettings
     settings: Settings
-    predicted: Tails
+    predicted: ReplayTails
     relative: Relative
     meets: Meets | None
     extrapolated: list[str]
@@ -236,10 +233,10 @@ __all__ = [
     "Meets",
     "Observed",
     "Relative",
+    "ReplayTails",
     "Settings",
     "Spread",
     "StepNoiseFigures",
-    "Tails",
     "Targets",
     "WhatIf",
     "WhatIfError",

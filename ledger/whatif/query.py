@@ -2,7 +2,7 @@
 settings as users write them (``key=value[,key=value]``).
 
 The API's query parameters are generated from the query's fields (names, defaults, limits,
-descriptions: :mod:`ledger.api.struct_query`); the CLI builds the same query from its options;
+descriptions: :mod:`ledger.api.queries`); the CLI builds the same query from its options;
 :func:`ledger.whatif.service.what_if` checks it (:meth:`WhatIfQuery.checked`) and parses the settings
 (:meth:`WhatIfQuery.candidates`, :meth:`WhatIfQuery.recorded_values`), each a :class:`WhatIfError`
 (422) naming the field and why.

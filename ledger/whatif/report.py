@@ -14,8 +14,8 @@ from ledger.whatif.answer import (
     Candidate,
     Fit,
     Relative,
+    ReplayTails,
     StepNoiseFigures,
-    Tails,
     WhatIf,
     WindowFigures,
 )
@@ -52,7 +52,7 @@ def _pct(v: float | None) -> str:
     return "" if v is None else f" ({v:+.0%})"
 
 
-def _row(label: str, tails: Tails, rel: Relative | CalibrationError | None, mark: str = "") -> str:
+def _row(label: str, tails: ReplayTails, rel: Relative | CalibrationError | None, mark: str = "") -> str:
     cells = [f"{_ms(getattr(tails, k))}{_pct(getattr(rel, k, None))}" for k, _ in COLUMNS]
     return f"{label[:38]:<38} " + " ".join(f"{c:>18}" for c in cells) + f" {tails.preemptions:>8}  {mark}"
 

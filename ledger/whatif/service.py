@@ -50,9 +50,9 @@ from ledger.whatif.answer import (
     LoopTimes,
     Meets,
     Relative,
+    ReplayTails,
     Spread,
     StepNoiseFigures,
-    Tails,
     Targets,
     WhatIf,
     WhatIfError,
@@ -270,9 +270,9 @@ def default_long_prompt(recorded: Recorded) -> int | None:
     return cut if bool((recorded.prompt_tokens >= cut).any()) else None
 
 
-def tails(summary: Mapping[str, Any]) -> Tails:
+def tails(summary: Mapping[str, Any]) -> ReplayTails:
     """A summary's tails (:meth:`ledger.whatif.results.Replay.summary` or the measured ones)."""
-    return Tails(
+    return ReplayTails(
         **{k: _num(summary.get(k)) for k in METRICS},
         preemptions=int(summary["preemptions"]),
         requests=int(summary["requests"]),
@@ -559,7 +559,7 @@ def replay_candidates(
     return rows
 
 
-def _dominates(a: Tails, b: Tails) -> bool:
+def _dominates(a: ReplayTails, b: ReplayTails) -> bool:
     pairs = [(getattr(a, k), getattr(b, k)) for k in FRONTIER]
     keys = [(x, y) for x, y in pairs if x is not None and y is not None]
     return bool(keys) and all(x <= y for x, y in keys) and any(x < y for x, y in keys)
@@ -575,7 +575,7 @@ def _meets(summary: Mapping[str, Any], itl_ms: float | None, ttft_ms: float | No
     return Meets(**out) if out else None
 
 
-def _mark_best(rows: list[Candidate], recorded: Tails) -> None:
+def _mark_best(rows: list[Candidate], recorded: ReplayTails) -> None:
     """``best``: among the candidates that meet every target given and stay inside the fit's data, the
     lowest short TTFT p99 (TTFT p99 when there are no long prompts)."""
     key = "short_ttft_p99_s" if recorded.short_ttft_p99_s is not None else "ttft_p99_s"

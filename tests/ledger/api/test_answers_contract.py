@@ -316,16 +316,6 @@ NOT_YET_RECORDS = {
     "GET /v1/policy": ["ModelOverride.rules", "ModelOverride.slo"],
     "PUT /v1/policy": ["ModelOverride.rules", "ModelOverride.slo"],
     "GET /v1/webhooks/deliveries": ["Delivery.body"],
-    # typed by issue 36's what-if part (ledger/whatif/), not here
-    "GET /v1/whatif": [
-        "WhatIf",
-        "WhatIf.window",
-        "WhatIf.fit",
-        "WhatIf.step_noise",
-        "WhatIf.targets",
-        "WhatIf.calibration",
-        "WhatIf.candidates",
-    ],
 }
 
 
