@@ -131,9 +131,7 @@ def fast_forward(st: State, cost: StepCost, noise: StepNoise | None = None) -> b
     if np.count_nonzero(finished):
         fin = run[finished]
         st.finish[fin] = t
-        st.used -= int(((after[finished] + bs - 1) // bs).sum())
-        st.alive[fin] = False
-        st.run = run[~finished]
+        st.release(fin)
     return True
 
 
