@@ -29,13 +29,15 @@ from engine_hooks.fields import (
     STEP_FIELDS,
     TOKENS_FIELDS,
 )
-from engine_hooks.scheduling.schedule import Scheduled, advance, schedule
 from engine_hooks.scheduling.settings import SIMULATOR
-from engine_hooks.scheduling.state import SchedulerState
 from engine_hooks.simulation.scenario import Scenario, SimRequest, _new_prompt_tokens
 
 if TYPE_CHECKING:
     from engine_hooks.exporter import Exporter
+    from engine_hooks.scheduling.schedule import Scheduled
+
+# The scheduling model (numpy) is imported when an engine is built or steps: `chunkledger --help`
+# registers the simulate command through this module and stays quick.
 
 
 class EngineHost(Protocol):
@@ -67,6 +69,8 @@ class SimEngine:
         self.exporter = exporter
         self.rng = random.Random(seed)
         self.fleet = fleet
+        from engine_hooks.scheduling.state import SchedulerState
+
         self.sched = SchedulerState(scenario.engine_settings(), SIMULATOR)
         self.by_slot: dict[int, SimRequest] = {}  # this engine's waiting and running requests
         self.by_id: dict[str, SimRequest] = {}
@@ -144,6 +148,8 @@ class SimEngine:
 
     def step(self, t: float) -> float:
         """Schedule and 'run' one step starting at virtual time ``t``; returns its duration."""
+        from engine_hooks.scheduling.schedule import advance, schedule
+
         self.apply_commands(t)
         scheduled = schedule(self.sched)
         self._report_schedule(scheduled, t)
