@@ -42,7 +42,7 @@ from typing import NamedTuple
 import numpy as np
 
 from engine_hooks.scheduling.reserve import admission_cap
-from engine_hooks.scheduling.state import SchedulerState as State
+from engine_hooks.scheduling.state import SchedulerState
 
 Schedule = tuple[np.ndarray, np.ndarray, np.ndarray, int]  # request, new tokens, computed before; budget left
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -58,7 +58,7 @@ class Scheduled(NamedTuple):
     preempted: list[tuple[int, int]]  # (request, tokens of KV it held), in order of preemption
 
 
-def schedule(st: State, vectorized: bool = True) -> Scheduled:
+def schedule(st: SchedulerState, vectorized: bool = True) -> Scheduled:
     """One ``schedule()``: the chunk threshold, the running pass, then the waiting pass.
 
     ``vectorized`` (numpy for the running pass when no allocation fails) changes the speed only."""
@@ -85,7 +85,7 @@ def schedule(st: State, vectorized: bool = True) -> Scheduled:
     return Scheduled(idx, new, before, admitted, preempted)
 
 
-def chunk_threshold(st: State) -> int:
+def chunk_threshold(st: SchedulerState) -> int:
     """This step's cap on a prefill chunk (0: none): ``long_prefill_token_threshold`` when more than one
     request is running or waiting, capped by the plugin's admission reserve when it is on."""
     s = st.settings
@@ -109,7 +109,7 @@ def chunk_threshold(st: State) -> int:
     return thr
 
 
-def running_vector(st: State, thr: int, budget: int) -> Schedule | None:
+def running_vector(st: SchedulerState, thr: int, budget: int) -> Schedule | None:
     """The running pass when no allocation fails (None when one would: use :func:`running_exact`)."""
     run = st.run
     comp = st.comp[run]
@@ -133,7 +133,7 @@ def running_vector(st: State, thr: int, budget: int) -> Schedule | None:
     return run, new, comp, left
 
 
-def running_exact(st: State, thr: int, budget: int, preempted: list[tuple[int, int]]) -> Schedule:
+def running_exact(st: SchedulerState, thr: int, budget: int, preempted: list[tuple[int, int]]) -> Schedule:
     """The running pass, preemptions included (each appended to ``preempted``)."""
     run: list[int] = st.run.tolist()
     comp = dict(zip(run, st.comp[st.run].tolist(), strict=True))
@@ -179,7 +179,7 @@ def running_exact(st: State, thr: int, budget: int, preempted: list[tuple[int, i
     return idx, new_arr, before, budget
 
 
-def choose_victim(st: State, run: list[int], k: int, policy: str) -> int:
+def choose_victim(st: SchedulerState, run: list[int], k: int, policy: str) -> int:
     """Position in ``run`` of the request vLLM preempts while allocating ``run[k]``."""
     if policy == "priority":
         prio, arrival = st.priority, st.arrival
@@ -211,7 +211,9 @@ def choose_victim(st: State, run: list[int], k: int, policy: str) -> int:
     return len(run) - 1
 
 
-def advance(st: State, idx: np.ndarray, new: np.ndarray, before: np.ndarray, mark: float) -> np.ndarray:
+def advance(
+    st: SchedulerState, idx: np.ndarray, new: np.ndarray, before: np.ndarray, mark: float
+) -> np.ndarray:
     """The scheduled step ran: each of ``idx`` computed its ``new`` tokens after ``before``. Those whose
     computed tokens reach their sequence's end sample a token (a partial prefill samples none): which
     of ``idx`` did is returned, and their sequences are a token longer. ``mark`` (the step's start in
@@ -226,7 +228,7 @@ def advance(st: State, idx: np.ndarray, new: np.ndarray, before: np.ndarray, mar
     return emits
 
 
-def admit_waiting(st: State, thr: int, budget: int) -> tuple[list[int], list[int], list[int]]:
+def admit_waiting(st: SchedulerState, thr: int, budget: int) -> tuple[list[int], list[int], list[int]]:
     """The waiting pass: (admitted requests, their new tokens, their computed tokens before)."""
     s = st.settings
     queue = st.queue
