@@ -45,14 +45,10 @@ class SchedulerState:
         self.bs = settings.block_size
         self.total_blocks = settings.num_kv_blocks
         self.used = 0  # KV blocks in use
-        self.prompt = np.asarray(prompt, dtype=np.int64).reshape(n)
-        self.cached = np.array(cached, dtype=np.int64).reshape(
-            n
-        )  # the prefix-cache hit at its next admission
-        self.arrival = np.asarray(arrival, dtype=np.float64).reshape(n)
-        self.priority = np.asarray(priority if len(priority) else [0] * n, dtype=np.int64).reshape(
-            n
-        )  # vLLM's: smaller first
+        self.prompt = np.array(prompt, dtype=np.int64)
+        self.cached = np.array(cached, dtype=np.int64)  # the prefix-cache hit at its next admission
+        self.arrival = np.array(arrival, dtype=np.float64)
+        self.priority = np.array(priority if len(priority) else [0] * n, dtype=np.int64)  # smaller first
         self.comp = np.zeros(n, dtype=np.int64)  # computed tokens (while running)
         self.ntok = self.prompt.copy()  # prompt + generated tokens (vLLM's num_tokens)
         self.chunking = np.zeros(n, dtype=bool)  # vLLM's is_prefill_chunk (last chunk non-final)
