@@ -220,11 +220,12 @@ def advance(
     the caller's order) is kept as each one's last step, for the ``"kv-idle"`` victim."""
     after = before + new
     st.comp[idx] = after
-    emits = after >= st.ntok[idx]
+    ntok = st.ntok[idx]
+    emits = after >= ntok
     st.chunking[idx] = ~emits
     if st.settings.policy == "kv-idle":
         st.last_active[idx] = mark
-    st.ntok[idx[emits]] += 1
+    st.ntok[idx] = ntok + emits
     return emits
 
 
