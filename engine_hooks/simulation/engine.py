@@ -1,12 +1,12 @@
-"""One simulated vLLM v1 engine: scheduling under a token budget, chunked prefill, KV blocks and
-preemption, runaways; it emits what the plugin would."""
+"""One simulated vLLM v1 engine: scheduled by the model of vLLM's scheduler it shares with the what-if
+replay (:mod:`engine_hooks.scheduling`), timed by the scenario's step cost, runaways; it emits what the
+plugin would."""
 
 from __future__ import annotations
 
 import queue
 import random
-from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine_hooks.events import (
     Chunk,
@@ -29,26 +29,51 @@ from engine_hooks.fields import (
     STEP_FIELDS,
     TOKENS_FIELDS,
 )
+from engine_hooks.scheduling.settings import SIMULATOR
+from engine_hooks.simulation.scenario import Scenario, SimRequest, _new_prompt_tokens
 
 if TYPE_CHECKING:
     from engine_hooks.exporter import Exporter
-    from engine_hooks.simulation.fleet import Fleet
+    from engine_hooks.scheduling.schedule import Scheduled
 
-from engine_hooks.simulation.scenario import BLOCK_TOKENS, Scenario, SimRequest, _new_prompt_tokens
+# The scheduling model (numpy) is imported when an engine is built or steps: `chunkledger --help`
+# registers the simulate command through this module and stays quick.
+
+
+class EngineHost(Protocol):
+    """What an engine needs of the fleet it runs in: its clock, and where its requests' news go."""
+
+    def ts(self, t: float) -> float:
+        """The wall-clock timestamp of virtual time ``t``."""
+        ...
+
+    def on_first_token(self, req: SimRequest, t: float) -> None: ...
+
+    def on_disconnect(self, req: SimRequest, t: float) -> None: ...
+
+    def on_finished(self, req: SimRequest, t: float, reason: str) -> None: ...
 
 
 class SimEngine:
-    """One engine: waiting and running queues, a KV block pool, a step clock; emits engine events."""
+    """One engine: a scheduler (waiting and running queues, a KV block pool), a step clock; emits
+    engine events.
 
-    def __init__(self, source_id: str, scenario: Scenario, exporter: Exporter, seed: int, fleet: Fleet):
+    The scheduler is vLLM's as :mod:`engine_hooks.scheduling` models it, with the simulator's
+    departures (:data:`engine_hooks.scheduling.settings.SIMULATOR`); a step's time is the scenario's
+    a + b x prefill tokens + c x prefill tokens x depth + d x decode requests.
+    """
+
+    def __init__(self, source_id: str, scenario: Scenario, exporter: Exporter, seed: int, fleet: EngineHost):
         self.id = source_id
         self.sc = scenario
         self.exporter = exporter
         self.rng = random.Random(seed)
         self.fleet = fleet
-        self.waiting: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
-        self.free_blocks = scenario.kv_blocks
+        from engine_hooks.scheduling.state import SchedulerState
+
+        self.sched = SchedulerState(scenario.engine_settings(), SIMULATOR)
+        self.by_slot: dict[int, SimRequest] = {}  # this engine's waiting and running requests
+        self.by_id: dict[str, SimRequest] = {}
         self.step_no = 0
         self.busy = False
         self.emitted = 0
@@ -64,43 +89,20 @@ class SimEngine:
 
     @property
     def load(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.sched.run) + len(self.sched.queue)
 
     def add(self, req: SimRequest, t: float) -> None:
         req.queued_t = req.waiting_since = t
-        self.waiting.append(req)
+        req.slot = self.sched.add(req.prompt_tokens, req.cached_tokens, req.arrived_t, request_id=req.id)
+        self.by_slot[req.slot] = req
+        self.by_id[req.id] = req
         # no front-end arrival time, default priority (the fields the plugin also sends)
         self.e_queued(self.fleet.ts(t), req.id, req.prompt_tokens, req.max_tokens, None, 0)
         self.emitted += 1
 
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // BLOCK_TOKENS)
-
-    def _preempt(self, victim: SimRequest, t: float) -> None:
-        self.running.remove(victim)
-        self.free_blocks += victim.blocks
-        self.e_preempted(self.fleet.ts(t), victim.id, victim.blocks, victim.computed)
-        self.emitted += 1
-        victim.blocks = 0
-        victim.lost_tokens = max(victim.lost_tokens, victim.computed)
-        victim.computed = 0  # recomputed on resume (no prefix cache for its own output here)
-        victim.preemptions += 1
-        victim.waiting_since = t
-        victim.state = "waiting"
-        self.waiting.appendleft(victim)
-
-    def _allocate(self, req: SimRequest, new_tokens: int, t: float, planned: set[str]) -> bool:
-        """Blocks for ``new_tokens`` more tokens, preempting the newest running request not yet
-        scheduled this step when the pool is short; False when there is none left to preempt."""
-        need = self._blocks_for(req.computed + new_tokens) - req.blocks
-        while need > self.free_blocks:
-            victims = [r for r in self.running if r is not req and r.id not in planned]
-            if not victims:
-                return False
-            self._preempt(max(victims, key=lambda r: r.arrived_t), t)
-        self.free_blocks -= max(need, 0)
-        req.blocks += max(need, 0)
-        return True
+    def _blocks(self, req: SimRequest) -> int:
+        """KV blocks ``req`` holds (a waiting request holds none)."""
+        return self.sched.blocks(int(self.sched.comp[req.slot])) if self.sched.running(req.slot) else 0
 
     def apply_commands(self, t: float) -> None:
         while True:
@@ -108,7 +110,7 @@ class SimEngine:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 return
-            req = self.fleet.requests.get(command.request_id)
+            req = self.by_id.get(command.request_id)
             if req is None or req.finished or command.action != "abort":
                 continue
             req.cutoff = command
@@ -118,14 +120,9 @@ class SimEngine:
 
     def _finish(self, req: SimRequest, t: float, reason: str, stop_reason: str | None) -> None:
         self._flush_tokens(req, t)
-        was_waiting = req.state == "waiting"
-        if was_waiting:
-            self.waiting.remove(req)
-        elif req.state == "running":
-            self.running.remove(req)
-        req.state = "done"
-        self.free_blocks += req.blocks
-        req.blocks = 0
+        was_waiting = not self.sched.running(req.slot)
+        self.sched.abort(req.slot)
+        del self.by_slot[req.slot], self.by_id[req.id]
         req.finished = True
         wait_s = t - req.waiting_since if was_waiting else None
         self.e_finished(self.fleet.ts(t), req.id, reason, req.output, stop_reason, wait_s)
@@ -142,7 +139,7 @@ class SimEngine:
             len(req.pending_ids),
             req.output,
             self.fleet.ts(first),
-            req.blocks,
+            self._blocks(req),
             req.pending_ids,
         )
         self.emitted += 1
@@ -151,84 +148,121 @@ class SimEngine:
 
     def step(self, t: float) -> float:
         """Schedule and 'run' one step starting at virtual time ``t``; returns its duration."""
-        sc = self.sc
+        from engine_hooks.scheduling.schedule import advance, schedule
+
         self.apply_commands(t)
-        budget = sc.max_num_batched_tokens
-        # vLLM (0.32) caps a prefill chunk at long_prefill_token_threshold only when another request is
-        # running or waiting: a request alone has nobody to leave the budget to
-        eligible = len(self.running) + len(self.waiting)
-        cap = sc.long_prefill_token_threshold if sc.long_prefill_token_threshold and eligible > 1 else budget
-        plan: list[tuple[SimRequest, int]] = []
-        chunk_rows = []
-        ts = self.fleet.ts(t)
-        planned: set[str] = set()
-        for req in list(self.running):
-            if req.state != "running" or budget <= 0:
-                continue
-            n = min(req.prompt_tokens + req.output - req.computed, budget, cap) if req.prefilling else 1
-            if not self._allocate(req, n, t, planned):
-                self._preempt(req, t)
-                continue
-            budget -= n
-            plan.append((req, n))
-            planned.add(req.id)
-        while self.waiting and budget > 0 and len(self.running) < sc.max_num_seqs:
-            req = self.waiting[0]
-            if req.preemptions == 0 and req.chunks == 0 and req.computed == 0:
-                req.computed = req.cached_tokens
-            n = min(req.prompt_tokens + req.output - req.computed, budget, cap)
-            if not self._allocate(req, n, t, planned):
-                break
-            self.waiting.popleft()
-            self.running.append(req)
-            req.state = "running"
-            planned.add(req.id)
-            if req.preemptions:
-                self.e_resumed(ts, req.id, t - req.waiting_since, 0, req.output)
-                self.emitted += 1
-            budget -= n
-            plan.append((req, n))
-        prefill_tokens = decode_reqs = prefill_reqs = 0
-        depth_work = max_depth = 0
-        for req, n in plan:
-            if req.prefilling:
-                prefill_reqs += 1
-                prefill_tokens += n
-                depth_work += n * req.computed
-                max_depth = max(max_depth, req.computed)
-                wait_s = t - req.queued_t if req.chunks == 0 else None
-                chunk_rows.append(
-                    (
-                        ts,
-                        req.id,
-                        self.step_no,
-                        n,
-                        req.computed,
-                        n - _new_prompt_tokens(req, n),
-                        req.cached_tokens if req.chunks == 0 else 0,  # prefix hits: first chunk only
-                        req.blocks,
-                        req.preemptions,
-                        wait_s,
-                    )
-                )
-                req.chunks += 1
-            else:
-                decode_reqs += 1
+        scheduled = schedule(self.sched)
+        self._report_schedule(scheduled, t)
+        plan = [
+            (self.by_slot[i], n, c)
+            for i, n, c in zip(
+                scheduled.idx.tolist(), scheduled.new.tolist(), scheduled.before.tolist(), strict=True
+            )
+        ]
+        prefill_tokens, prefill_reqs, depth_work, max_depth = self._emit_chunks(plan, t)
+        decode_reqs = len(plan) - prefill_reqs
+        sc = self.sc
         duration = (
             sc.step_a_s + sc.step_b_s * prefill_tokens + sc.step_c_s * depth_work + sc.step_d_s * decode_reqs
         )
-        if chunk_rows:
-            self.e_chunk.many(chunk_rows)
-            self.emitted += len(chunk_rows)
-        end = t + duration
-        in_step = sc.step_tokens
-        counts: list[int] = []  # the step's tokens, columnar (in_step): per plan entry
+        samples = advance(self.sched, scheduled.idx, scheduled.new, scheduled.before, t)
+        counts, totals, token_ids = self._sample(plan, samples.tolist(), t + duration)
+        # Running requests left out of this step (the budget ran out) hold their KV with no progress.
+        planned = set(scheduled.idx.tolist())
+        stalled = [self.by_slot[i] for i in self.sched.run.tolist() if i not in planned]
+        stalled_blocks = [self._blocks(r) for r in stalled]
+        held = [k for k, b in enumerate(stalled_blocks) if b]
+        usage = 1.0 - self.sched.free / sc.kv_blocks
+        self.e_step(
+            self.fleet.ts(t),
+            self.step_no,
+            duration,
+            prefill_tokens,
+            decode_reqs,
+            prefill_reqs,
+            decode_reqs,
+            len(self.sched.run),
+            len(self.sched.queue),
+            min(max(usage, 0.0), 1.0),
+            [req.id for req, _, _ in plan],
+            depth_work,
+            max_depth,
+            [stalled[k].id for k in held],
+            [stalled_blocks[k] for k in held],
+            counts,
+            totals,
+            token_ids,
+        )
+        self.emitted += 1
+        self.step_no += 1
+        return duration
+
+    def _report_schedule(self, scheduled: Scheduled, t: float) -> None:
+        """The step's preemptions (each frees its KV; the request recomputes when it resumes), then the
+        preempted requests it resumed."""
+        ts = self.fleet.ts(t)
+        for slot, held in scheduled.preempted:
+            victim = self.by_slot[slot]
+            self.e_preempted(ts, victim.id, self.sched.blocks(held), held)
+            victim.lost_tokens = max(victim.lost_tokens, held)
+            victim.waiting_since = t
+        self.emitted += len(scheduled.preempted)
+        if not scheduled.admitted:
+            return
+        preempts = self.sched.preempts
+        for slot in scheduled.idx[len(scheduled.idx) - scheduled.admitted :].tolist():
+            if preempts[slot]:
+                req = self.by_slot[slot]
+                self.e_resumed(ts, req.id, t - req.waiting_since, 0, req.output)
+                self.emitted += 1
+
+    def _emit_chunks(self, plan: list[tuple[SimRequest, int, int]], t: float) -> tuple[int, int, int, int]:
+        """A chunk event per prefill pass of the step; returns its prefill tokens and requests, and the
+        depth work (tokens x depth) and deepest start of its chunks."""
+        ts = self.fleet.ts(t)
+        rows = []
+        prefill_tokens = prefill_reqs = depth_work = max_depth = 0
+        blocks, preempts = self.sched.blocks, self.sched.preempts
+        for req, n, computed in plan:
+            if not req.prefilling(computed):
+                continue
+            prefill_reqs += 1
+            prefill_tokens += n
+            depth_work += n * computed
+            max_depth = max(max_depth, computed)
+            first = req.chunks == 0
+            rows.append(
+                (
+                    ts,
+                    req.id,
+                    self.step_no,
+                    n,
+                    computed,
+                    n - _new_prompt_tokens(req, computed, n),
+                    req.cached_tokens if first else 0,  # prefix hits: first chunk only
+                    blocks(computed + n),
+                    int(preempts[req.slot]),
+                    t - req.queued_t if first else None,
+                )
+            )
+            req.chunks += 1
+        if rows:
+            self.e_chunk.many(rows)
+            self.emitted += len(rows)
+        return prefill_tokens, prefill_reqs, depth_work, max_depth
+
+    def _sample(
+        self, plan: list[tuple[SimRequest, int, int]], samples: list[bool], end: float
+    ) -> tuple[list[int], list[int], list[int]]:
+        """The step's tokens at its ``end`` (a pass that completes its sequence samples one, a partial
+        prefill none), and the requests they finish; with ``step_tokens`` the step's columns
+        (per plan entry: tokens, running total; the token ids), else coalesced tokens events."""
+        in_step = self.sc.step_tokens
+        counts: list[int] = []
         totals: list[int] = []
         token_ids: list[int] = []
-        for req, n in plan:
-            if not req.finished:
-                req.computed += n
-            if req.finished or req.prefilling:  # a partial prefill produces no token
+        for (req, _, _), sampled in zip(plan, samples, strict=True):
+            if not sampled:
                 if in_step:
                     counts.append(0)
                     totals.append(req.output)
@@ -252,32 +286,9 @@ class SimEngine:
             elif req.output >= req.target_output:
                 capped = req.max_tokens is not None and req.output >= req.max_tokens
                 self._finish(req, end, "length" if capped or req.runaway else "stop", None)
-            elif not in_step and len(req.pending_ids) >= sc.tokens_flush:
+            elif not in_step and len(req.pending_ids) >= self.sc.tokens_flush:
                 self._flush_tokens(req, end)
-        running_ids = [req.id for req, _ in plan]
-        # Running requests left out of this step (the budget ran out) hold their KV with no progress.
-        stalled = [r for r in self.running if r.id not in planned and r.blocks]
-        usage = 1.0 - self.free_blocks / sc.kv_blocks
-        self.e_step(
-            ts,
-            self.step_no,
-            duration,
-            prefill_tokens,
-            decode_reqs,
-            prefill_reqs,
-            decode_reqs,
-            len(self.running),
-            len(self.waiting),
-            min(max(usage, 0.0), 1.0),
-            running_ids,
-            depth_work,
-            max_depth,
-            [r.id for r in stalled],
-            [r.blocks for r in stalled],
-            counts,
-            totals,
-            token_ids,
-        )
-        self.emitted += 1
-        self.step_no += 1
-        return duration
+        return counts, totals, token_ids
+
+
+__all__ = ["EngineHost", "SimEngine"]

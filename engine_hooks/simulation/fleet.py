@@ -1,4 +1,7 @@
-"""The fleet: engines and a gateway on one virtual clock, paced to the wall clock."""
+"""The fleet: engines and a gateway on one virtual clock, paced to the wall clock.
+
+Its engines and its gateway see it through the small protocols they declare (``engine.EngineHost``,
+``gateway.GatewayHost``) and do not import it."""
 
 from __future__ import annotations
 
@@ -8,16 +11,13 @@ import random
 import time
 from typing import TYPE_CHECKING, Any
 
-from engine_hooks.events import (
-    Command,
-)
-
-if TYPE_CHECKING:
-    from engine_hooks.exporter import Exporter
-
+from engine_hooks.events import Command
 from engine_hooks.simulation.engine import SimEngine
 from engine_hooks.simulation.gateway import SimGateway
 from engine_hooks.simulation.scenario import BLOCK_TOKENS, Scenario, SimRequest
+
+if TYPE_CHECKING:
+    from engine_hooks.exporter import Exporter
 
 
 class Fleet:

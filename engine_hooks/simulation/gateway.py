@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine_hooks.events import (
     AdmissionEnqueued,
@@ -15,18 +15,28 @@ from engine_hooks.events import (
     FirstTokenOut,
     StreamCut,
 )
+from engine_hooks.simulation.scenario import SimRequest
 
 if TYPE_CHECKING:
     from engine_hooks.exporter import Exporter
-    from engine_hooks.simulation.fleet import Fleet
 
-from engine_hooks.simulation.scenario import SimRequest
+
+class GatewayHost(Protocol):
+    """What the gateway needs of the fleet behind it: its clock, and a way to hand a request on."""
+
+    def ts(self, t: float) -> float:
+        """The wall-clock timestamp of virtual time ``t``."""
+        ...
+
+    def route(self, req: SimRequest, t: float) -> None:
+        """Send an admitted request to an engine at ``t``."""
+        ...
 
 
 class SimGateway:
     """Entry and admission: emits gateway events; admits while the fleet has room, else queues."""
 
-    def __init__(self, source_id: str, exporter: Exporter, fleet: Fleet, max_in_flight: int):
+    def __init__(self, source_id: str, exporter: Exporter, fleet: GatewayHost, max_in_flight: int):
         self.id = source_id
         self.fleet = fleet
         self.max_in_flight = max_in_flight

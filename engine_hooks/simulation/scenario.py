@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from engine_hooks.events import (
-    Command,
-)
-
-if TYPE_CHECKING:
-    pass
-
+from engine_hooks.events import Command
+from engine_hooks.scheduling.settings import EngineSettings
 
 BLOCK_TOKENS = 16
 
@@ -45,6 +39,18 @@ class Scenario:
     tokens_flush: int = 16  # output tokens coalesced per tokens event (with step_tokens off)
     gateway_entry_s: float = 0.002  # parsing, auth, tokenising at the gateway
 
+    def engine_settings(self) -> EngineSettings:
+        """The engine configuration each simulated engine schedules under (chunked prefill on; a
+        request is admitted when its first chunk fits the free KV: ``reserve_full_isl`` off)."""
+        return EngineSettings(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            num_kv_blocks=self.kv_blocks,
+            block_size=BLOCK_TOKENS,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            reserve_full_isl=False,
+        )
+
 
 SCENARIOS: dict[str, Scenario] = {
     "steady": Scenario(),
@@ -57,6 +63,10 @@ SCENARIOS: dict[str, Scenario] = {
 
 @dataclass(eq=False)
 class SimRequest:
+    """One simulated request: what the fleet drew for it and what its engine reported so far. Its
+    scheduling counters (tokens computed, KV blocks, preemptions) are its engine's scheduler's, at
+    ``slot``."""
+
     id: str
     prompt_tokens: int
     max_tokens: int | None
@@ -65,11 +75,9 @@ class SimRequest:
     runaway: bool
     disconnect_at: int | None  # output token count at which the client goes away
     arrived_t: float
+    slot: int = -1  # its index in its engine's scheduler state
     queued_t: float = 0.0
-    computed: int = 0  # tokens whose KV is computed (prefill progress, then prompt + output)
     output: int = 0
-    blocks: int = 0
-    preemptions: int = 0
     chunks: int = 0
     waiting_since: float = 0.0
     lost_tokens: int = 0  # computed tokens thrown away by preemptions (recomputed on resume)
@@ -77,16 +85,15 @@ class SimRequest:
     pending_ids: list[int] = field(default_factory=list)
     pending_first_t: float | None = None
     finished: bool = False
-    state: str = "waiting"  # waiting | running | done
     cutoff: Command | None = None
 
-    @property
-    def prefilling(self) -> bool:
-        """Whether the next pass is a prefill (first pass, or recompute after a preemption).
+    def prefilling(self, computed: int) -> bool:
+        """Whether a pass from ``computed`` tokens is a prefill chunk (first pass, or recompute after a
+        preemption) rather than a decode.
 
         In decode, every token but the last sampled one is computed (vLLM's num_computed_tokens is
         num_tokens - 1), so a prefill is any pass that starts further behind than that."""
-        return self.computed < self.prompt_tokens + max(self.output - 1, 0)
+        return computed < self.prompt_tokens + max(self.output - 1, 0)
 
     def next_token(self, rng: random.Random) -> int:
         if self.runaway:
@@ -94,11 +101,11 @@ class SimRequest:
         return rng.randrange(100, 50_000)
 
 
-def _new_prompt_tokens(req: SimRequest, n: int) -> int:
-    """Of a chunk of ``n`` tokens at ``req.computed``, the prompt positions never computed before.
+def _new_prompt_tokens(req: SimRequest, computed: int, n: int) -> int:
+    """Of a chunk of ``n`` tokens after ``computed``, the prompt positions never computed before.
 
     Everything else in the chunk is recomputation: positions a preemption threw away, and output
     positions (past the prompt) that decode had already computed.
     """
-    high = max(min(req.lost_tokens, req.prompt_tokens), req.computed)
-    return max(0, min(req.computed + n, req.prompt_tokens) - high)
+    high = max(min(req.lost_tokens, req.prompt_tokens), computed)
+    return max(0, min(computed + n, req.prompt_tokens) - high)

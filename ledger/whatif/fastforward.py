@@ -114,27 +114,30 @@ def fast_forward(st: State, cost: StepCost, noise: StepNoise | None = None) -> b
         weights.append(n)
         start, t = t, end
         done += 1
-    after = comp + done
-    st.comp[run] = after
+    st.used = used
+    _apply_stretch(st, run, done, start, t)
+    return True
+
+
+def _apply_stretch(st: State, run: np.ndarray, done: int, start: float, end: float) -> None:
+    """``done`` decode steps of every running request, the last from ``start`` to ``end``: a token each
+    per step; those that reach their output finish at ``end``."""
+    st.comp[run] += done
     gen = st.gen[run] + done
     st.gen[run] = gen
     st.ntok[run] += done
     st.chunking[run] = False
-    st.last_tok[run] = t
-    if s.policy == "kv-idle":
+    st.last_tok[run] = end
+    if st.settings.policy == "kv-idle":
         st.last_active[run] = start
-    st.used = used
     st.steps += done
-    st.now = st.last_end = t
+    st.now = st.last_end = end
     st.last_first = 0  # decode-only steps emit no first token
     finished = gen >= st.out[run]
     if np.count_nonzero(finished):
         fin = run[finished]
-        st.finish[fin] = t
-        st.used -= int(((after[finished] + bs - 1) // bs).sum())
-        st.alive[fin] = False
-        st.run = run[~finished]
-    return True
+        st.finish[fin] = end
+        st.release(fin)
 
 
 __all__ = ["fast_forward", "step_seconds"]

@@ -1,14 +1,15 @@
 """The what-if replay: recorded requests through a model of vLLM v1's scheduler, step by step.
 
 :func:`replay` feeds each request in at its recorded arrival with its recorded prompt length,
-prefix-cache hit and output length, schedules steps as vLLM 0.32's ``Scheduler.schedule()`` does
-(:mod:`ledger.whatif.schedule`) under the :class:`~ledger.whatif.types.EngineSettings` to try, and
-times each step with the caller's step-cost model. A step starts when the previous one ends, or at
+prefix-cache hit and output length, schedules steps with the model of vLLM 0.32's
+``Scheduler.schedule()`` that the fleet simulator shares (:mod:`engine_hooks.scheduling.schedule`)
+under the :class:`~engine_hooks.scheduling.settings.EngineSettings` to try, and times each step with
+the caller's step-cost model. A step starts when the previous one ends, or at
 the next arrival when nothing can run; requests that arrive during a step are seen at the next.
 
 Per step, with the step's chunk threshold (vLLM's ``long_prefill_token_threshold``, ignored when a
 single request is running or waiting; with the plugin's admission reserve, capped further by
-:func:`ledger.whatif.reserve.admission_cap`): the running pass, then, if it preempted nobody, the
+:func:`engine_hooks.scheduling.reserve.admission_cap`): the running pass, then, if it preempted nobody, the
 waiting pass. A request whose prompt (or, after a preemption, its recomputation) completes in the
 step emits a token at the end of the step: its first token (TTFT = that time - arrival), or the next
 one of a resumed request. Every decode emits one token per step it runs in. A request finishes with
@@ -30,7 +31,7 @@ What the model assumes, and where it differs from vLLM:
   loop's time between steps as the window measured them (:mod:`ledger.whatif.noise`);
 * the plugin's admission reserve without its depth cap, step target or arrivals-first options, and
   its queue order with ties between equal arrival times broken by trace order; ``"kv-idle"``
-  preempts as FCFS does in this model (:mod:`ledger.whatif.schedule` says why);
+  preempts as FCFS does in this model (:mod:`engine_hooks.scheduling.schedule` says why);
 * outputs never stop early (the recorded output length is produced whatever the schedule), and
   nothing is aborted.
 
@@ -42,20 +43,18 @@ shape (the fast-forward calls it once per distinct shape in a row).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from engine_hooks.scheduling.schedule import Scheduled, advance, schedule
+from engine_hooks.scheduling.settings import VLLM, Departures
 from ledger.whatif.fastforward import fast_forward as _fast_forward
 from ledger.whatif.fastforward import step_seconds
 from ledger.whatif.noise import StepNoise
-from ledger.whatif.reserve import admission_cap
 from ledger.whatif.results import Replay
-from ledger.whatif.schedule import admit_waiting, running_exact, running_vector
 from ledger.whatif.state import State
 from ledger.whatif.types import EngineSettings, StepCost, StepShape, TraceRequest
-
-_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class ReplayTimeout(Exception):
@@ -71,6 +70,8 @@ def replay(
     fast_forward: bool = True,
     vectorized: bool = True,
     deadline: float | None = None,
+    departures: Departures = VLLM,
+    observe: Callable[[State, Scheduled], None] | None = None,
 ) -> Replay:
     """Replay ``requests`` under ``settings``, each step lasting ``step_cost(shape)`` seconds. With
     ``noise`` (:class:`ledger.whatif.noise.StepNoise`), the ``k``-th step (from 0) lasts, if it is
@@ -89,13 +90,15 @@ def replay(
     loop; the tests compare them.
 
     ``deadline`` (``time.monotonic()``): past it the replay stops with :class:`ReplayTimeout`.
+    ``departures``: schedule as a model that departs from vLLM does (the simulator's,
+    :data:`engine_hooks.scheduling.settings.SIMULATOR`). ``observe(state, scheduled)`` is called with
+    every ``schedule()``'s outcome, before the step runs (the replay then runs step by step).
     """
-    st = State(requests, settings)
+    st = State(requests, settings, departures)
     steps = 0
     st.validate()
-    budget = settings.max_num_batched_tokens
-    share = settings.admission_reserve
     queue = st.queue
+    fast_forward = fast_forward and observe is None
     while True:
         steps += 1
         if deadline is not None and not steps & 1023 and time.monotonic() > deadline:
@@ -110,50 +113,15 @@ def replay(
         queue.prepare(st.now)
         if fast_forward and n and _fast_forward(st, step_cost, noise):
             continue
-        eligible = n + len(queue)
-        thr = settings.long_prefill_token_threshold if eligible > 1 else 0
-        if share > 0 and eligible > 1:
-            cap = _reserve_cap(st)
-            if cap is not None:
-                thr = min(cap, thr) if thr else cap
-        preempted = False
-        if n:
-            sched = running_vector(st, thr, budget) if vectorized else None
-            if sched is None:
-                sched, preempted = running_exact(st, thr, budget)
-            idx, new, before, left = sched
-        else:
-            idx, new, before, left = _EMPTY, _EMPTY, _EMPTY, budget
-        if not preempted and left > 0 and len(queue):
-            admitted, adm_new, adm_before = admit_waiting(st, thr, left)
-            if admitted:
-                adm = np.asarray(admitted, dtype=np.int64)
-                st.run = np.concatenate((st.run, adm))
-                idx = np.concatenate((idx, adm))
-                new = np.concatenate((new, np.asarray(adm_new, dtype=np.int64)))
-                before = np.concatenate((before, np.asarray(adm_before, dtype=np.int64)))
-        if not len(idx):
-            if preempted:
+        sched = schedule(st, vectorized)
+        if observe is not None:
+            observe(st, sched)
+        if not len(sched.idx):
+            if sched.preempted:
                 continue  # nothing ran: the next schedule() comes at once
             raise RuntimeError(f"the replay is stuck at t={st.now}: nothing can run (a bug in the model)")
-        _run_step(st, idx, new, before, step_cost, noise)
+        _run_step(st, sched.idx, sched.new, sched.before, step_cost, noise)
     return _results(st)
-
-
-def _reserve_cap(st: State) -> int | None:
-    """The plugin's admission-reserve cap for this step (:func:`ledger.whatif.reserve.admission_cap`)."""
-    s = st.settings
-    run = st.run
-    ntok = st.ntok
-    return admission_cap(
-        s.max_num_batched_tokens,
-        float(s.admission_reserve),
-        (st.total_blocks - st.used) * st.bs,
-        s.max_num_seqs - len(run),
-        ntok[run] - st.comp[run],
-        st.chunking[run],
-        (int(ntok[i]) for i in st.queue),
-    )
 
 
 def _run_step(
@@ -193,13 +161,7 @@ def _run_step(
     end = t + d
     st.last_end = end
     st.last_first = 0
-    after = before + new
-    st.comp[idx] = after
-    ntok = st.ntok[idx]
-    emits = after >= ntok
-    st.chunking[idx] = ~emits
-    if st.settings.policy == "kv-idle":
-        st.last_active[idx] = t
+    emits = advance(st, idx, new, before, t)
     st.now = end
     st.steps += 1
     if not np.count_nonzero(emits):
@@ -225,15 +187,11 @@ def _run_step(
     st.last_tok[e] = end
     gen += 1
     st.gen[e] = gen
-    st.ntok[e] = ntok[emits] + 1
     done = gen >= st.out[e]
     if np.count_nonzero(done):
         fin = e[done]
         st.finish[fin] = end
-        bs = st.bs
-        st.used -= int(((after[emits][done] + bs - 1) // bs).sum())
-        st.alive[fin] = False
-        st.run = st.run[st.alive[st.run]]
+        st.release(fin)
 
 
 def _results(st: State) -> Replay:

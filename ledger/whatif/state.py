@@ -1,10 +1,9 @@
-"""The replay's mutable state: per-request arrays, the running list, the KV pool and the samples.
+"""The replay's mutable state: the scheduling model's (:class:`~engine_hooks.scheduling.state.
+SchedulerState`: requests' counters, the running list, the waiting queue, the KV pool) with the trace
+and the timing on top: outputs, token times, the clock and the samples.
 
-Requests are indexed in arrival order (ties in the trace's order). A running request's KV is
-``ceil(computed / block_size)`` blocks, its prefix-cache hit included: a hit is counted as blocks the
-request holds, as if nobody else held them (vLLM shares a cached block between the requests that hit
-it, and counts a hit on a free cached block as taken from the free pool; the replay cannot tell
-which, so it takes the latter, which over-counts KV in use when running requests share a prefix).
+Requests are indexed in arrival order (ties in the trace's order), all given up front and queued as
+each arrives.
 """
 
 from __future__ import annotations
@@ -14,50 +13,36 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ledger.whatif.queues import make_queue
+from engine_hooks.scheduling.settings import VLLM, Departures
+from engine_hooks.scheduling.state import SchedulerState
 from ledger.whatif.types import EngineSettings, TraceRequest
 
 
-class State:
+class State(SchedulerState):
     """Everything the replay changes as it steps (see the module docstring)."""
 
-    def __init__(self, requests: Sequence[TraceRequest], settings: EngineSettings):
+    def __init__(
+        self, requests: Sequence[TraceRequest], settings: EngineSettings, departures: Departures = VLLM
+    ):
         order = sorted(range(len(requests)), key=lambda k: (requests[k].arrival_s, k))
         reqs = [requests[k] for k in order]
+        super().__init__(
+            settings,
+            departures,
+            prompt=[r.prompt_tokens for r in reqs],
+            cached=[r.cached_tokens for r in reqs],
+            arrival=[r.arrival_s for r in reqs],
+            priority=[r.priority for r in reqs],
+            request_id=[r.request_id for r in reqs],
+        )
         self.order = np.asarray(order, dtype=np.int64)  # replay index -> position in the caller's list
-        self.request_id = [r.request_id for r in reqs]
         n = len(reqs)
         self.n = n
-        self.arrival = np.fromiter((r.arrival_s for r in reqs), dtype=np.float64, count=n)
-        self.prompt = np.fromiter((r.prompt_tokens for r in reqs), dtype=np.int64, count=n)
-        self.cached = np.fromiter((r.cached_tokens for r in reqs), dtype=np.int64, count=n)
         self.out = np.fromiter((r.output_tokens for r in reqs), dtype=np.int64, count=n)
-        self.priority = np.fromiter((r.priority for r in reqs), dtype=np.int64, count=n)
-        self.arrival_list: list[float] = self.arrival.tolist()
-        self.comp = np.zeros(n, dtype=np.int64)  # computed tokens (while running)
-        self.ntok = self.prompt.copy()  # prompt + generated tokens (vLLM's num_tokens)
         self.gen = np.zeros(n, dtype=np.int64)  # generated tokens
-        self.chunking = np.zeros(n, dtype=bool)  # vLLM's is_prefill_chunk (last chunk non-final)
         self.last_tok = np.full(n, np.nan)  # when its last token came
-        self.last_active = self.arrival.copy()  # start of the last step it ran in (kv-idle)
         self.first_tok = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
-        self.preempts = np.zeros(n, dtype=np.int64)
-        self.alive = np.ones(n, dtype=bool)  # not finished
-        self.run = np.zeros(0, dtype=np.int64)  # the running list, in vLLM's order
-        self.settings = settings
-        self.bs = settings.block_size
-        self.total_blocks = settings.num_kv_blocks
-        self.used = 0  # KV blocks in use
-        self.queue = make_queue(
-            settings.policy,
-            settings.admission_reserve > 0,
-            float(settings.admission_aging_s),
-            self.prompt.tolist(),
-            self.arrival_list,
-            self.priority.tolist(),
-            self.request_id,
-        )
         self.next_arrival = 0  # the next request not yet queued
         self.now = self.arrival_list[0] if n else 0.0
         self.steps = 0
@@ -65,13 +50,6 @@ class State:
         self.last_first = 0  # first tokens the last step emitted (the loop processes them before the next)
         self.gaps: list[float] = []  # decode inter-token gaps (seconds) ...
         self.gap_weights: list[int] = []  # ... and how many tokens had each
-
-    @property
-    def free(self) -> int:
-        return self.total_blocks - self.used
-
-    def blocks(self, tokens: int) -> int:
-        return -(-tokens // self.bs)
 
     def next_arrival_s(self) -> float:
         k = self.next_arrival
@@ -84,15 +62,6 @@ class State:
             queue.add(k)
             k += 1
         self.next_arrival = k
-
-    def preempt(self, i: int, held_tokens: int) -> None:
-        """Preempt running request ``i`` (already out of the running list) holding KV for
-        ``held_tokens``: its blocks are freed, its computed tokens lost, it waits at the front."""
-        self.used -= self.blocks(held_tokens)
-        self.comp[i] = 0
-        self.chunking[i] = False
-        self.preempts[i] += 1
-        self.queue.add_preempted(i)
 
     def validate(self) -> None:
         """Refuse requests the engine could never run (vLLM would stall on them for ever)."""

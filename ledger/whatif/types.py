@@ -1,9 +1,10 @@
 """The what-if model's inputs: recorded requests, the engine settings to try, and a step's shape.
 
-Pure data, no numpy: :class:`TraceRequest` and :class:`EngineSettings` are frozen dataclasses that
-check themselves (``ValueError`` naming the field and the reason); :class:`StepShape` is what a step's
-duration depends on, with the names of the ledger's step columns, handed to the caller's step-cost
-model (a fitted one in production, a simple function in tests).
+Pure data, no numpy: :class:`TraceRequest` and :class:`EngineSettings` (the scheduling model's, from
+:mod:`engine_hooks.scheduling.settings`) are frozen dataclasses that check themselves (``ValueError``
+naming the field and the reason); :class:`StepShape` is what a step's duration depends on, with the
+names of the ledger's step columns, handed to the caller's step-cost model (a fitted one in
+production, a simple function in tests).
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from numbers import Integral, Real
 from typing import NamedTuple
 
-POLICIES = ("fcfs", "priority", "kv-idle")
+from engine_hooks.scheduling.settings import POLICIES, EngineSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,52 +48,6 @@ class TraceRequest:
             )
         if self.output_tokens < 1:
             raise ValueError(f"{who}: output_tokens must be at least 1 (got {self.output_tokens})")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSettings:
-    """The engine configuration to replay under (vLLM's names where vLLM has them).
-
-    * ``max_num_batched_tokens``: the token budget of a step; ``max_num_seqs``: the running set's size
-      limit; ``num_kv_blocks`` x ``block_size``: the KV cache; ``long_prefill_token_threshold``: cap on
-      a prefill chunk when more than one request is running or waiting (0: none);
-      ``enable_chunked_prefill``; ``reserve_full_isl``: vLLM 0.32's ``scheduler_reserve_full_isl``
-      (on by default there), admit a waiting request only when its whole sequence fits the free KV.
-    * ``policy``: ``"fcfs"`` (vLLM's default), ``"priority"`` (vLLM's priority scheduling), or
-      ``"kv-idle"`` (FCFS with the chunkledger plugin's ``kv_idle_victim``).
-    * ``admission_reserve``, ``admission_aging_s``: the plugin's admission reserve
-      (:mod:`engine_hooks.vllm.options`); 0 is off. Its other options are not modelled.
-    """
-
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    num_kv_blocks: int
-    block_size: int = 16
-    long_prefill_token_threshold: int = 0
-    enable_chunked_prefill: bool = True
-    admission_reserve: float = 0.0
-    policy: str = "fcfs"
-    admission_aging_s: float = 2.0
-    reserve_full_isl: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, Integral) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: must be an integer of at least 1 (got {value!r})")
-        thr = self.long_prefill_token_threshold
-        if not isinstance(thr, Integral) or isinstance(thr, bool) or thr < 0:
-            raise ValueError(
-                f"long_prefill_token_threshold: must be an integer >= 0, 0 for none (got {thr!r})"
-            )
-        share = self.admission_reserve
-        if not (isinstance(share, Real) and 0.0 <= share < 1.0):
-            raise ValueError(f"admission_reserve: must be a share in [0, 1) of the budget (got {share!r})")
-        aging = self.admission_aging_s
-        if not (isinstance(aging, Real) and 0.0 <= aging < math.inf):
-            raise ValueError(f"admission_aging_s: must be a finite number of seconds >= 0 (got {aging!r})")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: unknown policy {self.policy!r} (known: {', '.join(POLICIES)})")
 
 
 class StepShape(NamedTuple):

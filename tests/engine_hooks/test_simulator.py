@@ -343,3 +343,39 @@ def test_with_step_tokens_off_the_same_tokens_come_as_tokens_events(fake_ledger,
     for rid, steps in ids["a"].items():
         events = ids["b"].get(rid, [])
         assert events == steps if rid in done["a"] else steps[: len(events)] == events
+
+
+class _Recorder:
+    """An exporter stand-in that keeps what is emitted: (source, event kind, values)."""
+
+    def __init__(self, sid: str, out: list) -> None:
+        self.sid, self.out = sid, out
+
+    def emitter(self, kind, *fields):
+        def emit(*values):
+            self.out.append((self.sid, kind.__name__, values))
+
+        emit.many = lambda rows: [emit(*row) for row in rows]
+        return emit
+
+
+def test_an_abort_for_a_request_another_engine_runs_is_left_to_that_engine():
+    out: list = []
+    fleet = Fleet(
+        engines=2,
+        rps=20,
+        scenario=replace(SCENARIOS["steady"], output_median=2000, max_tokens=4000, disconnect_p=0.0),
+        seed=1,
+        make_exporter=lambda sid, kind, on_command: _Recorder(sid, out),
+    )
+    fleet.run(0.5, pace=False)
+    one, other = fleet.engines
+    victim = next(iter(other.by_id.values()))
+    one.commands.put(Command(id="c1", request_id=victim.id, action="abort", rule="loop"))
+    one.apply_commands(0.5)
+    assert not victim.finished and victim.id in other.by_id
+    assert not [e for e in out if e[1] == "CutoffApplied"]
+    other.commands.put(Command(id="c2", request_id=victim.id, action="abort", rule="loop"))
+    other.apply_commands(0.5)
+    assert victim.finished and victim.id not in other.by_id
+    assert [e[2][1] for e in out if e[1] == "CutoffApplied"] == [victim.id]

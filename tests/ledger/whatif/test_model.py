@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from engine_hooks.scheduling.queues import ReserveQueue
+from engine_hooks.scheduling.schedule import choose_victim
 from ledger.advice.terms import StepData
 from ledger.whatif.model import replay
 from ledger.whatif.noise import StepNoise
-from ledger.whatif.queues import ReserveQueue
 from ledger.whatif.results import Replay, weighted_quantile
-from ledger.whatif.schedule import choose_victim
 from ledger.whatif.state import State
 from ledger.whatif.types import EngineSettings, StepShape, TraceRequest
 

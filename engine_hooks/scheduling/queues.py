@@ -1,6 +1,6 @@
-"""The waiting queue of the what-if model, in the order vLLM (and the plugin) would admit from it.
+"""The waiting queue of the scheduling model, in the order vLLM (and the plugin) would admit from it.
 
-Requests are the replay's indices (arrival order). Three orders:
+Requests are the state's indices (:mod:`engine_hooks.scheduling.state`). Three orders:
 
 * :class:`FcfsQueue`: vLLM's FCFS queue, a deque: arrivals at the back, preempted requests pushed to
   the front (the last one preempted first).
@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 
 
 class WaitingQueue:
-    """The interface the replay uses (see the module docstring for the orders)."""
+    """The interface the scheduler uses (see the module docstring for the orders)."""
 
     def add(self, i: int) -> None:
         """A request arrives."""
@@ -39,6 +39,10 @@ class WaitingQueue:
 
     def pop(self) -> int:
         """Remove and return :meth:`head`."""
+        raise NotImplementedError
+
+    def remove(self, i: int) -> None:
+        """Take a waiting request out (it was aborted); ValueError when it is not waiting."""
         raise NotImplementedError
 
     def __len__(self) -> int:
@@ -73,6 +77,9 @@ class FcfsQueue(WaitingQueue):
     def pop(self) -> int:
         return self._q.popleft()
 
+    def remove(self, i: int) -> None:
+        self._q.remove(i)
+
     def __len__(self) -> int:
         return len(self._q)
 
@@ -102,6 +109,9 @@ class PriorityQueue(WaitingQueue):
 
     def pop(self) -> int:
         return self._keys.pop(0)[3]
+
+    def remove(self, i: int) -> None:
+        self._keys.remove(self._key(i))
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -140,6 +150,13 @@ class ReserveQueue(WaitingQueue):
         self._is_fresh.discard(i)
         return i
 
+    def remove(self, i: int) -> None:
+        if i in self._is_fresh:
+            self._is_fresh.discard(i)
+            self._fresh.remove((self._prompt[i], i))
+        else:
+            self._aged.remove((self._arrival[i], i))
+
     def __len__(self) -> int:
         return len(self._aged) + len(self._fresh)
 
@@ -150,8 +167,10 @@ class ReserveQueue(WaitingQueue):
             yield i
 
     def _drop_stale(self) -> None:
-        heap = self._ageing
-        while heap and heap[0][1] not in self._is_fresh:
+        """Drop the ageing heap's entries of requests no longer fresh (left lazily by :meth:`pop`), and
+        of an index since reused by a request that arrived at another time."""
+        heap, fresh, arrival = self._ageing, self._is_fresh, self._arrival
+        while heap and (heap[0][1] not in fresh or arrival[heap[0][1]] != heap[0][0]):
             heapq.heappop(heap)
 
     def prepare(self, now: float) -> None:
