@@ -13,7 +13,7 @@ import typer
 
 if TYPE_CHECKING:
     from ledger.rules.loop import LoopHit
-    from ledger.rules.policy import Policy
+    from ledger.rules.policy import Policy, RuleSettings
 
 
 def _live_policy(policy_file: str | None, ledger: str | None, token: str | None) -> Policy:
@@ -62,7 +62,6 @@ def loopcheck(
     """
     import os
 
-    from ledger.rules.loop import exact_detector, near_detector
     from ledger.rules.policy import PolicyError
 
     policy = policy or os.environ.get("CHUNKLEDGER_POLICY_FILE") or None
@@ -83,30 +82,16 @@ def loopcheck(
             if not line.strip():
                 continue
             try:
-                item = json.loads(line)
-                if not isinstance(item, dict):
-                    raise ValueError("expected an object")
-                if "id" not in item:
-                    raise ValueError("field id: missing")
-                tokens = item.get("tokens")
-                if not isinstance(tokens, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in tokens
-                ):
-                    raise ValueError("field tokens: must be a list of integers")
+                output_id, tokens = _output(line)
             except ValueError as exc:
                 typer.echo(f"{file}:{lineno}: {exc}", err=True)
                 bad += 1
                 continue
-            found: list[tuple[LoopHit, str]] = []
-            if rules.loop.enabled and (h := exact_detector(rules.loop).extend(tokens)) is not None:
-                found.append((h, "loop"))
-            if rules.near_loop.enabled and (h := near_detector(rules.near_loop).extend(tokens)):
-                found.append((h, "near_loop"))
-            hit, rule = min(found, key=lambda x: x[0].at) if found else (None, None)
+            hit, rule = _first_cut(rules, tokens)
             out.write(
                 json.dumps(
                     {
-                        "id": item["id"],
+                        "id": output_id,
                         "loop": hit is not None,
                         "rule": rule,
                         "at": hit.at if hit else None,
@@ -119,6 +104,35 @@ def loopcheck(
             )
     if bad:
         raise typer.Exit(1)
+
+
+def _output(line: str) -> tuple[Any, list[int]]:
+    """One input line's id and tokens; ValueError naming what is wrong."""
+    item = json.loads(line)
+    if not isinstance(item, dict):
+        raise ValueError("expected an object")
+    if "id" not in item:
+        raise ValueError("field id: missing")
+    tokens = item.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        raise ValueError("field tokens: must be a list of integers")
+    return item["id"], tokens
+
+
+def _first_cut(rules: RuleSettings, tokens: list[int]) -> tuple[LoopHit | None, str | None]:
+    """Where the live loop rules (``rules``: one model's) would first cut ``tokens``, and which rule."""
+    from ledger.rules.loop import exact_detector, near_detector
+
+    found: list[tuple[LoopHit, str]] = []
+    if rules.loop.enabled and (h := exact_detector(rules.loop).extend(tokens)) is not None:
+        found.append((h, "loop"))
+    if rules.near_loop.enabled and (h := near_detector(rules.near_loop).extend(tokens)):
+        found.append((h, "near_loop"))
+    if not found:
+        return None, None
+    return min(found, key=lambda x: x[0].at)
 
 
 def policy_check(file: Annotated[str, typer.Argument(help="policy file (.toml, .yaml or .json)")]) -> None:

@@ -20,69 +20,83 @@ from chunkledger.options import (
 from chunkledger.reads import answer
 from ledger.whatif.query import MAX_CALIBRATION_ERROR, WhatIfQuery
 
+# the options, in the order --help shows them
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="a setting to replay, key=value[,key=value] (repeat for several): max_num_batched_tokens, "
+        "long_prefill_token_threshold, max_num_seqs, num_kv_blocks, block_size, enable_chunked_prefill, "
+        "admission_reserve, admission_aging_s, policy, reserve_full_isl",
+    ),
+]
+SweepOpt = Annotated[
+    str | None,
+    typer.Option(help="one setting per value: key=v1,v2,... (max_num_batched_tokens=256,512)"),
+]
+PolicyOpt = Annotated[
+    str | None, typer.Option(help="fcfs, priority or kv-idle: applied to every asked setting")
+]
+RecordedOpt = Annotated[
+    str | None,
+    typer.Option(help="the engine's settings in the window, key=value[,...] (the rest are inferred)"),
+]
+LongPromptTokensOpt = Annotated[
+    int | None, typer.Option(min=1, help="prompts this long are the long ones (default: 8x the median)")
+]
+ItlTargetMsOpt = Annotated[
+    float | None, typer.Option("--itl-target-ms", min=0.001, help="mark settings meeting this ITL p99")
+]
+TtftTargetMsOpt = Annotated[
+    float | None,
+    typer.Option("--ttft-target-ms", min=0.001, help="mark settings meeting this TTFT p99"),
+]
+MaxErrorOpt = Annotated[
+    float, typer.Option(min=0.0, help="refuse when the recorded setting replayed misses a tail by more")
+]
+ForceOpt = Annotated[bool, typer.Option(help="answer even over --max-error")]
+FitSourceOpt = Annotated[
+    str | None, typer.Option(help="fit step time on this engine's steps (e.g. a chunkledger profile run)")
+]
+FitSinceOpt = Annotated[str | None, typer.Option(help="fit step time on steps from then (same forms)")]
+FitUntilOpt = Annotated[str | None, typer.Option(help="... until then")]
+AttentionSourceOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="fit the attention inside a chunk on this engine's steps (a chunkledger profile run), "
+        "the rest on the window's"
+    ),
+]
+StepNoiseOpt = Annotated[
+    bool,
+    typer.Option(
+        help="each replayed decode-only step's time times a factor drawn from the window's own "
+        "steps' spread, plus the engine loop's time between steps as the window measured it"
+    ),
+]
+
 
 def whatif(
-    set_: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--set",
-            help="a setting to replay, key=value[,key=value] (repeat for several): max_num_batched_tokens, "
-            "long_prefill_token_threshold, max_num_seqs, num_kv_blocks, block_size, enable_chunked_prefill, "
-            "admission_reserve, admission_aging_s, policy, reserve_full_isl",
-        ),
-    ] = None,
-    sweep: Annotated[
-        str | None,
-        typer.Option(help="one setting per value: key=v1,v2,... (max_num_batched_tokens=256,512)"),
-    ] = None,
-    policy: Annotated[
-        str | None, typer.Option(help="fcfs, priority or kv-idle: applied to every asked setting")
-    ] = None,
-    recorded: Annotated[
-        str | None,
-        typer.Option(help="the engine's settings in the window, key=value[,...] (the rest are inferred)"),
-    ] = None,
+    set_: SetOpt = None,
+    sweep: SweepOpt = None,
+    policy: PolicyOpt = None,
+    recorded: RecordedOpt = None,
     ledger: LedgerOrNoneOpt = None,
     db: DbOpt = None,
     model: ModelOpt = None,
     source: SourceOpt = None,
     since: SinceOpt = None,
     until: UntilOpt = None,
-    long_prompt_tokens: Annotated[
-        int | None, typer.Option(min=1, help="prompts this long are the long ones (default: 8x the median)")
-    ] = None,
-    itl_target_ms: Annotated[
-        float | None, typer.Option("--itl-target-ms", min=0.001, help="mark settings meeting this ITL p99")
-    ] = None,
-    ttft_target_ms: Annotated[
-        float | None,
-        typer.Option("--ttft-target-ms", min=0.001, help="mark settings meeting this TTFT p99"),
-    ] = None,
-    max_error: Annotated[
-        float, typer.Option(min=0.0, help="refuse when the recorded setting replayed misses a tail by more")
-    ] = MAX_CALIBRATION_ERROR,
-    force: Annotated[bool, typer.Option(help="answer even over --max-error")] = False,
-    fit_source: Annotated[
-        str | None, typer.Option(help="fit step time on this engine's steps (e.g. a chunkledger profile run)")
-    ] = None,
-    fit_since: Annotated[
-        str | None, typer.Option(help="fit step time on steps from then (same forms)")
-    ] = None,
-    fit_until: Annotated[str | None, typer.Option(help="... until then")] = None,
-    attention_source: Annotated[
-        str | None,
-        typer.Option(
-            help="fit the attention inside a chunk on this engine's steps (a chunkledger profile run), "
-            "the rest on the window's"
-        ),
-    ] = None,
-    step_noise: Annotated[
-        bool,
-        typer.Option(
-            help="each replayed decode-only step's time times a factor drawn from the window's own "
-            "steps' spread, plus the engine loop's time between steps as the window measured it"
-        ),
-    ] = True,
+    long_prompt_tokens: LongPromptTokensOpt = None,
+    itl_target_ms: ItlTargetMsOpt = None,
+    ttft_target_ms: TtftTargetMsOpt = None,
+    max_error: MaxErrorOpt = MAX_CALIBRATION_ERROR,
+    force: ForceOpt = False,
+    fit_source: FitSourceOpt = None,
+    fit_since: FitSinceOpt = None,
+    fit_until: FitUntilOpt = None,
+    attention_source: AttentionSourceOpt = None,
+    step_noise: StepNoiseOpt = True,
     token: ReadTokenOpt = None,
     format: FormatOpt = "table",
 ) -> None:
