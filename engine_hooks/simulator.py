@@ -69,21 +69,9 @@ def run_simulation(
     if engines < 1 or rps <= 0 or duration_s <= 0:
         raise ValueError("engines must be >= 1, rps and duration > 0")
     spool_root = spool_dir or os.environ.get("CHUNKLEDGER_SPOOL_DIR") or _DEFAULT_SPOOL_DIR
-
-    def make_exporter(source_id: str, kind: str, on_command: Any) -> Exporter:
-        from engine_hooks.exporter import Exporter
-
-        config = ExporterConfig.create(
-            url=ledger_url,
-            source_id=source_id,
-            source_kind=kind,
-            model=model if kind == "engine" else None,
-            ingest_token=ingest_token,
-            spool_dir=os.path.join(spool_root, source_prefix),
-            **(overrides or {}),
-        )
-        return Exporter(config, on_command=on_command)
-
+    make_exporter = _exporters(
+        ledger_url, model, ingest_token, os.path.join(spool_root, source_prefix), overrides or {}
+    )
     fleet = Fleet(
         engines=engines,
         rps=rps,
@@ -125,6 +113,28 @@ def run_simulation(
 
 
 _DEFAULT_SPOOL_DIR = ".chunkledger/spool"
+
+
+def _exporters(
+    ledger_url: str, model: str, ingest_token: str | None, spool_dir: str, overrides: dict[str, Any]
+) -> Callable[[str, str, Any], Exporter]:
+    """How the fleet makes each source's exporter: to ``ledger_url``, spooling under ``spool_dir``."""
+
+    def make_exporter(source_id: str, kind: str, on_command: Any) -> Exporter:
+        from engine_hooks.exporter import Exporter
+
+        config = ExporterConfig.create(
+            url=ledger_url,
+            source_id=source_id,
+            source_kind=kind,
+            model=model if kind == "engine" else None,
+            ingest_token=ingest_token,
+            spool_dir=spool_dir,
+            **overrides,
+        )
+        return Exporter(config, on_command=on_command)
+
+    return make_exporter
 
 
 def _each(exporters: Any, call: Callable[[Exporter], bool]) -> bool:
