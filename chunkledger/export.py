@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
@@ -15,6 +15,7 @@ from chunkledger.options import LedgerUrlOpt, ReadTokenOpt
 from ledger.defaults import DEFAULT_LEDGER_URL
 
 if TYPE_CHECKING:
+    from ledger.export import Manifest
     from ledger.export import Window as ExportWindow
 
 
@@ -72,31 +73,25 @@ def export_command(
             raise typer.Exit(1) from None
         import sqlalchemy as sa
 
-        manifest["source"] = sa.engine.make_url(db).render_as_string(hide_password=True)
+        manifest.source = sa.engine.make_url(db).render_as_string(hide_password=True)
         write_manifest(out, manifest)
     else:
         manifest = _export_through(ledger, token, window, out, names)
         write_manifest(out, manifest)
-    for table, info in manifest["tables"].items():
-        typer.echo(
-            f"{table:<9} {info['rows']:>10} rows {info['bytes'] / 1024:>10.1f} KiB  {out / info['file']}"
-        )
+    for table, info in manifest.tables.items():
+        typer.echo(f"{table:<9} {info.rows:>10} rows {info.bytes / 1024:>10.1f} KiB  {out / info.file}")
 
 
 def _export_through(
     ledger: str, token: str | None, window: ExportWindow, out: Path, names: tuple[str, ...]
-) -> dict[str, Any]:
+) -> Manifest:
     import pyarrow.parquet as pq
 
     from chunkledger.errors import exit_for
     from ledger.client import LedgerClient, LedgerError
+    from ledger.export import ExportedTable, Manifest
 
-    manifest: dict[str, Any] = {
-        "window": window.as_dict(),
-        "exported_at": time.time(),
-        "source": ledger,
-        "tables": {},
-    }
+    manifest = Manifest(window=window.record(), exported_at=time.time(), source=ledger)
     with LedgerClient(ledger, token, timeout_s=3600.0) as client:
         for table in names:
             path = out / f"{table}.parquet"
@@ -114,5 +109,5 @@ def _export_through(
             finally:
                 tmp.unlink(missing_ok=True)
             rows = pq.read_metadata(path).num_rows
-            manifest["tables"][table] = {"file": path.name, "rows": rows, "bytes": path.stat().st_size}
+            manifest.tables[table] = ExportedTable.of(path, rows)
     return manifest

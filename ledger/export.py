@@ -27,8 +27,10 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from msgspec import UNSET, UnsetType
 
 from ledger import schema
+from ledger.records import Record, as_json
 
 TABLES = ("requests", "steps", "events", "sources")
 WINDOW_COLUMN = {"requests": "start_ts", "steps": "ts", "events": "ts", "sources": None}
@@ -78,16 +80,44 @@ class Window:
         if self.since is not None and self.until is not None and self.until <= self.since:
             raise ValueError(f"until ({self.until}) must be after since ({self.since})")
 
-    def as_dict(self) -> dict[str, Any]:
+    def record(self) -> ExportedWindow:
         def iso(t: float | None) -> str | None:
             return None if t is None else dt.datetime.fromtimestamp(t, dt.UTC).isoformat()
 
-        return {
-            "since": self.since,
-            "until": self.until,
-            "since_iso": iso(self.since),
-            "until_iso": iso(self.until),
-        }
+        return ExportedWindow(
+            since=self.since, until=self.until, since_iso=iso(self.since), until_iso=iso(self.until)
+        )
+
+
+class ExportedWindow(Record):
+    """The window exported: unix seconds (null: open) and the same in ISO 8601, UTC."""
+
+    since: float | None
+    until: float | None
+    since_iso: str | None
+    until_iso: str | None
+
+
+class ExportedTable(Record):
+    """One table's file in the export folder."""
+
+    file: str
+    rows: int
+    bytes: int
+
+    @classmethod
+    def of(cls, path: Path, rows: int) -> ExportedTable:
+        return cls(file=path.name, rows=rows, bytes=path.stat().st_size)
+
+
+class Manifest(Record):
+    """``manifest.json``: the window, when, from where (a database, its password hidden, or the ledger
+    it was exported through) and each table's file."""
+
+    window: ExportedWindow
+    exported_at: float
+    source: str | UnsetType = UNSET
+    tables: dict[str, ExportedTable] = {}
 
 
 def table_sql(table: str, window: Window, *, style: str) -> tuple[str, dict[str, float]]:
@@ -316,18 +346,17 @@ def parquet_stream(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> Iter
 
 def export_dir(
     conn: Any, dialect: str, window: Window, out: Path, tables: tuple[str, ...] = TABLES
-) -> dict[str, Any]:
+) -> Manifest:
     """Write ``out/<table>.parquet`` for each table and ``out/manifest.json``; the manifest."""
     out.mkdir(parents=True, exist_ok=True)
-    manifest: dict[str, Any] = {"window": window.as_dict(), "exported_at": time.time(), "tables": {}}
+    manifest = Manifest(window=window.record(), exported_at=time.time())
     for table in tables:
         schema, batches = table_batches(conn, dialect, table, window)
         path = out / f"{table}.parquet"
-        rows = write_parquet(schema, batches, path)
-        manifest["tables"][table] = {"file": path.name, "rows": rows, "bytes": path.stat().st_size}
+        manifest.tables[table] = ExportedTable.of(path, write_parquet(schema, batches, path))
     write_manifest(out, manifest)
     return manifest
 
 
-def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+def write_manifest(out: Path, manifest: Manifest) -> None:
+    (out / "manifest.json").write_text(json.dumps(as_json(manifest), indent=2) + "\n")

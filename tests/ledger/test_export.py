@@ -18,6 +18,7 @@ from engine_hooks import events as ev
 from ledger import export, schema
 from ledger.app import create_app
 from ledger.config import Settings
+from ledger.records import as_json
 from ledger.store import open_store
 from tests.support.factories import ENGINE, GATEWAY, body, lifecycle, numbered
 from tests.support.servers import LedgerServer
@@ -76,7 +77,7 @@ def test_export_dir_writes_each_table_for_the_window_straight_from_the_database(
     counts = _fill(lambda source, evs: store.write([ev.Batch(source=source, events=evs)]))
     store.close()  # DuckDB: the service is not running, so the file is free
     with export.direct_connection(db_url) as (conn, dialect):
-        manifest = export.export_dir(conn, dialect, export.Window(since=T0 + 500), tmp_path / "out")
+        manifest = as_json(export.export_dir(conn, dialect, export.Window(since=T0 + 500), tmp_path / "out"))
     tables = _read_dir(tmp_path / "out")
     _check_late_window(tables, counts)
     assert manifest["tables"]["events"]["rows"] == counts["late"]
