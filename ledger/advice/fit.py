@@ -34,7 +34,7 @@ that tokens·depth (~10^8) and kv_usage (~1) do not ruin the conditioning.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -101,6 +101,22 @@ class Ranges:
     num_decode_reqs: tuple[float, float]  # min, max over all steps
     duration_s: tuple[float, float]
 
+    @classmethod
+    def of(cls, data: StepData) -> Ranges:
+        pre = data.is_prefill
+        return cls(
+            steps=len(data),
+            prefill_steps=int(pre.sum()),
+            decode_only_steps=int(np.sum(~pre & (data.num_decode_reqs > 0))),
+            prefill_tokens=(float(data.prefill_tokens[pre].min()), float(data.prefill_tokens[pre].max())),
+            max_prefill_depth=(
+                float(data.max_prefill_depth[pre].min()),
+                float(data.max_prefill_depth[pre].max()),
+            ),
+            num_decode_reqs=(float(data.num_decode_reqs.min()), float(data.num_decode_reqs.max())),
+            duration_s=(float(data.duration_s.min()), float(data.duration_s.max())),
+        )
+
     def covers(self) -> Covers:
         return Covers(
             steps=int(self.steps),
@@ -122,7 +138,7 @@ class StepTimeFit:
     residual_max_s: float
     cv_rel_error: float  # cross-validated RMS of (actual - predicted) / predicted
     ranges: Ranges
-    selection: tuple[dict[str, Any], ...] = field(default=())
+    selection: tuple[TermChoice, ...] = field(default=())  # every term tried, in the order tried
     outliers: int = 0  # steps down-weighted by the robust fit (beyond HUBER_K robust deviations)
     residuals_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     predicted_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
@@ -176,14 +192,8 @@ class StepTimeFit:
             outliers_downweighted=int(self.outliers),
             steps_used=int(self.ranges.steps),
             covers=self.ranges.covers(),
-            term_selection=[_choice(s) for s in self.selection],
+            term_selection=list(self.selection),
         )
-
-
-def _choice(step: dict[str, Any]) -> TermChoice:
-    """One step of the term selection as a record (numpy's floats as Python's)."""
-    plain: dict[str, Any] = {k: float(v) if isinstance(v, float) else v for k, v in step.items()}
-    return TermChoice(**plain)
 
 
 def check_data(data: StepData, *, min_steps: int = MIN_STEPS) -> StepData:
@@ -257,110 +267,140 @@ def fit_step_time(
     """Fit the base model plus the candidate terms that measurably help; FitError when it cannot.
 
     Least squares weighted by 1/ŷ² (relative error; see ``huber_weights``). A candidate is kept when it
-    cuts the 5-fold cross-validated relative error by ``MIN_CV_GAIN``; the best one first, repeatedly.
+    cuts the 5-fold cross-validated relative error by ``MIN_CV_GAIN`` (or the error in time by
+    ``MIN_TIME_GAIN``); the best one first, repeatedly. Three steps: check the data and the base model,
+    select the terms (on a sample), fit the chosen terms on every step.
     """
     data = check_data(data, min_steps=min_steps)
-    y = data.duration_s
-    n = len(y)
-    terms = list(BASE_TERMS)
-    x = _design(data, terms)
+    base = list(BASE_TERMS)
+    x = _design(data, base)
+    _check_separable(x, base, data.duration_s)
+    terms, selection, cv_rel_error = select_terms(data, x, candidates, seed=seed)
+    return _fit_terms(data, terms, selection, cv_rel_error)
+
+
+def _check_separable(x: np.ndarray, terms: list[Term], y: np.ndarray) -> None:
+    """FitError when the steps cannot tell the base terms apart (a rank-deficient design)."""
     _, rank = weighted_solve(x, y, np.ones_like(y))
     if rank < len(terms):
         name = _first_collinear(x, terms)
         raise FitError(
             "degenerate", f"the steps cannot separate the cost of {name!r} from the other terms (collinear)"
         )
-    w = huber_weights(x, y)
-    # Term selection runs on at most SELECTION_MAX_STEPS steps (a seeded sample): the choice does not
-    # need 10^5 steps and cross-validation refits many times. The final fit uses every step.
-    rng = np.random.default_rng(seed)
-    sel = rng.permutation(n)[:SELECTION_MAX_STEPS] if n > SELECTION_MAX_STEPS else np.arange(n)
-    ys, ws = y[sel], w[sel]
-    xsel = x[sel]
-    base_beta, _ = robust_solve(xsel, ys, ws)
-    clip = CV_CLIP * max(robust_scale((ys - xsel @ base_beta) * np.sqrt(ws)), 1e-9)
-    folds = rng.permutation(len(sel)) % CV_FOLDS
-    best = cv_error(xsel, ys, ws, folds, clip)
-    wt = ws * ys  # each step weighted by its duration: the error in time
-    best_t = cv_error(xsel, ys, wt, folds, np.inf)
-    selection: list[dict[str, Any]] = [
-        {
-            "term": "base",
-            "cv_rel_error": best,
-            "cv_time_error": best_t,
-            "kept": True,
-            **in_sample(xsel, ys, ws),
-        }
-    ]
-    remaining = list(candidates)
-    while remaining and n >= STEPS_PER_TERM * (len(terms) + 1):
-        tried = []
-        for cand in remaining:
-            xc = np.column_stack([xsel, cand.column(data)[sel]])
-            _, r = weighted_solve(xc, ys, ws)
-            full = r == xc.shape[1]
-            score = cv_error(xc, ys, ws, folds, clip) if full else float("inf")
-            score_t = cv_error(xc, ys, wt, folds, np.inf) if full else float("inf")
-            tried.append((score, score_t, cand, xc))
-        score, score_t, cand, xc = min(tried, key=lambda s: s[0])
-        if not (score <= best * (1 - MIN_CV_GAIN) and best - score >= MIN_CV_GAIN_ABS):
-            score, score_t, cand, xc = min(tried, key=lambda s: s[1])
-            if not (score_t <= best_t * (1 - MIN_TIME_GAIN) and best_t - score_t >= MIN_CV_GAIN_ABS):
-                for s, st, c, xt in sorted(tried, key=lambda s: s[0]):
-                    if np.isfinite(s):
-                        selection.append(
-                            {
-                                "term": c.name,
-                                "cv_rel_error": s,
-                                "cv_time_error": st,
-                                "kept": False,
-                                **in_sample(xt, ys, ws),
-                            }
-                        )
-                    else:
-                        selection.append(
-                            {"term": c.name, "kept": False, "why": "no variation apart from the terms kept"}
-                        )
-                break
-        selection.append(
-            {
-                "term": cand.name,
-                "cv_rel_error": score,
-                "cv_time_error": score_t,
-                "kept": True,
-                **in_sample(xc, ys, ws),
-            }
+
+
+class _Tried(NamedTuple):
+    """A model tried during term selection: its cross-validated errors, the term it adds, its design."""
+
+    rel: float  # cross-validated relative error (inf: the term cannot be fitted)
+    time: float  # cross-validated error in time
+    name: str  # the term's ("base": the base model)
+    x: np.ndarray  # design over the sample
+    term: Term | None = None  # the candidate it adds
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """The steps term selection runs on: at most ``SELECTION_MAX_STEPS`` (a seeded sample; the choice
+    does not need 10^5 steps and cross-validation refits many times), their weights and folds."""
+
+    rows: np.ndarray  # indices into the data
+    y: np.ndarray
+    w: np.ndarray  # relative-error weights (Huber-weighted 1/ŷ² of the base model)
+    folds: np.ndarray
+    clip: float  # held-out squared errors are capped at clip² (stalls do not decide)
+
+    @classmethod
+    def draw(cls, x: np.ndarray, y: np.ndarray, seed: int) -> _Sample:
+        w = huber_weights(x, y)
+        rng = np.random.default_rng(seed)
+        n = len(y)
+        rows = rng.permutation(n)[:SELECTION_MAX_STEPS] if n > SELECTION_MAX_STEPS else np.arange(n)
+        ys, ws, xs = y[rows], w[rows], x[rows]
+        base_beta, _ = robust_solve(xs, ys, ws)
+        clip = CV_CLIP * max(robust_scale((ys - xs @ base_beta) * np.sqrt(ws)), 1e-9)
+        return cls(rows=rows, y=ys, w=ws, folds=rng.permutation(len(rows)) % CV_FOLDS, clip=clip)
+
+    def errors(self, x: np.ndarray, name: str, term: Term | None = None) -> _Tried:
+        """The cross-validated relative error and error in time (each step weighted by its duration,
+        uncapped) of design ``x``."""
+        rel = cv_error(x, self.y, self.w, self.folds, self.clip)
+        return _Tried(rel, cv_error(x, self.y, self.w * self.y, self.folds, np.inf), name, x, term)
+
+    def try_term(self, x: np.ndarray, term: Term, data: StepData) -> _Tried:
+        """Design ``x`` with ``term`` added, and its errors (inf when the term adds no variation)."""
+        xc = np.column_stack([x, term.column(data)[self.rows]])
+        _, rank = weighted_solve(xc, self.y, self.w)
+        if rank < xc.shape[1]:
+            return _Tried(float("inf"), float("inf"), term.name, xc, term)
+        return self.errors(xc, term.name, term)
+
+    def choice(self, tried: _Tried, kept: bool) -> TermChoice:
+        """``tried`` as the record of the selection, with the in-sample figures that justify it."""
+        if not np.isfinite(tried.rel):
+            return TermChoice(term=tried.name, kept=kept, why="no variation apart from the terms kept")
+        figures = in_sample(tried.x, self.y, self.w)
+        return TermChoice(
+            term=tried.name,
+            kept=kept,
+            cv_rel_error=float(tried.rel),
+            cv_time_error=float(tried.time),
+            r2=float(figures["r2"]),
+            residual_p99_ms=float(figures["residual_p99_ms"]),
         )
-        best, best_t, xsel = score, score_t, xc
-        terms.append(cand)
-        remaining.remove(cand)
+
+
+def _improves(tried: list[_Tried], best: _Tried) -> _Tried | None:
+    """The candidate that cuts the relative error by ``MIN_CV_GAIN``, else the one that cuts the error in
+    time by ``MIN_TIME_GAIN`` (both by ``MIN_CV_GAIN_ABS`` too), else None."""
+    pick = min(tried, key=lambda t: t.rel)
+    if pick.rel <= best.rel * (1 - MIN_CV_GAIN) and best.rel - pick.rel >= MIN_CV_GAIN_ABS:
+        return pick
+    pick = min(tried, key=lambda t: t.time)
+    if pick.time <= best.time * (1 - MIN_TIME_GAIN) and best.time - pick.time >= MIN_CV_GAIN_ABS:
+        return pick
+    return None
+
+
+def select_terms(
+    data: StepData, x: np.ndarray, candidates: tuple[Term, ...], *, seed: int = 0
+) -> tuple[list[Term], list[TermChoice], float]:
+    """Forward selection from the base terms (design ``x``): the terms kept, every candidate's figures
+    (the base first), and the kept model's cross-validated relative error."""
+    sample = _Sample.draw(x, data.duration_s, seed)
+    terms = list(BASE_TERMS)
+    best = sample.errors(x[sample.rows], "base")
+    selection = [sample.choice(best, kept=True)]
+    remaining = list(candidates)
+    while remaining and len(data) >= STEPS_PER_TERM * (len(terms) + 1):
+        tried = [sample.try_term(best.x, cand, data) for cand in remaining]
+        kept = _improves(tried, best)
+        if kept is None:
+            selection += [sample.choice(t, kept=False) for t in sorted(tried, key=lambda t: t.rel)]
+            break
+        assert kept.term is not None  # a candidate, not the base
+        selection.append(sample.choice(kept, kept=True))
+        best = kept
+        terms.append(kept.term)
+        remaining.remove(kept.term)
+    return terms, selection, best.rel
+
+
+def _fit_terms(
+    data: StepData, terms: list[Term], selection: list[TermChoice], cv_rel_error: float
+) -> StepTimeFit:
+    """The chosen terms fitted on every step (re-weighted with the chosen model), with their standard
+    errors, quality and the data's coverage."""
+    y = data.duration_s
     x = _design(data, terms)
-    w = huber_weights(x, y)  # re-weighted with the chosen model
+    w = huber_weights(x, y)
     beta, huber = robust_solve(x, y, w)
     w = w * huber
     pred = x @ beta
     resid = y - pred
     ss_res = float(resid @ resid)
     ss_tot = float(np.sum((y - y.mean()) ** 2))
-    wres = w * resid**2
-    sigma2 = float(wres.sum()) / max(n - len(terms), 1)
-    scale = column_scale(x)
-    xs = (x / scale) * np.sqrt(w)[:, None]
-    cov = np.linalg.pinv(xs.T @ xs) * sigma2
-    stderr = np.sqrt(np.clip(np.diag(cov), 0, None)) / scale
-    pre = data.is_prefill
-    ranges = Ranges(
-        steps=n,
-        prefill_steps=int(pre.sum()),
-        decode_only_steps=int(np.sum(~pre & (data.num_decode_reqs > 0))),
-        prefill_tokens=(float(data.prefill_tokens[pre].min()), float(data.prefill_tokens[pre].max())),
-        max_prefill_depth=(
-            float(data.max_prefill_depth[pre].min()),
-            float(data.max_prefill_depth[pre].max()),
-        ),
-        num_decode_reqs=(float(data.num_decode_reqs.min()), float(data.num_decode_reqs.max())),
-        duration_s=(float(y.min()), float(y.max())),
-    )
+    stderr = _stderr(x, w, resid)
     return StepTimeFit(
         coefficients=tuple(
             Coefficient(t.name, float(b), float(se)) for t, b, se in zip(terms, beta, stderr, strict=True)
@@ -369,10 +409,20 @@ def fit_step_time(
         residual_p50_s=float(np.quantile(resid, 0.5)),
         residual_p99_s=float(np.quantile(resid, 0.99)),
         residual_max_s=float(resid.max()),
-        cv_rel_error=best,
-        ranges=ranges,
+        cv_rel_error=cv_rel_error,
+        ranges=Ranges.of(data),
         selection=tuple(selection),
         outliers=int(np.sum(huber < 1.0)),
         residuals_s=resid,
         predicted_s=pred,
     )
+
+
+def _stderr(x: np.ndarray, w: np.ndarray, resid: np.ndarray) -> np.ndarray:
+    """Standard error of each coefficient (weighted least squares, columns scaled for conditioning)."""
+    n, k = x.shape
+    sigma2 = float((w * resid**2).sum()) / max(n - k, 1)
+    scale = column_scale(x)
+    xs = (x / scale) * np.sqrt(w)[:, None]
+    cov = np.linalg.pinv(xs.T @ xs) * sigma2
+    return np.sqrt(np.clip(np.diag(cov), 0, None)) / scale

@@ -4,11 +4,12 @@ candidates)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ledger.store.step_memory import MAX_STEP_GAP_S
 
@@ -39,8 +40,9 @@ class StepData:
     interval_s: np.ndarray  # end of the engine's previous step to the end of this one (ingest); NaN unknown
 
     @classmethod
-    def from_columns(cls, cols: dict[str, Any]) -> StepData:
-        n_rows = len(cols["duration_s"])
+    def from_columns(cls, cols: Mapping[str, ArrayLike]) -> StepData:
+        """From one sequence of numbers per column (``interval_s`` may be left out: NaN)."""
+        n_rows = len(np.asarray(cols["duration_s"]))
         arrays = {
             c: np.asarray(cols[c], dtype=np.float64)
             if c in cols or c not in OPTIONAL
@@ -57,7 +59,9 @@ class StepData:
         """From ``step`` events of one source in emit order, with ``interval_s`` as the ledger computes
         it at ingest (``ledger.store.base``: end of the previous step to the end of this one, when the
         previous is numbered one less and scheduled at most ``MAX_STEP_GAP_S`` apart)."""
-        cols: dict[str, Any] = {c: [getattr(s, c) for s in steps] for c in COLUMNS if c not in OPTIONAL}
+        cols: dict[str, list[float]] = {
+            c: [getattr(s, c) for s in steps] for c in COLUMNS if c not in OPTIONAL
+        }
         interval: list[float] = []
         prev = None
         for s in steps:

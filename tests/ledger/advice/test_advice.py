@@ -111,7 +111,7 @@ def test_fit_keeps_the_terms_that_cut_the_error_on_the_measured_model_and_says_w
     # and depth costs per chunk as well as per token: both extra terms must be kept, with figures.
     assert "num_prefill_reqs" in fit.terms
     assert "max_prefill_depth" in fit.terms
-    sel = {s["term"]: s for s in fit.selection}
+    sel = {s["term"]: s for s in as_json(fit.selection)}
     assert sel["num_prefill_reqs"]["kept"] and sel["max_prefill_depth"]["kept"]
     assert sel["max_prefill_depth"]["cv_rel_error"] < 0.98 * sel["base"]["cv_rel_error"]
     assert sel["kv_usage"]["kept"] is False  # constant in this data: cannot be fitted
@@ -471,8 +471,8 @@ def test_a_term_only_the_long_steps_show_is_kept_by_the_error_in_time(monkeypatc
     fit = fit_step_time(data)
     assert "prefill_tokens_sq" in [c.term for c in fit.coefficients]
     assert float(fit.predict(_ONE_16K_STEP)[0]) == pytest.approx(truth, rel=0.15)
-    kept = next(row for row in fit.selection if row["term"] == "prefill_tokens_sq")
-    base = fit.selection[0]
+    kept = next(row for row in as_json(fit.selection) if row["term"] == "prefill_tokens_sq")
+    base = as_json(fit.selection)[0]
     assert kept["cv_time_error"] <= 0.9 * base["cv_time_error"]
     import ledger.advice.fit as fit_module
 
