@@ -201,6 +201,7 @@ def profile(
     from engine_hooks.vllm.profile import DriverError, run_profile
     from ledger.advice.profile import ProfileError, ProfileResult
     from ledger.advice.report import render_profile
+    from ledger.records import UNSET, as_json
 
     if format not in ("table", "json"):
         typer.echo("error: --format must be table or json", err=True)
@@ -232,6 +233,6 @@ def profile(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     report = ProfileResult.of(plan, run).report(itl_target_ms)
-    typer.echo(json.dumps(report, indent=2) if format == "json" else render_profile(report))
-    if "fit_error" in report:
+    typer.echo(json.dumps(as_json(report), indent=2) if format == "json" else render_profile(report))
+    if report.fit_error is not UNSET:
         raise typer.Exit(1)

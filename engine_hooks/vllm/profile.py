@@ -24,11 +24,11 @@ import copy
 import os
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from engine_hooks import events as ev
+from engine_hooks.profile_run import Delivery, Phase, ProfileRun
 
 
 class DriverError(RuntimeError):
@@ -57,18 +57,6 @@ class Plan(Protocol):
     def max_num_batched_tokens(self) -> int: ...
     def decode_tokens_for(self, chunk: int) -> int: ...
     def check(self) -> None: ...
-
-
-@dataclass
-class Phase:
-    """One run of a plan's cell: a long prompt chunked by ``chunk`` next to ``decodes`` decoding requests,
-    recorded as steps ``first_step:end_step`` of the run's."""
-
-    chunk: int
-    decodes: int
-    first_step: int  # index into ProfileRun.steps
-    end_step: int
-    wall_s: float
 
 
 class StepRecorder:
@@ -107,17 +95,6 @@ class StepRecorder:
         return self.forward.shutdown(timeout) if self.forward is not None else True
 
 
-@dataclass
-class ProfileRun:
-    """What a run of the plan left: the recorded steps, the phases they fall into, where they were sent."""
-
-    model: str  # the served model name
-    steps: list[ev.Step]
-    phases: list[Phase]
-    source_id: str | None = None  # the plugin exporter's source id, with a ledger URL
-    sent: dict[str, Any] = field(default_factory=dict)  # {"url", "source_id", "sent", "dropped"}
-
-
 def run_profile(
     model: str,
     plan: Plan,
@@ -154,12 +131,12 @@ def run_profile(
     saved = {k: os.environ.get(k) for k in env}
     _set_env(env)
     try:
-        return _run(model, name, plan, progress, ledger_url, kv_cache_bytes, engine_kwargs)
+        return _run(model, name, plan, progress, kv_cache_bytes, engine_kwargs)
     finally:
         _set_env(saved)
 
 
-def _set_env(values: dict[str, Any]) -> None:
+def _set_env(values: Mapping[str, str | None]) -> None:
     for key, value in values.items():
         if value is None:
             os.environ.pop(key, None)
@@ -177,7 +154,6 @@ def _run(
     name: str,
     plan: Plan,
     progress: Callable[[Phase], None] | None,
-    ledger_url: str | None,
     kv_cache_bytes: int,
     engine_kwargs: dict[str, Any] | None,
 ) -> ProfileRun:
@@ -186,16 +162,7 @@ def _run(
         scheduler, recorder = _take_scheduler(llm)
         forward = recorder.forward
         phases = _measure(llm, scheduler, recorder, plan, progress)
-        sent: dict[str, Any] = {}
-        if forward is not None:
-            forward.shutdown(30.0)
-            stats = forward.stats()
-            sent = {
-                "url": ledger_url,
-                "source_id": forward.source.id,
-                "sent": stats.sent,
-                "dropped": stats.dropped,
-            }
+        sent = _delivered(forward) if forward is not None else None
         scheduler.use_exporter(None)
         return ProfileRun(
             model=name,
@@ -206,6 +173,14 @@ def _run(
         )
     finally:
         del llm
+
+
+def _delivered(forward: Any) -> Delivery:
+    """The plugin's exporter stopped (its events delivered or given up on), and what it delivered."""
+    forward.shutdown(30.0)
+    stats = forward.stats()
+    url = forward.config.url  # the ledger URL the profile was given (CHUNKLEDGER_URL)
+    return Delivery(url=url, source_id=forward.source.id, sent=stats.sent, dropped=stats.dropped)
 
 
 def _start_engine(
@@ -306,4 +281,4 @@ def _measure(
     return phases
 
 
-__all__ = ["DriverError", "Phase", "Plan", "ProfileRun", "StepRecorder", "run_profile"]
+__all__ = ["DriverError", "Plan", "StepRecorder", "run_profile"]

@@ -18,17 +18,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 import numpy as np
 
 from engine_hooks import events as ev
-from ledger.advice.advisor import Advisor
+from engine_hooks.profile_run import Delivery, Phase, ProfileRun
+from ledger.advice.advisor import AdviceError, Advisor
 from ledger.advice.answer import AdviceQuery
 from ledger.advice.fit import FitError, fit_step_time
+from ledger.advice.profile_answer import (
+    ChunkRow,
+    DecodeRow,
+    PlanSummary,
+    ProfileReport,
+    Refused,
+    profile_advice,
+)
 from ledger.advice.terms import StepData
-from ledger.records import as_json
+from ledger.records import UNSET
 
 
 class ProfileError(RuntimeError):
@@ -80,36 +88,6 @@ class ProfilePlan:
         return math.ceil((self.max_depth + chunk) / chunk) + self.tail_steps + 2
 
 
-class Phase(Protocol):
-    """What the result reads of one run of a plan's cell (:class:`engine_hooks.vllm.profile.Phase`)."""
-
-    @property
-    def chunk(self) -> int: ...
-    @property
-    def decodes(self) -> int: ...
-    @property
-    def first_step(self) -> int: ...  # index into ProfileResult.steps
-    @property
-    def end_step(self) -> int: ...
-    @property
-    def wall_s(self) -> float: ...
-
-
-class Run(Protocol):
-    """What the result reads of a profile run (:class:`engine_hooks.vllm.profile.ProfileRun`)."""
-
-    @property
-    def model(self) -> str: ...
-    @property
-    def steps(self) -> Sequence[ev.Step]: ...
-    @property
-    def phases(self) -> Sequence[Phase]: ...
-    @property
-    def source_id(self) -> str | None: ...
-    @property
-    def sent(self) -> dict[str, Any]: ...
-
-
 @dataclass
 class ProfileResult:
     plan: ProfilePlan
@@ -117,10 +95,10 @@ class ProfileResult:
     steps: list[ev.Step]
     phases: Sequence[Phase]
     source_id: str | None = None
-    sent: dict[str, Any] = field(default_factory=dict)
+    sent: Delivery | None = None
 
     @classmethod
-    def of(cls, plan: ProfilePlan, run: Run) -> ProfileResult:
+    def of(cls, plan: ProfilePlan, run: ProfileRun) -> ProfileResult:
         """The result of ``run``, a run of ``plan`` on the engine."""
         return cls(
             plan=plan,
@@ -128,42 +106,49 @@ class ProfileResult:
             steps=list(run.steps),
             phases=list(run.phases),
             source_id=run.source_id,
-            sent=dict(run.sent),
+            sent=run.sent,
         )
 
     def data(self) -> StepData:
         return StepData.from_steps(self.steps)
 
-    def chunk_table(self) -> list[dict[str, Any]]:
+    def chunk_table(self) -> list[ChunkRow]:
         """Per (chunk, decode batch): step time at depth 0 and per 1k depth, from the long prompt's
         chunk steps (one chunk of exactly T tokens, next to the decodes)."""
         rows = []
         for chunk in sorted(set(self.plan.chunk_sizes)):
             for batch in sorted(set(self.plan.decode_batches)):
-                depth, dur = [], []
-                for p in self.phases:
-                    if p.chunk != chunk or p.decodes != batch:
-                        continue
-                    for s in self.steps[p.first_step : p.end_step]:
-                        if s.num_prefill_reqs == 1 and s.prefill_tokens == chunk:
-                            depth.append(s.max_prefill_depth)
-                            dur.append(s.duration_s * 1e3)
+                depth, dur = self._chunk_steps(chunk, batch)
                 if len(set(depth)) < 2:
                     continue
                 slope, base = theil_sen(np.asarray(depth) / 1000.0, np.asarray(dur))
                 rows.append(
-                    {
-                        "chunk_tokens": chunk,
-                        "decode_batch": batch,
-                        "steps": len(dur),
-                        "max_depth": int(max(depth)),
-                        "ms_at_depth_0": float(base),
-                        "ms_per_1k_depth": float(slope),
-                    }
+                    ChunkRow(
+                        chunk_tokens=chunk,
+                        decode_batch=batch,
+                        steps=len(dur),
+                        max_depth=int(max(depth)),
+                        ms_at_depth_0=float(base),
+                        ms_per_1k_depth=float(slope),
+                    )
                 )
         return rows
 
-    def decode_table(self) -> list[dict[str, Any]]:
+    def _chunk_steps(self, chunk: int, batch: int) -> tuple[list[int], list[float]]:
+        """(depth, duration ms) of the steps that ran one chunk of exactly ``chunk`` tokens in the phases
+        of that chunk size next to ``batch`` decodes."""
+        depth, dur = [], []
+        for p in self.phases:
+            if p.chunk != chunk or p.decodes != batch:
+                continue
+            for s in self.steps[p.first_step : p.end_step]:
+                if s.num_prefill_reqs == 1 and s.prefill_tokens == chunk:
+                    depth.append(s.max_prefill_depth)
+                    dur.append(s.duration_s * 1e3)
+        return depth, dur
+
+    def decode_table(self) -> list[DecodeRow]:
+        """Per decode batch: the decode-only steps' time."""
         rows = []
         for batch in sorted(set(self.plan.decode_batches)):
             dur = [
@@ -171,49 +156,46 @@ class ProfileResult:
             ]
             if dur:
                 rows.append(
-                    {
-                        "decode_batch": batch,
-                        "steps": len(dur),
-                        "p50_ms": float(np.quantile(dur, 0.5)),
-                        "p99_ms": float(np.quantile(dur, 0.99)),
-                    }
+                    DecodeRow(
+                        decode_batch=batch,
+                        steps=len(dur),
+                        p50_ms=float(np.quantile(dur, 0.5)),
+                        p99_ms=float(np.quantile(dur, 0.99)),
+                    )
                 )
         return rows
 
-    def report(self, itl_target_ms: float | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "model": self.model,
-            "source_id": self.source_id,
-            "plan": {
-                "chunk_sizes": list(self.plan.chunk_sizes),
-                "max_depth": self.plan.max_depth,
-                "decode_batches": list(self.plan.decode_batches),
-                "repeats": self.plan.repeats,
-            },
-            "steps": len(self.steps),
-            "wall_s": sum(p.wall_s for p in self.phases),
-            "chunks": self.chunk_table(),
-            "decode": self.decode_table(),
-        }
-        if self.sent:
-            out["ledger"] = self.sent
+    def report(self, itl_target_ms: float | None = None) -> ProfileReport:
+        """The tables, the fit of the steps and, for ``itl_target_ms``, the advice (or why not)."""
+        report = ProfileReport(
+            model=self.model,
+            source_id=self.source_id,
+            plan=PlanSummary(
+                chunk_sizes=list(self.plan.chunk_sizes),
+                max_depth=self.plan.max_depth,
+                decode_batches=list(self.plan.decode_batches),
+                repeats=self.plan.repeats,
+            ),
+            steps=len(self.steps),
+            wall_s=sum(p.wall_s for p in self.phases),
+            chunks=self.chunk_table(),
+            decode=self.decode_table(),
+            ledger=self.sent if self.sent is not None else UNSET,
+        )
         data = self.data()
         try:
             fit = fit_step_time(data)
         except FitError as exc:
-            out["fit_error"] = {"reason": exc.reason, "detail": str(exc)}
-            return out
-        out["fit"] = as_json(fit.summary())
+            report.fit_error = Refused(reason=exc.reason, detail=str(exc))
+            return report
+        report.fit = fit.summary()
         if itl_target_ms is not None:
-            from ledger.advice.advisor import AdviceError
-
             try:
                 advice = Advisor(data, fit).advise(AdviceQuery(itl_target_ms=itl_target_ms))
-                out["advice"] = as_json(advice)
-                out["advice"].pop("fit", None)
+                report.advice = profile_advice(advice)
             except AdviceError as exc:
-                out["advice_error"] = {"reason": exc.reason, "detail": str(exc)}
-        return out
+                report.advice_error = Refused(reason=exc.reason, detail=str(exc))
+        return report
 
 
 def theil_sen(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:

@@ -15,6 +15,7 @@ from ledger.advice.answer import (
     FitSummary,
     StepWindowSummary,
 )
+from ledger.advice.profile_answer import ProfileReport
 from ledger.records import UNSET
 
 
@@ -153,50 +154,55 @@ def render_refusal(body: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render_profile(r: dict[str, Any]) -> str:
+def render_profile(r: ProfileReport) -> str:
     """The measured table of ``chunkledger profile``, the fit, and the advice when asked for."""
-    plan = r["plan"]
+    plan = r.plan
     lines = [
-        f"profile of {r['model']}: {r['steps']} steps in {r['wall_s']:.1f} s "
-        f"(chunks {', '.join(map(str, plan['chunk_sizes']))}; depth up to {plan['max_depth']}; "
-        f"decode batches {', '.join(map(str, plan['decode_batches']))})",
+        f"profile of {r.model}: {r.steps} steps in {r.wall_s:.1f} s "
+        f"(chunks {', '.join(map(str, plan.chunk_sizes))}; depth up to {plan.max_depth}; "
+        f"decode batches {', '.join(map(str, plan.decode_batches))})",
         "",
+        *_profile_tables(r),
+        "",
+    ]
+    if r.fit is not UNSET:
+        lines += render_fit(r.fit)
+        if r.fit.cv_rel_error > 0.25:
+            lines.append(
+                f"note:     steps vary far more than chunk size, depth and batch explain (cross-validated "
+                f"error {r.fit.cv_rel_error:.0%}): the machine is probably busy; profile on an idle one"
+            )
+    elif r.fit_error is not UNSET:
+        lines.append(f"no fit ({r.fit_error.reason}): {r.fit_error.detail}")
+    if r.ledger is not UNSET:
+        sent = r.ledger
+        lines.append(f"ledger:   {sent.sent} events sent to {sent.url} as source {sent.source_id}")
+    if r.advice is not UNSET:
+        a = r.advice
+        lines += [
+            "",
+            f"advice for {a.itl_target_ms:g} ms at depth {a.depth}: "
+            f"max_num_batched_tokens {a.settings.max_num_batched_tokens}, "
+            f"long_prefill_token_threshold {a.settings.long_prefill_token_threshold} "
+            f"(predicted ITL p99 {_ms(a.predicted.itl_p99_ms)})",
+        ]
+    elif r.advice_error is not UNSET:
+        lines += ["", f"no advice ({r.advice_error.reason}): {r.advice_error.detail}"]
+    return "\n".join(lines)
+
+
+def _profile_tables(r: ProfileReport) -> list[str]:
+    """The chunk steps' lines over depth, and the decode-only steps."""
+    lines = [
         "prefill chunk steps (one chunk next to the decodes; Theil-Sen line over depth):",
         f"  {'chunk':>6}  {'decodes':>7}  {'steps':>5}  {'ms at depth 0':>13}  {'ms per 1k depth':>15}",
     ]
-    for c in r["chunks"]:
+    for c in r.chunks:
         lines.append(
-            f"  {c['chunk_tokens']:>6}  {c['decode_batch']:>7}  {c['steps']:>5}  "
-            f"{c['ms_at_depth_0']:>13.2f}  {c['ms_per_1k_depth']:>15.2f}"
+            f"  {c.chunk_tokens:>6}  {c.decode_batch:>7}  {c.steps:>5}  "
+            f"{c.ms_at_depth_0:>13.2f}  {c.ms_per_1k_depth:>15.2f}"
         )
     lines += ["", "decode-only steps:", f"  {'decodes':>7}  {'steps':>5}  {'p50':>9}  {'p99':>9}"]
-    for d in r["decode"]:
-        lines.append(
-            f"  {d['decode_batch']:>7}  {d['steps']:>5}  {_ms(d['p50_ms']):>9}  {_ms(d['p99_ms']):>9}"
-        )
-    lines.append("")
-    if "fit" in r:
-        lines += render_fit(msgspec.convert(r["fit"], FitSummary))
-        if r["fit"]["cv_rel_error"] > 0.25:
-            lines.append(
-                f"note:     steps vary far more than chunk size, depth and batch explain (cross-validated "
-                f"error {r['fit']['cv_rel_error']:.0%}): the machine is probably busy; profile on an idle one"
-            )
-    else:
-        lines.append(f"no fit ({r['fit_error']['reason']}): {r['fit_error']['detail']}")
-    if "ledger" in r:
-        sent = r["ledger"]
-        lines.append(f"ledger:   {sent['sent']} events sent to {sent['url']} as source {sent['source_id']}")
-    if "advice" in r:
-        a = r["advice"]
-        s = a["settings"]
-        lines += [
-            "",
-            f"advice for {a['itl_target_ms']:g} ms at depth {a['depth']}: "
-            f"max_num_batched_tokens {s['max_num_batched_tokens']}, "
-            f"long_prefill_token_threshold {s['long_prefill_token_threshold']} "
-            f"(predicted ITL p99 {_ms(a['predicted']['itl_p99_ms'])})",
-        ]
-    elif "advice_error" in r:
-        lines += ["", f"no advice ({r['advice_error']['reason']}): {r['advice_error']['detail']}"]
-    return "\n".join(lines)
+    for d in r.decode:
+        lines.append(f"  {d.decode_batch:>7}  {d.steps:>5}  {_ms(d.p50_ms):>9}  {_ms(d.p99_ms):>9}")
+    return lines

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from chunkledger.main import app as cli_app
 from engine_hooks import events as ev
-from engine_hooks.vllm.profile import Phase, ProfileRun, StepRecorder
+from engine_hooks.profile_run import Delivery, Phase, ProfileRun
+from engine_hooks.vllm.profile import StepRecorder, _delivered
+from ledger.advice.answer import Advice
 from ledger.advice.profile import ProfileError, ProfilePlan, ProfileResult, theil_sen
+from ledger.advice.report import render_profile
+from ledger.records import as_json
 
 runner = CliRunner()
 
@@ -84,15 +90,15 @@ def test_a_run_of_the_driver_becomes_the_ledgers_tables_per_chunk_and_decode_bat
     run = ProfileRun(model="tiny", steps=steps, phases=phases, source_id="profile-tiny", sent={"sent": 1})
     result = ProfileResult.of(plan, run)
     assert (result.model, result.source_id, len(result.steps)) == ("tiny", "profile-tiny", len(steps))
-    rows = {(r["chunk_tokens"], r["decode_batch"]): r for r in result.chunk_table()}
+    rows = {(r["chunk_tokens"], r["decode_batch"]): r for r in as_json(result.chunk_table())}
     assert set(rows) == {(c, b) for c in plan.chunk_sizes for b in plan.decode_batches}
     for (chunk, batch), row in rows.items():
         assert row["ms_at_depth_0"] == pytest.approx(2.0 + 0.01 * chunk + 0.1 * batch)
         assert row["ms_per_1k_depth"] == pytest.approx(1.0)
         assert row["max_depth"] == plan.max_depth
-    decode = {r["decode_batch"]: r["p50_ms"] for r in result.decode_table()}
+    decode = {r["decode_batch"]: r["p50_ms"] for r in as_json(result.decode_table())}
     assert decode == pytest.approx({1: 2.1, 4: 2.4})
-    report = result.report()
+    report = as_json(result.report())
     assert report["wall_s"] == pytest.approx(0.5 * len(phases)) and report["ledger"] == {"sent": 1}
 
 
@@ -108,6 +114,102 @@ def _step(i: int, ms: float, chunk: int, depth: int, decodes: int) -> ev.Step:
         decode_tokens=decodes,
         max_prefill_depth=depth,
         prefill_depth_tokens=chunk * depth,
+    )
+
+
+def _noisy_run(plan: ProfilePlan, sent: Delivery | None) -> ProfileRun:
+    """A run of ``plan`` whose steps cost 2 ms + 10 us a token + 0.1 ms a decode + 1 ms per 1k depth, 3 %
+    noise (enough steps for the fit)."""
+    rng = random.Random(0)
+    steps: list[ev.Step] = []
+    phases: list[Phase] = []
+    for batch in plan.decode_batches:
+        for chunk in plan.chunk_sizes:
+            first = len(steps)
+            for depth in range(0, plan.max_depth + 1, chunk):
+                ms = (2.0 + 0.01 * chunk + 0.1 * batch + depth / 1000.0) * rng.uniform(0.97, 1.03)
+                steps.append(_step(len(steps), ms, chunk, depth, batch))
+            for _ in range(plan.tail_steps):
+                steps.append(_step(len(steps), (2.0 + 0.1 * batch) * rng.uniform(0.97, 1.03), 0, 0, batch))
+            phases.append(Phase(chunk, batch, first, len(steps), wall_s=0.5))
+    return ProfileRun(model="tiny", steps=steps, phases=phases, source_id="profile-tiny", sent=sent)
+
+
+_FIT_PLAN = ProfilePlan(chunk_sizes=(64, 128, 256), max_depth=2048, decode_batches=(1, 4))
+_DELIVERY = Delivery(url="http://127.0.0.1:8321", source_id="profile-tiny", sent=166, dropped={"full": 2})
+
+
+def test_the_profile_report_keeps_its_json_keys_and_shows_the_fit_once():
+    report = ProfileResult.of(_FIT_PLAN, _noisy_run(_FIT_PLAN, _DELIVERY)).report(2000.0)
+    body = as_json(report)
+    measured = ["model", "source_id", "plan", "steps", "wall_s", "chunks", "decode"]
+    assert list(body) == [*measured, "ledger", "fit", "advice"]
+    plan = {"chunk_sizes": [64, 128, 256], "max_depth": 2048, "decode_batches": [1, 4], "repeats": 1}
+    assert body["plan"] == plan
+    assert body["ledger"] == {
+        "url": "http://127.0.0.1:8321",
+        "source_id": "profile-tiny",
+        "sent": 166,
+        "dropped": {"full": 2},
+    }
+    assert list(body["chunks"][0]) == [
+        "chunk_tokens",
+        "decode_batch",
+        "steps",
+        "max_depth",
+        "ms_at_depth_0",
+        "ms_per_1k_depth",
+    ]
+    assert list(body["decode"][0]) == ["decode_batch", "steps", "p50_ms", "p99_ms"]
+    # the advice is the API's advice less its fit, which the report shows once beside the tables
+    advice_fields = [f for f in msgspec.structs.fields(Advice) if f.name != "fit"]
+    assert list(body["advice"]) == [f.name for f in advice_fields]
+    assert body["fit"]["steps_used"] == body["steps"] == 166
+
+
+def test_the_profile_report_says_why_there_is_no_fit_or_no_advice():
+    no_fit = as_json(ProfileResult.of(_FIT_PLAN, _noisy_run(_FIT_PLAN, None)).report(2000.0))
+    assert "ledger" not in no_fit and "fit" in no_fit
+    short = ProfileResult.of(_FIT_PLAN, _noisy_run(_FIT_PLAN, None))
+    short.steps = short.steps[:40]
+    body = as_json(short.report(2000.0))
+    assert body["fit_error"]["reason"] == "too_little_data" and "fit" not in body and "advice" not in body
+    unreachable = as_json(ProfileResult.of(_FIT_PLAN, _noisy_run(_FIT_PLAN, None)).report(1.0))
+    assert unreachable["advice_error"]["reason"] == "target_unreachable" and "advice" not in unreachable
+
+
+def test_the_profile_table_shows_the_cells_the_fit_the_delivery_and_the_advice():
+    report = ProfileResult.of(_FIT_PLAN, _noisy_run(_FIT_PLAN, _DELIVERY)).report(2000.0)
+    text = render_profile(report)
+    assert text.startswith("profile of tiny: 166 steps in 3.0 s (chunks 64, 128, 256; depth up to 2048;")
+    assert sum(1 for line in text.splitlines() if line.startswith("      64  ")) == 2  # both batches
+    assert "fit:      duration = " in text
+    assert "ledger:   166 events sent to http://127.0.0.1:8321 as source profile-tiny" in text
+    settings = report.advice.settings
+    assert (
+        f"advice for 2000 ms at depth {report.advice.depth}: max_num_batched_tokens "
+        f"{settings.max_num_batched_tokens}, long_prefill_token_threshold "
+        f"{settings.long_prefill_token_threshold} (predicted ITL p99 " in text
+    )
+
+
+def test_the_driver_reports_what_its_exporter_delivered_once_it_is_shut_down():
+    class Exporter:
+        config = type("Config", (), {"url": "http://127.0.0.1:8321"})()
+        source = type("Source", (), {"id": "profile-tiny"})()
+
+        def __init__(self):
+            self.stopped = False
+
+        def shutdown(self, timeout):
+            self.stopped = True
+
+        def stats(self):
+            assert self.stopped  # counted after the last batch went out
+            return type("Stats", (), {"sent": 41, "dropped": {"spool_full": 1}})()
+
+    assert _delivered(Exporter()) == Delivery(
+        url="http://127.0.0.1:8321", source_id="profile-tiny", sent=41, dropped={"spool_full": 1}
     )
 
 
