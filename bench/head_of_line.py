@@ -336,17 +336,18 @@ def size_worker(args: argparse.Namespace) -> None:
     from engine_hooks.vllm.profile import run_profile
     from ledger.advice.profile import ProfileResult
     from ledger.advice.scene import SIZING_PLAN, size_from_profile
+    from ledger.records import as_json
 
     t0 = time.monotonic()
     run = run_profile(args.model, SIZING_PLAN, kv_cache_bytes=args.kv_mib << 20)
-    size, info = size_from_profile(
+    sized = size_from_profile(
         ProfileResult.of(SIZING_PLAN, run),
         short_prompt=sum(SHORT_PROMPT) // 2,
         short_output=args.short_output,
         long_prefill_s=args.long_prefill_s,
         max_long_tokens=MAX_LONG_TOKENS,
     )
-    out = {"size": size.as_dict(), **info, "seconds": time.monotonic() - t0}
+    out = {**as_json(sized), "seconds": time.monotonic() - t0}
     print(json.dumps(out), flush=True)
 
 
@@ -422,9 +423,11 @@ def _size(args: argparse.Namespace, model: str, tmp: Path) -> dict[str, Any]:
     if proc.returncode or not lines:
         raise SystemExit(f"sizing failed (exit {proc.returncode}); see {tmp / 'size.log'}")
     out = json.loads(lines[-1])
+    import msgspec
+
     from ledger.advice.scene import SceneSize
 
-    size = SceneSize(**{**out["size"], "gap_ms": tuple(out["size"]["gap_ms"])})
+    size = msgspec.convert(out["size"], SceneSize)
     print(f"{size.describe()}\n  (profile: {out['steps']} steps in {out['seconds']:.0f} s)", flush=True)
     return out["size"]
 

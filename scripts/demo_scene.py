@@ -163,18 +163,19 @@ def size(args: argparse.Namespace) -> None:
     from engine_hooks.vllm.profile import run_profile
     from ledger.advice.profile import ProfileResult
     from ledger.advice.scene import SIZING_PLAN, size_from_profile
+    from ledger.records import as_json
 
     t0 = time.monotonic()
     run = run_profile(args.model, SIZING_PLAN, kv_cache_bytes=256 << 20)
-    scene, _ = size_from_profile(
+    scene = size_from_profile(
         ProfileResult.of(SIZING_PLAN, run),
         short_prompt=sum(SHORT_PROMPT) // 2,
         short_output=SHORT_OUTPUT,
         long_prefill_s=args.long_prefill_s,
         max_long_tokens=args.max_long_tokens,
-    )
+    ).size
     print(scene.describe().replace("\n", "\n# "), file=sys.stderr)
-    print(json.dumps({**scene.as_dict(), "profile_s": round(time.monotonic() - t0, 1)}))
+    print(json.dumps({**as_json(scene), "profile_s": round(time.monotonic() - t0, 1)}))
 
 
 def _ledger(url: str) -> httpx.Client:

@@ -21,19 +21,20 @@ the engine (:mod:`ledger.advice.profile`, a small plan) and size the scene from 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from typing import Any
 
+from ledger.advice.answer import FitSummary
 from ledger.advice.fit import StepTimeFit, fit_step_time
 from ledger.advice.profile import ProfilePlan, ProfileResult
-from ledger.records import as_json
+from ledger.records import Record
 
 # ~30 s on a 2-core CPU with the tiny model: chunks of 64-256 tokens to depth 2k, beside 1 and 4 decodes
 SIZING_PLAN = ProfilePlan(chunk_sizes=(64, 128, 256), max_depth=2048, decode_batches=(1, 4), tail_steps=8)
 
 
-@dataclass(frozen=True)
-class SceneSize:
+class SceneSize(Record, kw_only=True):
+    """The scene for one engine (the bench and the demo print it as JSON and read it back)."""
+
     short_rps: float  # arrival rate of the shorts
     gap_ms: tuple[float, float]  # uniform gap bounds between shorts (mean 1 / short_rps)
     long_tokens: int
@@ -43,9 +44,6 @@ class SceneSize:
     decode_step_s: float  # a step with one decode
     short_prefill_step_s: float  # a step with one short's prefill
     capped: bool  # the long prompt hit max_long_tokens before reaching long_prefill_s
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     def describe(self) -> str:
         lines = [
@@ -113,11 +111,19 @@ def size_scene(
     )
 
 
-def size_from_profile(result: ProfileResult, **size: Any) -> tuple[SceneSize, dict[str, Any]]:
+class ProfiledScene(Record, kw_only=True):
+    """A scene sized from a profile run, with the fit it was sized from and the steps it was fitted on."""
+
+    size: SceneSize
+    fit: FitSummary
+    steps: int  # steps the profile recorded
+
+
+def size_from_profile(result: ProfileResult, **size: Any) -> ProfiledScene:
     """The scene for the fit of a profile's steps (``size``: the keyword arguments of
-    :func:`size_scene`); the size and {"fit", "steps"}."""
+    :func:`size_scene`)."""
     fit = fit_step_time(result.data())
-    return size_scene(fit, **size), {"fit": as_json(fit.summary()), "steps": len(result.steps)}
+    return ProfiledScene(size=size_scene(fit, **size), fit=fit.summary(), steps=len(result.steps))
 
 
 def overloaded(ttft_p99_s: float, step_p50_s: float, factor: float = 10.0) -> bool:
@@ -126,4 +132,12 @@ def overloaded(ttft_p99_s: float, step_p50_s: float, factor: float = 10.0) -> bo
     return not math.isfinite(ttft_p99_s) or ttft_p99_s > factor * step_p50_s
 
 
-__all__ = ["SIZING_PLAN", "SceneSize", "overloaded", "prefill_s", "size_from_profile", "size_scene"]
+__all__ = [
+    "SIZING_PLAN",
+    "ProfiledScene",
+    "SceneSize",
+    "overloaded",
+    "prefill_s",
+    "size_from_profile",
+    "size_scene",
+]

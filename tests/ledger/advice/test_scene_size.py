@@ -4,14 +4,18 @@ report ratios over an overloaded baseline."""
 
 from __future__ import annotations
 
+import json
 import re
 
+import msgspec
 import pytest
 
 from bench.head_of_line import summary
 from ledger.advice.fit import fit_step_time
-from ledger.advice.scene import overloaded, prefill_s, size_scene
+from ledger.advice.profile import ProfileResult
+from ledger.advice.scene import SIZING_PLAN, SceneSize, overloaded, prefill_s, size_from_profile, size_scene
 from ledger.advice.terms import StepData
+from ledger.records import as_json
 from tools.synthetic_steps import LinearCost, synthetic_steps
 
 # a CPU-like engine: 5 ms a step, 40 us a prefill token, 50 ns per token of depth, 0.1 ms a decode
@@ -42,6 +46,23 @@ def test_the_long_prompt_is_the_shortest_whose_prefill_takes_the_time_asked(fit)
     assert truth >= 2.8 and size.predicted_long_prefill_s >= 3.0 and not size.capped
     assert prefill_s(fit, size.long_tokens - 1000) < 3.0  # a thousand fewer would not do
     assert size_scene(fit, long_prefill_s=3.0, max_long_tokens=4000).capped
+
+
+def test_a_scene_size_printed_as_json_reads_back_as_the_same_size(fit):
+    # the bench sizes the scene in a subprocess that prints it, then reads it back
+    size = size_scene(fit)
+    assert msgspec.convert(json.loads(json.dumps(as_json(size))), SceneSize) == size
+
+
+def test_a_scene_sized_from_a_profile_carries_the_fit_and_the_steps_it_was_sized_from():
+    steps = synthetic_steps(
+        CPU, n=400, chunk_sizes=(64, 128, 256), max_depth=2048, decode_batches=(1, 4), seed=1
+    )
+    sized = size_from_profile(ProfileResult(plan=SIZING_PLAN, model="tiny", steps=steps, phases=[]))
+    fit = fit_step_time(StepData.from_steps(steps))
+    assert sized.size == size_scene(fit)
+    assert sized.fit == fit.summary() and sized.steps == 400
+    assert list(as_json(sized)) == ["size", "fit", "steps"]
 
 
 def test_a_baseline_above_ten_step_times_is_overloaded():
