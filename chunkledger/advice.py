@@ -22,6 +22,7 @@ from chunkledger.reads import answer
 from ledger.advice.answer import AdviceQuery, ChunkSizeAdvice
 
 if TYPE_CHECKING:
+    from engine_hooks.profile_run import Phase
     from ledger.advice.profile import ProfilePlan
 
 from ledger.advice.defaults import DEFAULT_ARRIVAL_SHARE, DEFAULT_MAX_STEPS, MIN_USEFUL_CHUNK
@@ -155,6 +156,15 @@ def _quiet_vllm() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+def _print_phase(phase: Phase) -> None:
+    """Progress of ``chunkledger profile`` (on stderr: stdout is the report)."""
+    typer.echo(
+        f"  chunk {phase.chunk:>5} next to {phase.decodes:>3} decodes: "
+        f"{phase.end_step - phase.first_step} steps in {phase.wall_s:.1f} s",
+        err=True,
+    )
+
+
 def profile(
     model: Annotated[str, typer.Argument(help="model directory or name vLLM can load (offline)")],
     chunk_sizes: Annotated[
@@ -210,15 +220,6 @@ def profile(
     if tiny:
         model = _tiny_model(model, plan.max_model_len, tiny_hidden, tiny_layers)
     _quiet_vllm()
-
-    def progress(phase: Any) -> None:
-        if format == "table":
-            typer.echo(
-                f"  chunk {phase.chunk:>5} next to {phase.decodes:>3} decodes: "
-                f"{phase.end_step - phase.first_step} steps in {phase.wall_s:.1f} s",
-                err=True,
-            )
-
     try:
         run = run_profile(
             model,
@@ -227,7 +228,7 @@ def profile(
             source_id=source_id,
             ingest_token=ingest_token,
             kv_cache_bytes=kv_cache_mib << 20,
-            progress=progress,
+            progress=_print_phase if format == "table" else None,
         )
     except (ProfileError, DriverError) as exc:
         typer.echo(f"error: {exc}", err=True)
