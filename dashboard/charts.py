@@ -70,10 +70,8 @@ Sizeable = Any  # an Altair chart: Chart, LayerChart, ...
 
 def sized(chart: Sizeable, height: int | alt.Step, title: str | None = None) -> Any:
     """``chart`` with a plot ``height`` that titles and axes do not eat into (see the module doc)."""
-    props: dict[str, Any] = {"height": height, "autosize": AUTOSIZE, "padding": PADDING}
-    if title is not None:
-        props["title"] = title
-    return chart.properties(**props)
+    chart = chart.properties(height=height, autosize=AUTOSIZE, padding=PADDING)
+    return chart if title is None else chart.properties(title=title)
 
 
 def time_x(domain: tuple[float, float] | None = None) -> alt.X:
@@ -104,24 +102,22 @@ def bucket_bars(
     df = df.copy()
     df["_top"] = df.groupby("time")[field].cumsum() if len(df) else df[field]
     df["_bottom"] = df["_top"] - df[field]
-    enc: dict[str, Any] = {
-        "x": time_x(domain),
-        "x2": "time_end:T",
-        "y": alt.Y("_top:Q", title=y_title, scale=alt.Scale(zero=True)),
-        "y2": "_bottom:Q",
-        "tooltip": tooltip
+    fixed = isinstance(color, str)  # one color for every bar, else a color encoding
+    bars = alt.Chart(df).mark_bar(stroke="white", strokeWidth=0.5, color=color if fixed else alt.Undefined)
+    bars = bars.encode(
+        x=time_x(domain),
+        x2="time_end:T",
+        y=alt.Y("_top:Q", title=y_title, scale=alt.Scale(zero=True)),
+        y2="_bottom:Q",
+        tooltip=tooltip
         or [
             alt.Tooltip("time:T", title="from (UTC)", format="%H:%M:%S"),
             alt.Tooltip("time_end:T", title="to (UTC)", format="%H:%M:%S"),
             alt.Tooltip(f"{field}:Q", format=",.2f"),
         ],
-    }
-    mark: dict[str, Any] = {"stroke": "white", "strokeWidth": 0.5}
-    if isinstance(color, str):
-        mark["color"] = color
-    else:
-        enc["color"] = color
-    return sized(alt.Chart(df).mark_bar(**mark).encode(**enc), height, title)
+        color=alt.Undefined if fixed else color,
+    )
+    return sized(bars, height, title)
 
 
 def latency_tails(
@@ -259,14 +255,17 @@ def gantt(df: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
 
 
 def bars(df: pd.DataFrame, x: str, y: str, x_title: str, y_title: str, color: str | None = None) -> alt.Chart:
-    enc: dict[str, Any] = {
-        "x": alt.X(f"{x}:Q", title=x_title),
-        "y": alt.Y(f"{y}:N", title=y_title, sort="-x"),
-        "tooltip": list(df.columns),
-    }
-    if color:
-        enc["color"] = alt.Color(f"{color}:N")
-    return sized(alt.Chart(df).mark_bar().encode(**enc), max(120, 18 * len(df)))
+    chart = (
+        alt.Chart(df)
+        .mark_bar()
+        .encode(
+            x=alt.X(f"{x}:Q", title=x_title),
+            y=alt.Y(f"{y}:N", title=y_title, sort="-x"),
+            tooltip=list(df.columns),
+            color=alt.Color(f"{color}:N") if color else alt.Undefined,
+        )
+    )
+    return sized(chart, max(120, 18 * len(df)))
 
 
 def step_fit(points: pd.DataFrame, curves: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
