@@ -5,6 +5,10 @@ parameters), so that several charts on one page, and several browser tabs, cost 
 refresh. Endpoints that this ledger does not serve yet (a 404 from the router itself, not a "no such
 request") raise ``Unavailable``, which pages turn into a "not available in this ledger" note.
 
+The analytics, why, advice and what-if answers are decoded here, once, into the records the ledger
+built them as (``ledger.analytics.answers``, ``ledger.advice.answer``, ...); an answer that is not
+that record (an older ledger's) is ``Unavailable`` too.
+
 The functions that turn its answers into pandas frames are in :mod:`dashboard.frames`.
 """
 
@@ -16,15 +20,19 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import msgspec
 import pandas as pd
 
 from ledger.advice.answer import ChunkSizeAdvice
-from ledger.analytics.answers import Itl, KvStalls, ModelTails, RequestItl
+from ledger.analytics.answers import Attribution, Itl, KvStalls, ModelTails, RequestItl
 from ledger.analytics.why_answer import TOP_DEFAULT, Why
 from ledger.client import DEFAULT_LEDGER_URL, LedgerClient, LedgerError
+from ledger.records import Record
+from ledger.whatif.answer import WhatIf
+
+R = TypeVar("R", bound=Record)
 
 WINDOWS = {"15 min": "15m", "1 hour": "1h", "6 hours": "6h", "24 hours": "24h", "7 days": "7d", "all": ""}
 
@@ -149,6 +157,10 @@ class LedgerData:
     def get(self, path: str, **params: Any) -> Any:
         return self._call("GET", path, params)
 
+    def read(self, record: type[R], path: str, **params: Any) -> R:
+        """``GET path`` decoded into ``record``; ``Unavailable`` when the answer is not one."""
+        return _decoded(record, path, self.get(path, **params))
+
     # -- endpoints -------------------------------------------------------------------------------
     def attribution(
         self,
@@ -157,15 +169,22 @@ class LedgerData:
         *,
         group_by: Iterable[str] = (),
         bucket_s: float | None = None,
-    ) -> dict[str, Any]:
-        return self.get(
-            "/v1/attribution", since=since, until=until, group_by=",".join(group_by), bucket_s=bucket_s
+    ) -> Attribution:
+        return self.read(
+            Attribution,
+            "/v1/attribution",
+            since=since,
+            until=until,
+            group_by=",".join(group_by),
+            bucket_s=bucket_s,
         )
 
     def itl(self, since: str | float | None, until: str | float | None = None) -> ModelTails | None:
-        out = msgspec.convert(self.get("/v1/itl", since=since, until=until), Itl)
+        out = self.read(Itl, "/v1/itl", since=since, until=until)
         return out.itl[0] if out.itl else None
 
+    # The request rows, a request's events, the sources and the cutoffs stay JSON objects: their records
+    # (ledger.rows) are made from the storage tables (ledger.schema), which the dashboard does not import.
     def requests(self, **params: Any) -> dict[str, Any]:
         return self.get("/v1/requests", **params)
 
@@ -173,30 +192,30 @@ class LedgerData:
         return self.get(f"/v1/requests/{request_id}")
 
     def why(self, request_id: str, top: int = TOP_DEFAULT) -> Why:
-        return msgspec.convert(self.get(f"/v1/requests/{request_id}/why", top=top), Why)
+        return self.read(Why, f"/v1/requests/{request_id}/why", top=top)
 
     def request_itl(self, request_id: str) -> RequestItl:
-        return msgspec.convert(self.get(f"/v1/requests/{request_id}/itl"), RequestItl)
+        return self.read(RequestItl, f"/v1/requests/{request_id}/itl")
 
     def kv_stalls(self, limit: int = 200) -> KvStalls:
-        return msgspec.convert(self.get("/v1/kv/stalls", limit=limit), KvStalls)
+        return self.read(KvStalls, "/v1/kv/stalls", limit=limit)
 
     def sources(self) -> list[dict[str, Any]]:
         return list(self.get("/v1/sources").get("sources", []))
 
     def advice(self, itl_target_ms: float, **params: Any) -> ChunkSizeAdvice:
         """The advice, decoded into the record the ledger built it as."""
-        answer = self.get("/v1/advice/chunk-size", itl_target_ms=itl_target_ms, **params)
-        return msgspec.convert(answer, ChunkSizeAdvice)
+        return self.read(ChunkSizeAdvice, "/v1/advice/chunk-size", itl_target_ms=itl_target_ms, **params)
 
-    def whatif(self, **params: Any) -> dict[str, Any]:
+    def whatif(self, **params: Any) -> WhatIf:
         """``GET /v1/whatif`` (not cached: every call is a replay the user asked for)."""
         asked = {k: v for k, v in params.items() if v not in (None, "", [])}
         try:  # a replay can take tens of seconds: a client with a longer timeout than the reads'
             with LedgerClient(self.url, self.token, timeout_s=WHATIF_TIMEOUT_S) as client:
-                return client.get("/v1/whatif", **asked)
+                answer = client.get("/v1/whatif", **asked)
         except LedgerError as exc:
-            return _raise_cached(_error_value(exc))
+            _raise(_error_value(exc))
+        return _decoded(WhatIf, "/v1/whatif", answer)
 
     def cutoffs(self, since_s: float | None = None, limit: int = 5000) -> pd.DataFrame:
         """Cutoff decisions (``GET /v1/cutoffs``, newest first) decided at or after ``since_s``."""
@@ -231,6 +250,17 @@ class LedgerData:
         return True
 
 
+def _decoded(record: type[R], path: str, answer: Any) -> R:
+    """The answer of ``path`` as ``record``; a ledger that answers in another shape (an older one) does
+    not serve what the dashboard reads there: ``Unavailable``."""
+    try:
+        return msgspec.convert(answer, record)
+    except msgspec.ValidationError as exc:
+        raise Unavailable(
+            f"{path} answers something other than the {record.__name__} record ({exc})"
+        ) from None
+
+
 @dataclass(frozen=True)
 class _Error:
     kind: str  # unavailable | not_found | refused | down | error
@@ -256,6 +286,10 @@ def _error_value(exc: LedgerError) -> _Error:
 def _raise_cached(value: Any) -> Any:
     if not isinstance(value, _Error):
         return value
+    _raise(value)
+
+
+def _raise(value: _Error) -> NoReturn:
     if value.kind == "unavailable":
         raise Unavailable(value.message)
     if value.kind == "not_found":

@@ -84,7 +84,7 @@ def preemption_buckets(ctx: ui.Context, now: float) -> tuple[pd.DataFrame, float
     ledger's attribution), the bucket width, and the x extent: whole buckets over the data span."""
     lo, hi = data_span(ctx.data, ctx.since, ctx.since_s, now)
     bucket_s = bucket_for(hi - lo)
-    groups = ctx.data.attribution(ctx.since, bucket_s=bucket_s).get("groups", [])
+    groups = ctx.data.attribution(ctx.since, bucket_s=bucket_s).groups
     tp = throughput(groups, bucket_s)
     return tp, bucket_s, bucket_domain(lo, hi, bucket_s)
 

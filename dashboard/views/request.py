@@ -10,7 +10,7 @@ import streamlit as st
 
 from dashboard import charts, ui
 from dashboard.data import LedgerData, NotFound, Unavailable
-from dashboard.frames import LAYER_NAMES, LAYERS, timeline
+from dashboard.frames import LAYER_NAMES, LAYERS, arrival, timeline
 from ledger.analytics.why_answer import Why
 from ledger.client import LedgerError
 from ledger.records import as_json
@@ -131,13 +131,8 @@ def render(data: LedgerData, request_id: str) -> None:
                 f"p99 {ui.fmt_ms(itl.p99)}, max {ui.fmt_ms(itl.max)} (mean {ui.fmt_ms(itl.mean)})"
             )
     st.markdown("#### Timeline")
-    bars = timeline(r, events, as_json(why) if why is not None else None)
-    t0 = (
-        r.get("start_ts")
-        or r.get("arrived_ts")
-        or r.get("queued_ts")
-        or (events[0]["ts"] if events else None)
-    )
+    bars = timeline(r, events, why)
+    t0 = arrival(r, events)
     if t0 is not None:
         steps = step_bars(data, r, t0)
         if steps is not None:

@@ -81,7 +81,7 @@ def ask(data: LedgerData, since: str | None) -> WhatIf | None:
         }
         st.session_state["wi_answer"] = None
         with ui.ledger_errors("what-if"):
-            st.session_state["wi_answer"] = msgspec.convert(data.whatif(**params), WhatIf)
+            st.session_state["wi_answer"] = data.whatif(**params)
     answer: WhatIf | None = st.session_state.get("wi_answer")
     return answer
 

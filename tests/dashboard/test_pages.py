@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+import msgspec
 import pandas as pd
 import pyarrow as pa
 import pytest
@@ -20,7 +21,9 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import ui
 from dashboard.data import LedgerData, NotFound, Unavailable
-from dashboard.frames import bucket_for, layers_long, short_setting, tails_long, timeline
+from dashboard.frames import bucket_for, bucket_start, layers_long, short_setting, tails_long, timeline
+from ledger.analytics.answers import METRICS, Attribution, AttributionGroup
+from ledger.analytics.why_answer import Why, WhyLayers
 from ledger.client import LedgerClient
 
 
@@ -87,11 +90,23 @@ def test_overview_shows_the_ledgers_tails_and_counts(recorded_ledger, run_page, 
     assert "running" in [m.label for m in at.metric]
 
 
+def _group(layers: dict[str, dict[str, int]]) -> AttributionGroup:
+    """An attribution group with these layers' counts, the others' 0, and no tails."""
+    nothing = {"n": 0, "p50": None, "p90": None, "p99": None, "max": None, "mean": None}
+    group = {
+        "requests": 0,
+        "output_tokens": 0,
+        "preemptions": 0,
+        "layers": {m: {**nothing, **layers.get(m, {})} for m in METRICS},
+    }
+    return msgspec.convert(group, AttributionGroup)
+
+
 def test_overview_plots_client_ttft_where_a_gateway_measured_it_else_the_engines() -> None:
     from dashboard.views.overview import ttft_metric
 
-    with_gateway = {"layers": {"client_ttft_s": {"n": 3}, "ttft_s": {"n": 3}}}
-    engine_only = {"layers": {"client_ttft_s": {"n": 0}, "ttft_s": {"n": 3}}}
+    with_gateway = _group({"client_ttft_s": {"n": 3}, "ttft_s": {"n": 3}})
+    engine_only = _group({"client_ttft_s": {"n": 0}, "ttft_s": {"n": 3}})
     assert ttft_metric([engine_only, with_gateway]) == "client_ttft_s"
     assert ttft_metric([engine_only]) == "ttft_s"
     assert ttft_metric([]) == "ttft_s"
@@ -366,9 +381,10 @@ def test_bucket_width_follows_the_data_span() -> None:
 
 def test_frames_keep_tails_and_layers_add_up_to_e2e(api) -> None:
     doc = api.get("/v1/attribution", since="1h", bucket_s=10)
-    tails = tails_long(doc["groups"], ["ttft_s"])
+    groups = msgspec.convert(doc, Attribution).groups
+    tails = tails_long(groups, ["ttft_s"])
     assert set(tails["tail"]) == {"p50", "p90", "p99", "max"}
-    layers = layers_long(doc["groups"])
+    layers = layers_long(groups)
     for g in doc["groups"]:
         if g["layers"]["e2e_s"]["mean"] is None:
             continue
@@ -376,9 +392,17 @@ def test_frames_keep_tails_and_layers_add_up_to_e2e(api) -> None:
         assert at_t["mean_ms"].sum() == pytest.approx(g["layers"]["e2e_s"]["mean"] * 1e3, rel=1e-6)
 
 
+def _why(given: dict[str, Any]) -> Why:
+    """A why answer with ``given``'s items (each naming no culprit) and nothing else known."""
+    items = [{"culprits": [], **item} for item in given["items"]]
+    layers = dict.fromkeys(WhyLayers.__struct_fields__)
+    why = {"request_id": "r1", "e2e_s": None, "ttft_s": None, "client_ttft_s": None, "layers": layers}
+    return msgspec.convert({**why, "items": items}, Why)
+
+
 def test_timeline_draws_the_steps_a_request_sat_out_from_its_why_list() -> None:
     request = {"start_ts": 100.0, "queued_ts": 100.0, "first_scheduled_ts": 100.5, "end_ts": 103.0}
-    why = {"items": [{"kind": "sat_out", "seconds": 0.25, "start_ts": 101.0, "detail": "2 steps"}]}
+    why = _why({"items": [{"kind": "sat_out", "seconds": 0.25, "start_ts": 101.0, "detail": "2 steps"}]})
     bars = timeline(request, [], why)
     sat = bars[bars.what == "sat out"].iloc[0]
     assert (sat.lane, sat.start_s, sat.end_s) == ("sat out", 1.0, 1.25)
@@ -527,3 +551,27 @@ def test_setting_names_are_shortened_for_the_charts() -> None:
     assert short_setting("max_num_batched_tokens=512,policy=kv-idle") == "budget 512, policy kv-idle"
     assert short_setting("long_prefill_token_threshold=256") == "threshold 256"
     assert short_setting("something_new=1") == "something_new 1"
+
+
+def test_data_layer_decodes_each_answer_into_the_record_the_ledger_built(recorded_ledger, api) -> None:
+    d = LedgerData(recorded_ledger.url)
+    whole = d.attribution("1h")
+    assert isinstance(whole, Attribution) and whole.groups[0].requests > 0
+    assert whole.groups[0].requests == api.get("/v1/attribution", since="1h")["groups"][0]["requests"]
+    bucketed = d.attribution("1h", bucket_s=10).groups
+    assert all(isinstance(g, AttributionGroup) and bucket_start(g) % 10 == 0 for g in bucketed)
+    rid = api.get("/v1/requests", sort="preemptions", order="desc", limit=1, live=False)["rows"][0]
+    why = d.why(rid["request_id"])
+    assert isinstance(why, Why) and why.request_id == rid["request_id"]
+
+
+def test_an_answer_in_another_shape_is_not_available_in_this_ledger(old_ledger) -> None:
+    """A ledger whose answer is not the record the dashboard reads there (here: the old ledger's
+    sources where an attribution is read) does not serve it."""
+    with pytest.raises(Unavailable, match="other than the Attribution record"):
+        LedgerData(old_ledger).read(Attribution, "/v1/sources")
+
+
+def test_an_unbucketed_attribution_group_has_no_bucket_start() -> None:
+    with pytest.raises(ValueError, match="bucket_s"):
+        bucket_start(_group({}))
