@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Annotated, Any
 
-import msgspec
 import typer
 
 from chunkledger.options import (
@@ -20,6 +19,7 @@ from chunkledger.options import (
 )
 from chunkledger.reads import answer
 from ledger.advice.answer import AdviceQuery, ChunkSizeAdvice
+from ledger.advice.report import render_advice, render_refusal
 
 if TYPE_CHECKING:
     from engine_hooks.profile_run import Phase
@@ -70,18 +70,10 @@ def advise(
         min_chunk=min_chunk,
     )
 
-    def compute(engine: Any) -> dict[str, Any]:
+    def compute(engine: Any) -> ChunkSizeAdvice:
         from ledger.advice.service import chunk_size_advice
-        from ledger.records import as_json
 
-        return as_json(chunk_size_advice(engine, query))  # type: ignore[no-any-return]
-
-    def render(status: int, body: dict[str, Any]) -> str:
-        from ledger.advice.report import render_advice, render_refusal
-
-        if status == 200:
-            return render_advice(msgspec.convert(body, ChunkSizeAdvice))
-        return render_refusal(body)
+        return chunk_size_advice(engine, query)
 
     answer(
         fmt=format,
@@ -89,9 +81,11 @@ def advise(
         ledger=ledger,
         token=token,
         path="/v1/advice/chunk-size",
-        params=msgspec.structs.asdict(query),
+        query=query,
+        record=ChunkSizeAdvice,
         compute=compute,
-        render=render,
+        render=render_advice,
+        render_refusal=render_refusal,
     )
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-import msgspec
 import typer
 
 from chunkledger.options import (
@@ -18,7 +17,9 @@ from chunkledger.options import (
     UntilOpt,
 )
 from chunkledger.reads import answer
+from ledger.whatif.answer import WhatIf
 from ledger.whatif.query import MAX_CALIBRATION_ERROR, WhatIfQuery
+from ledger.whatif.report import render_refusal, render_whatif
 
 # the options, in the order --help shows them
 SetOpt = Annotated[
@@ -128,18 +129,10 @@ def whatif(
         step_noise=step_noise,
     )
 
-    def compute(engine: Any) -> dict[str, Any]:
+    def compute(engine: Any) -> WhatIf:
         from ledger.whatif.service import what_if
 
-        out = msgspec.to_builtins(what_if(engine, query))
-        assert isinstance(out, dict)
-        return out
-
-    def render(status: int, body: dict[str, Any]) -> str:
-        from ledger.whatif.answer import WhatIf
-        from ledger.whatif.report import render_refusal, render_whatif
-
-        return render_whatif(msgspec.convert(body, WhatIf)) if status == 200 else render_refusal(body)
+        return what_if(engine, query)
 
     answer(
         fmt=format,
@@ -147,7 +140,9 @@ def whatif(
         ledger=ledger,
         token=token,
         path="/v1/whatif",
-        params=query.params(),
+        query=query,
+        record=WhatIf,
         compute=compute,
-        render=render,
+        render=render_whatif,
+        render_refusal=render_refusal,
     )
