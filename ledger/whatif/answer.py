@@ -130,8 +130,8 @@ class StepNoiseFigures(Record):
     loop_ms: LoopTimes | UnsetType = UNSET
 
 
-class Relative(Record):
-    """Each tail of a candidate relative to the recorded setting replayed (0.1: 10 % longer)."""
+class _TailFields(Record):
+    """The tails a replay predicts, one field each (long TTFT: the longest of the long prompts')."""
 
     ttft_p50_s: float | None
     ttft_p99_s: float | None
@@ -139,6 +139,10 @@ class Relative(Record):
     e2e_p99_s: float | None
     short_ttft_p99_s: float | None
     long_ttft_max_s: float | None
+
+
+class Relative(_TailFields):
+    """Each tail of a candidate relative to the recorded setting replayed (0.1: 10 % longer)."""
 
 
 class CalibrationError(Record):
@@ -155,15 +159,9 @@ METRICS: tuple[str, ...] = Relative.__struct_fields__  # the tails a candidate i
 CALIBRATED: tuple[str, ...] = CalibrationError.__struct_fields__  # those the calibration checks
 
 
-class ReplayTails(Record):
-    """A replay's tails in seconds (long TTFT: the longest of the long prompts'), preemptions, requests."""
+class ReplayTails(_TailFields):
+    """A replay's tails in seconds, its preemptions and requests."""
 
-    ttft_p50_s: float | None
-    ttft_p99_s: float | None
-    itl_p99_s: float | None
-    e2e_p99_s: float | None
-    short_ttft_p99_s: float | None
-    long_ttft_max_s: float | None
     preemptions: int
     requests: int
 
