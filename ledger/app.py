@@ -24,7 +24,7 @@ from ledger.metrics import LedgerMetrics
 from ledger.producers import ProducerBook
 from ledger.ratelimit import SourceLimits
 from ledger.reads import Reads
-from ledger.rules.service import RunawayService
+from ledger.runaway import RunawayService
 from ledger.sql.runners import open_runner as open_sql_runner
 from ledger.store import Store, open_store
 from ledger.watchdog import LoopWatchdog

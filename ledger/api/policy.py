@@ -11,7 +11,7 @@ from ledger.api import errors
 from ledger.api.deps import require
 from ledger.api.models import PolicyVersion
 from ledger.rules.policy import PolicyError, parse_policy
-from ledger.rules.service import RunawayService
+from ledger.runaway import RunawayService
 
 router = APIRouter(prefix="/v1", tags=["rules"])
 

@@ -20,7 +20,7 @@ from ledger.app import create_app
 from ledger.config import Settings
 from ledger.records import as_json
 from ledger.rules.policy import parse_policy
-from ledger.rules.service import SloMonitor
+from ledger.rules.slo import SloMonitor
 from ledger.store import open_store
 from ledger.webhooks.outbox import Webhooks
 from ledger.webhooks.signing import BadSignature, sign, verify

@@ -1,5 +1,8 @@
 """The runaway service: wires the rule engine to storage, delivery, webhooks and metrics.
 
+It composes ``ledger.rules`` with ``ledger.webhooks`` and ``ledger.metrics`` from beside them (the
+metrics name the rules' series, so the rules package does not know the metrics).
+
 * ``observe_arrival(batch)`` runs the rule engine over a batch as soon as it is decoded, on this
   service's intake thread, beside the store's write: a cutoff does not wait for the database (a commit
   that stalls for seconds under load must not let a runaway stream on). The ingest handler waits for
@@ -43,7 +46,7 @@ from ledger.rules.policy_store import PolicyStore
 from ledger.rules.slo import SloMonitor, itl_of
 from ledger.webhooks.outbox import Webhooks
 
-if TYPE_CHECKING:  # the app hands the service its metrics: the rules do not import them
+if TYPE_CHECKING:  # the app hands the service its metrics
     from ledger.metrics import LedgerMetrics
 
 log = logging.getLogger(__name__)
