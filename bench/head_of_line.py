@@ -353,7 +353,7 @@ def size_worker(args: argparse.Namespace) -> None:
 
 def _engine_as_run(llm: Any) -> dict[str, Any]:
     """The scheduler's settings as vLLM ran them (the KV cache it allocated, its block size), in the
-    names of :class:`ledger.whatif.types.EngineSettings`."""
+    names of :class:`engine_hooks.scheduling.settings.EngineSettings`."""
     s = _schedulers(llm)[0]
     cfg = s.scheduler_config
     return {

@@ -22,9 +22,10 @@ import time
 
 import numpy as np
 
+from engine_hooks.scheduling.settings import EngineSettings
 from ledger.whatif.model import replay
 from ledger.whatif.noise import StepNoise
-from ledger.whatif.types import EngineSettings, StepShape, TraceRequest
+from ledger.whatif.types import StepShape, TraceRequest
 
 
 def cost(s: StepShape) -> float:

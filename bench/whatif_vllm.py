@@ -86,8 +86,9 @@ PROFILE_PLAN += ("--decode-batches", "1,4,8")
 
 
 def settings_of(name: str, engine: Mapping[str, Any]) -> dict[str, Any]:
-    """The :class:`ledger.whatif.types.EngineSettings` values of configuration ``name`` as vLLM ran it
-    (``engine``: head_of_line's ``engine`` figures), plus the plugin's options the model knows."""
+    """The :class:`engine_hooks.scheduling.settings.EngineSettings` values of configuration ``name`` as
+    vLLM ran it (``engine``: head_of_line's ``engine`` figures), plus the plugin's options the model
+    knows."""
     values = {k: engine[k] for k in SETTING_KEYS}
     plugin = HOL_CONFIGS[name].get("plugin", {})
     values.update({k: plugin[k] for k in MODELLED_PLUGIN if k in plugin})

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, get_type_hints
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from engine_hooks.scheduling.settings import EngineSettings
 from ledger.records import Record
 from ledger.refusal import Refusal
-from ledger.whatif.types import EngineSettings
 
 
 class WhatIfError(Refusal):

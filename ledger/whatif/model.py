@@ -48,13 +48,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from engine_hooks.scheduling.schedule import Scheduled, advance, schedule
-from engine_hooks.scheduling.settings import VLLM, Departures
+from engine_hooks.scheduling.settings import VLLM, Departures, EngineSettings
 from ledger.whatif.fastforward import fast_forward as _fast_forward
 from ledger.whatif.fastforward import step_seconds
 from ledger.whatif.noise import StepNoise
 from ledger.whatif.results import Replay
 from ledger.whatif.state import State
-from ledger.whatif.types import EngineSettings, StepCost, StepShape, TraceRequest
+from ledger.whatif.types import StepCost, StepShape, TraceRequest
 
 
 class ReplayTimeout(Exception):

@@ -17,8 +17,8 @@ from typing import Annotated, Any, get_type_hints
 import msgspec
 from msgspec import Meta
 
+from engine_hooks.scheduling.settings import POLICIES, EngineSettings
 from ledger.whatif.answer import WhatIfError
-from ledger.whatif.types import POLICIES, EngineSettings
 
 MAX_CANDIDATES = 32  # settings replayed in one answer at most
 MAX_CALIBRATION_ERROR = 0.25  # refuse when replaying the recorded setting misses a tail by more

@@ -34,6 +34,7 @@ import msgspec
 import numpy as np
 import sqlalchemy as sa
 
+from engine_hooks.scheduling.settings import EngineSettings
 from ledger.advice.advisor import AdviceError
 from ledger.advice.fit import FitError, StepTimeFit, fit_step_time
 from ledger.advice.query import StepWindow, read_steps
@@ -65,7 +66,7 @@ from ledger.whatif.noise import StepNoise, draws_for, window_noise
 from ledger.whatif.query import SettingValue, WhatIfQuery, setting_text
 from ledger.whatif.results import Replay
 from ledger.whatif.trace import Recorded, read_recorded
-from ledger.whatif.types import EngineSettings, StepCost, StepShape, TraceRequest
+from ledger.whatif.types import StepCost, StepShape, TraceRequest
 
 MIN_REQUESTS = 50  # fewer finished requests in the window: refuse (the tails would be noise)
 UNBOUNDED_KV_BLOCKS = 1 << 30  # "the KV cache never ran out" when its size is not known

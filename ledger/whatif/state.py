@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine_hooks.scheduling.settings import VLLM, Departures
+from engine_hooks.scheduling.settings import VLLM, Departures, EngineSettings
 from engine_hooks.scheduling.state import SchedulerState
-from ledger.whatif.types import EngineSettings, TraceRequest
+from ledger.whatif.types import TraceRequest
 
 
 class State(SchedulerState):

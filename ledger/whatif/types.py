@@ -1,7 +1,7 @@
-"""The what-if model's inputs: recorded requests, the engine settings to try, and a step's shape.
+"""The what-if model's inputs: recorded requests and a step's shape (the engine settings to try are
+the scheduling model's, :class:`engine_hooks.scheduling.settings.EngineSettings`).
 
-Pure data, no numpy: :class:`TraceRequest` and :class:`EngineSettings` (the scheduling model's, from
-:mod:`engine_hooks.scheduling.settings`) are frozen dataclasses that check themselves (``ValueError``
+Pure data, no numpy: :class:`TraceRequest` is a frozen dataclass that checks itself (``ValueError``
 naming the field and the reason); :class:`StepShape` is what a step's duration depends on, with the
 names of the ledger's step columns, handed to the caller's step-cost model (a fitted one in
 production, a simple function in tests).
@@ -13,8 +13,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
-
-from engine_hooks.scheduling.settings import POLICIES, EngineSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,4 +69,4 @@ StepCost = Callable[[StepShape], float]
 """Seconds one step of that shape takes (the caller's fitted step-time model)."""
 
 
-__all__ = ["POLICIES", "EngineSettings", "StepCost", "StepShape", "TraceRequest"]
+__all__ = ["StepCost", "StepShape", "TraceRequest"]

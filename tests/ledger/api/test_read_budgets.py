@@ -449,8 +449,9 @@ def test_read_slots_refuse_past_the_total_and_the_per_client_limit_naming_each()
 
 
 def test_a_what_if_replay_past_its_deadline_stops():
+    from engine_hooks.scheduling.settings import EngineSettings
     from ledger.whatif.model import ReplayTimeout, replay
-    from ledger.whatif.types import EngineSettings, TraceRequest
+    from ledger.whatif.types import TraceRequest
 
     reqs = [
         TraceRequest(

@@ -14,12 +14,13 @@ import pytest
 
 from engine_hooks.scheduling.queues import ReserveQueue
 from engine_hooks.scheduling.schedule import choose_victim
+from engine_hooks.scheduling.settings import EngineSettings
 from ledger.advice.terms import StepData
 from ledger.whatif.model import replay
 from ledger.whatif.noise import StepNoise
 from ledger.whatif.results import Replay, weighted_quantile
 from ledger.whatif.state import State
-from ledger.whatif.types import EngineSettings, StepShape, TraceRequest
+from ledger.whatif.types import StepShape, TraceRequest
 
 
 def cost(s: StepShape) -> float:

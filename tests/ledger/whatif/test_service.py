@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from chunkledger.main import app as cli_app
+from engine_hooks.scheduling.settings import EngineSettings
 from engine_hooks.simulation.scenario import SCENARIOS
 from engine_hooks.simulator import run_simulation
 from ledger.advice.fit import fit_step_time
@@ -37,7 +38,7 @@ from ledger.whatif.query import WhatIfQuery, candidates_from, parse_setting, set
 from ledger.whatif.results import weighted_quantile
 from ledger.whatif.service import MIN_REQUESTS, pooled_replay, what_if
 from ledger.whatif.trace import Recorded, arrival_of, read_recorded
-from ledger.whatif.types import EngineSettings, StepShape, TraceRequest
+from ledger.whatif.types import StepShape, TraceRequest
 from tests.support.servers import LedgerServer
 
 # the simulator's long-prompts engine: budget 2048, 256 seqs, 16,384 blocks of 16 tokens; it admits a
