@@ -326,6 +326,9 @@ class SyntheticExecutorMixin:
         self._device_free = finished
         step = DeviceStep(len(self.steps), tokens, launched, started, finished, device_s)
         self.steps.append(step)
+        # A freed output's id is reused: re-inserting (not updating in place) puts this step last, so
+        # the oldest-first trim below cannot drop it while its update is still to come.
+        self._by_output.pop(id(scheduler_output), None)
         self._by_output[id(scheduler_output)] = step
         if len(self._by_output) > 64:
             del self._by_output[next(iter(self._by_output))]
