@@ -150,85 +150,82 @@ class PyLoopDetector:
         """
         if self.hit is not None:
             return None
-        ring, size, chain, csize, head, mask = (
-            self._ring,
-            self._size,
-            self._chain,
-            self._csize,
-            self._head,
-            self._mask,
-        )
-        cands, mism, needs, near = self._cands, self._mism, self._needs, self.changes
-        max_period = self.max_period
+        ring, size = self._ring, self._size
         i, prev_tok = self.n, self._prev
         for token in tokens:
             if i < size:
                 ring.append(token)
             else:
                 ring[i % size] = token
-            if cands:
-                dead = None
-                for p, run in cands.items():
-                    if ring[(i - p) % size] == token:
-                        run += 1
-                    elif near and i - mism.get(p, _FAR) >= p:
-                        mism[p] = i  # the one change this period may have
-                        run += 1
-                    else:
-                        if dead is None:
-                            dead = [p]
-                        else:
-                            dead.append(p)
-                        continue
-                    cands[p] = run
-                    if run >= needs[p]:
-                        return self._fire(i, token, p, run)
-                if dead:
-                    for p in dead:
-                        del cands[p]
-                        if near:
-                            mism.pop(p, None)
-            h = (prev_tok * _MULT ^ token) & mask
-            pos = head[h]
-            head[h] = i
-            if i < csize:
-                chain.append(pos)
-            else:
-                chain[i % csize] = pos
-            hops = 0
-            while i - pos <= max_period:
-                d = i - pos
-                if (
-                    d not in cands
-                    and ring[pos % size] == token
-                    and pos
-                    and ring[(pos - 1) % size] == prev_tok
-                ):
-                    # t[i-1..i] == t[i-1-d..i-d]: measure the exact run back from i (the ring holds
-                    # every position the threshold needs: run + d < size).
-                    need = needs[d]
-                    limit = min(need, i - d + 1)
-                    run, j = 2, i - 2
-                    while run < limit and ring[j % size] == ring[(j - d) % size]:
-                        run += 1
-                        j -= 1
-                    if run >= need:
-                        return self._fire(i, token, d, run)
-                    if run >= _MIN_RUN:
-                        if len(cands) >= MAX_CANDIDATES:
-                            worst = min(cands, key=cands.__getitem__)
-                            del cands[worst]
-                            mism.pop(worst, None)
-                        cands[d] = run
-                        if near:
-                            mism[d] = i - run  # where the exact run stopped: this period's change
-                hops += 1
-                if hops == MAX_CHAIN:
-                    break
-                pos = chain[pos % csize]
+            if self._cands and (hit := self._follow(i, token)) is not None:
+                return hit
+            if (hit := self._probe(i, token, prev_tok)) is not None:
+                return hit
             prev_tok = token
             i += 1
         self.n, self._prev = i, prev_tok
+        return None
+
+    def _follow(self, i: int, token: int) -> LoopHit | None:
+        """Extend each candidate period's run by the token at ``i`` (dropping those it breaks)."""
+        ring, size, cands, mism, near = self._ring, self._size, self._cands, self._mism, self.changes
+        dead = []
+        for p, run in cands.items():
+            if ring[(i - p) % size] == token:
+                run += 1
+            elif near and i - mism.get(p, _FAR) >= p:
+                mism[p] = i  # the one change this period may have
+                run += 1
+            else:
+                dead.append(p)
+                continue
+            cands[p] = run
+            if run >= self._needs[p]:
+                return self._fire(i, token, p, run)
+        for p in dead:
+            del cands[p]
+            if near:
+                mism.pop(p, None)
+        return None
+
+    def _probe(self, i: int, token: int, prev_tok: int) -> LoopHit | None:
+        """Index the bigram ending at ``i`` and measure the exact run back from ``i`` at each earlier
+        position with the same bigram: a new candidate period, or a hit."""
+        ring, size, chain, csize, head = self._ring, self._size, self._chain, self._csize, self._head
+        cands, mism, needs, near = self._cands, self._mism, self._needs, self.changes
+        h = (prev_tok * _MULT ^ token) & self._mask
+        pos = head[h]
+        head[h] = i
+        if i < csize:
+            chain.append(pos)
+        else:
+            chain[i % csize] = pos
+        hops = 0
+        while i - pos <= self.max_period:
+            d = i - pos
+            if d not in cands and ring[pos % size] == token and pos and ring[(pos - 1) % size] == prev_tok:
+                # t[i-1..i] == t[i-1-d..i-d]: measure the exact run back from i (the ring holds every
+                # position the threshold needs: run + d < size).
+                need = needs[d]
+                limit = min(need, i - d + 1)
+                run, j = 2, i - 2
+                while run < limit and ring[j % size] == ring[(j - d) % size]:
+                    run += 1
+                    j -= 1
+                if run >= need:
+                    return self._fire(i, token, d, run)
+                if run >= _MIN_RUN:
+                    if len(cands) >= MAX_CANDIDATES:
+                        worst = min(cands, key=cands.__getitem__)
+                        del cands[worst]
+                        mism.pop(worst, None)
+                    cands[d] = run
+                    if near:
+                        mism[d] = i - run  # where the exact run stopped: this period's change
+            hops += 1
+            if hops == MAX_CHAIN:
+                break
+            pos = chain[pos % csize]
         return None
 
     def _fire(self, i: int, token: int, p: int, run: int) -> LoopHit:
