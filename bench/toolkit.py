@@ -15,10 +15,14 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from ledger.analytics.common import percentile as _percentile_sorted
+
+if TYPE_CHECKING:
+    from engine_hooks.vllm.cpu import EngineSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,6 +77,25 @@ def vllm_server_cmd(
     if plugin:
         cmd += ["--scheduler-cls", "engine_hooks.vllm.LedgerScheduler"]
     return [*cmd, *extra]
+
+
+def in_process_vllm(workdir: str | os.PathLike[str]) -> EngineSettings:
+    """This process made ready to run vLLM's ``LLM`` in it, as the bench workers do: the host's engine
+    settings (:func:`engine_hooks.vllm.cpu.engine_settings`: fp32 without native bf16, one OpenMP thread
+    fewer than the cores) with their threads applied, vLLM's caches and sockets under ``workdir``, the
+    engine core in this process and vLLM's warnings off. Returns the settings for ``LLM(...)``
+    (``settings.llm_kwargs()``). Call before vLLM is imported."""
+    import logging
+
+    from engine_hooks.vllm.cpu import engine_settings
+    from engine_hooks.vllm.tiny_model import vllm_env
+
+    settings = engine_settings()
+    settings.apply_threads()
+    os.environ.update(vllm_env(workdir))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    logging.disable(logging.WARNING)
+    return settings
 
 
 def say(msg: str) -> None:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.toolkit import free_port, percentile
+from bench.toolkit import free_port, in_process_vllm, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,17 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def worker(args: argparse.Namespace) -> None:
-    from engine_hooks.vllm.cpu import engine_settings
-    from engine_hooks.vllm.tiny_model import vllm_env
-
-    settings = engine_settings()  # fp32 without native bf16, one OpenMP thread on a shared host
-    settings.apply_threads()
-
-    os.environ.update(vllm_env(args.workdir))
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import logging
-
-    logging.disable(logging.WARNING)
+    settings = in_process_vllm(args.workdir)  # fp32 without native bf16, one OpenMP thread fewer
     from vllm import LLM, RequestOutput, SamplingParams
     from vllm.inputs import TokensPrompt
 
