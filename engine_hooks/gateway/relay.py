@@ -23,7 +23,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import httpx
 import msgspec
@@ -33,10 +33,11 @@ from engine_hooks.gateway.exchange import Exchange, Receive, Scope, Send
 from engine_hooks.gateway.metrics import GatewayMetrics
 from engine_hooks.gateway.request import DROP_REQUEST, HOP_BY_HOP, BadRequest, Disconnected, read_body
 from engine_hooks.gateway.responses import (
+    ErrorBody,
+    OpenAIError,
     cut_error,
     ends_stream,
     error_body,
-    error_object,
     event_boundary,
     final_chunk,
     has_choice,
@@ -108,7 +109,13 @@ class OutTimes:
             self.gateway.metrics.first_token.observe(since)
 
 
-Ending = tuple[str, dict[str, Any], str]  # (finish reason, error object, outcome)
+class Ending(NamedTuple):
+    """How the gateway ends a stream it does not relay to its end: the finish reason of every choice,
+    the error of its last event, and the exchange's outcome."""
+
+    finish_reason: str  # "cutoff" or "error"
+    error: OpenAIError
+    outcome: str  # "stream_cut", "upstream_timeout" or "upstream_error"
 
 
 @dataclass
@@ -144,7 +151,7 @@ async def relay_stream(gw: Host, x: Exchange) -> None:
         gw.report_disconnected(x, times.last)
         return
     command = x.command
-    ending = ("cutoff", cut_error(command), "stream_cut") if command is not None else got.ending
+    ending = Ending("cutoff", cut_error(command), "stream_cut") if command is not None else got.ending
     if ending is not None:
         await response.aclose()
         finish, error, outcome = ending
@@ -226,12 +233,15 @@ async def _next_piece(
             f"the upstream sent nothing for {gw.config.read_timeout_s:g} s (read timeout); "
             "the gateway ended the stream"
         )
-        return None, ("error", error_object(message, "upstream_timeout", 504), "upstream_timeout")
+        error = OpenAIError(message=message, type="upstream_timeout", code=504)
+        return None, Ending("error", error, "upstream_timeout")
     except httpx.HTTPError as exc:
         x.interruptible = False
         gw.metrics.upstream_errors["broken"].inc()
         message = f"the upstream connection broke mid-stream ({type(exc).__name__})"
-        return None, ("error", error_object(message, "upstream_error", 502), "upstream_error")
+        return None, Ending(
+            "error", OpenAIError(message=message, type="upstream_error", code=502), "upstream_error"
+        )
     x.interruptible = False
     return chunk, None
 
@@ -284,7 +294,7 @@ async def _read_all(stream: httpx.AsyncByteStream) -> list[bytes]:
 
 
 async def end_stream(
-    gw: Host, x: Exchange, finish_reason: str, error: dict[str, Any], first_events: bytes | None = None
+    gw: Host, x: Exchange, finish_reason: str, error: OpenAIError, first_events: bytes | None = None
 ) -> None:
     """End a stream with the gateway's own last event (every choice finished with ``finish_reason``,
     plus ``error``; ``id``, ``model`` and ``created`` as in ``first_events``, the stream's first events
@@ -321,7 +331,7 @@ async def answer_interrupted(gw: Host, x: Exchange) -> None:
         await end_stream(gw, x, "cutoff", cut_error(command))
         gw.report_cut(x, 200)
     else:
-        body = _encode({"error": cut_error(command)})
+        body = _encode(ErrorBody(cut_error(command)))
         await send_json(x.send, CUT_STATUS, body, x.request_id, gw.id_header)
         gw.report_cut(x, CUT_STATUS)
 

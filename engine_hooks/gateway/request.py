@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from typing import Any
+from typing import TypedDict, cast
 
 import msgspec
 
@@ -32,6 +32,16 @@ DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding"}
 _REQUEST_ID_RE = re.compile(r"^[\x21-\x2e\x30-\x7e]{1,256}$")
 _MAX_BODY = 64 << 20
 _decode = msgspec.json.decode
+
+
+class CompletionRequest(TypedDict, total=False):
+    """The fields of a client's JSON request object the gateway reads (:func:`parse_body` checks the
+    types of ``stream``, ``n`` and ``vllm_xargs``); every other field goes upstream unread."""
+
+    model: object  # the served model's name when a string; not checked (the upstream answers for it)
+    stream: bool | None
+    n: int | None
+    vllm_xargs: dict[str, object] | None  # the gateway adds its request id here
 
 
 class BadRequest(Exception):
@@ -100,7 +110,7 @@ def parse_priority(value: bytes | None, header: str) -> int:
     return number
 
 
-def parse_body(body: bytes) -> tuple[dict[str, Any], bool, int]:
+def parse_body(body: bytes) -> tuple[CompletionRequest, bool, int]:
     """The JSON request object, whether it streams, and how many choices it asks for."""
     try:
         payload = _decode(body)
@@ -121,7 +131,7 @@ def parse_body(body: bytes) -> tuple[dict[str, Any], bool, int]:
     xargs = payload.get("vllm_xargs")
     if xargs is not None and not isinstance(xargs, dict):
         raise BadRequest(f"vllm_xargs must be an object, got {type(xargs).__name__}", "vllm_xargs")
-    return payload, stream, choices
+    return cast(CompletionRequest, payload), stream, choices
 
 
 def upstream_headers(

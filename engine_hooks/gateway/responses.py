@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
 
 import msgspec
 
@@ -23,24 +22,34 @@ _CHOICE_RE = re.compile(rb'"choices"\s*:\s*\[\s*\{')
 DONE = b"data: [DONE]\n\n"
 
 
-def error_object(
-    message: str, type_: str, code: int | str | None, param: str | None = None
-) -> dict[str, Any]:
-    return {"message": message, "type": type_, "param": param, "code": code}
+class OpenAIError(msgspec.Struct, kw_only=True, frozen=True):
+    """The error object of the OpenAI API: the ``error`` of an error response's body, and of the last
+    event of a stream the gateway ends. Encoded in this field order."""
+
+    message: str
+    type: str  # e.g. "invalid_request_error", "upstream_timeout", "chunkledger_cutoff"
+    param: str | None = None  # the request field or header at fault
+    code: int | str | None  # the HTTP status, or the rule of a cutoff
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    """``{"error": {...}}``: the body of the gateway's error responses."""
+
+    error: OpenAIError
 
 
 def error_body(message: str, type_: str, code: int | str | None, param: str | None = None) -> bytes:
     """``{"error": {...}}`` as the OpenAI API answers errors."""
-    return _encode({"error": error_object(message, type_, code, param)})
+    return _encode(ErrorBody(OpenAIError(message=message, type=type_, param=param, code=code)))
 
 
-def cut_error(command: Command) -> dict[str, Any]:
+def cut_error(command: Command) -> OpenAIError:
     """The error object of an answer to a cutoff command."""
     detail = f": {command.detail}" if command.detail else ""
-    return error_object(
-        f"the request was cut off by the chunkledger rule '{command.rule}'{detail}",
-        "chunkledger_cutoff",
-        command.rule,
+    return OpenAIError(
+        message=f"the request was cut off by the chunkledger rule '{command.rule}'{detail}",
+        type="chunkledger_cutoff",
+        code=command.rule,
     )
 
 
@@ -102,22 +111,68 @@ def event_boundary(data: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
-def first_event_fields(first_events: bytes | None) -> dict[str, Any]:
+class StreamHead(msgspec.Struct, frozen=True):
+    """``id``, ``model`` and ``created`` of a stream's first JSON event as the upstream wrote them (any
+    JSON value, repeated as is), each ``UNSET`` when the event lacks it."""
+
+    id: object = msgspec.UNSET
+    model: object = msgspec.UNSET
+    created: object = msgspec.UNSET
+
+
+_NO_HEAD = StreamHead()
+_decode_head = msgspec.json.Decoder(StreamHead).decode
+
+
+def first_event_fields(first_events: bytes | None) -> StreamHead:
     """``id``, ``model`` and ``created`` of the first JSON event of a stream, when it has them."""
     if not first_events:
-        return {}
+        return _NO_HEAD
     for line in first_events.splitlines():
         if line.startswith(b"data:"):
             payload = line[5:].strip()
             if payload.startswith(b"{"):
                 try:
-                    obj = _decode(payload)
-                except msgspec.DecodeError:
-                    return {}
-                if isinstance(obj, dict):
-                    return {k: obj[k] for k in ("id", "model", "created") if k in obj}
-            return {}
-    return {}
+                    return _decode_head(payload)
+                except msgspec.DecodeError:  # not JSON, or not an object
+                    return _NO_HEAD
+            return _NO_HEAD
+    return _NO_HEAD
+
+
+class _NoDelta(msgspec.Struct, frozen=True):
+    """The empty ``delta`` of a chat choice's last chunk: ``{}``."""
+
+
+class ChatChoiceEnd(msgspec.Struct, frozen=True):
+    """A choice's last chunk in a chat completion stream."""
+
+    index: int
+    delta: _NoDelta
+    finish_reason: str
+
+
+class TextChoiceEnd(msgspec.Struct, frozen=True):
+    """A choice's last chunk in a completion stream."""
+
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str
+
+
+class FinalChunk(msgspec.Struct, frozen=True):
+    """The last event of a stream the gateway ends: a chunk as the upstream's, with an ``error``."""
+
+    id: object  # as the stream's first event had them (:class:`StreamHead`), else the gateway's own
+    object_: str = msgspec.field(name="object")  # "chat.completion.chunk" or "text_completion"
+    created: object
+    model: object
+    choices: list[ChatChoiceEnd] | list[TextChoiceEnd]
+    error: OpenAIError
+
+
+_NO_DELTA = _NoDelta()
 
 
 def final_chunk(
@@ -125,7 +180,7 @@ def final_chunk(
     chat: bool,
     choices: int,
     finish_reason: str,
-    error: dict[str, Any],
+    error: OpenAIError,
     first_events: bytes | None,
     request_id: str,
     model: str | None,
@@ -136,22 +191,21 @@ def final_chunk(
     accept it; ``[DONE]`` follows, as at the end of any OpenAI stream.
     """
     seen = first_event_fields(first_events)
+    choice_list: list[ChatChoiceEnd] | list[TextChoiceEnd]
     if chat:
-        choice_list = [{"index": i, "delta": {}, "finish_reason": finish_reason} for i in range(choices)]
+        choice_list = [ChatChoiceEnd(i, _NO_DELTA, finish_reason) for i in range(choices)]
         obj = "chat.completion.chunk"
         prefix = "chatcmpl-"
     else:
-        choice_list = [
-            {"index": i, "text": "", "logprobs": None, "finish_reason": finish_reason} for i in range(choices)
-        ]
+        choice_list = [TextChoiceEnd(i, "", None, finish_reason) for i in range(choices)]
         obj = "text_completion"
         prefix = "cmpl-"
-    chunk = {
-        "id": seen.get("id", prefix + request_id),
-        "object": obj,
-        "created": seen.get("created", int(time.time())),
-        "model": seen.get("model", model or ""),
-        "choices": choice_list,
-        "error": error,
-    }
+    chunk = FinalChunk(
+        id=prefix + request_id if seen.id is msgspec.UNSET else seen.id,
+        object_=obj,
+        created=int(time.time()) if seen.created is msgspec.UNSET else seen.created,
+        model=(model or "") if seen.model is msgspec.UNSET else seen.model,
+        choices=choice_list,
+        error=error,
+    )
     return b"data: " + _encode(chunk) + b"\n\n" + DONE
