@@ -29,6 +29,23 @@ from typing import Any, Protocol
 
 from engine_hooks import events as ev
 from engine_hooks.profile_run import Delivery, Phase, ProfileRun
+from engine_hooks.vllm.cpu import LLMKwargs, engine_settings
+
+
+class EngineKwargs(LLMKwargs, total=False):
+    """The keyword arguments the driver gives ``vllm.LLM(...)``: :class:`LLMKwargs` (what
+    ``EngineSettings.llm_kwargs()`` gives) and the profile's own."""
+
+    model: str  # a model directory or name
+    served_model_name: str
+    scheduler_cls: str
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    enable_prefix_caching: bool
+    enforce_eager: bool
+    kv_cache_memory_bytes: int
+    seed: int
 
 
 class DriverError(RuntimeError):
@@ -104,7 +121,7 @@ def run_profile(
     source_id: str | None = None,
     ingest_token: str | None = None,
     kv_cache_bytes: int = 512 << 20,
-    engine_kwargs: dict[str, Any] | None = None,
+    engine_kwargs: EngineKwargs | None = None,
     progress: Callable[[Phase], None] | None = None,
 ) -> ProfileRun:
     """Run ``plan`` on vLLM in this process and return the recorded steps (see the module docstring).
@@ -112,6 +129,8 @@ def run_profile(
     ``model`` is a model directory or name vLLM can load offline, served as ``served_model_name`` (by
     default the directory's name). With ``ledger_url`` the plugin's exporter also sends every event
     there as source ``source_id``. ``progress(phase)`` is called after each :class:`Phase`.
+    ``engine_kwargs`` win over the driver's own arguments to ``vllm.LLM`` (its ``dtype`` also over
+    :func:`engine_hooks.vllm.cpu.engine_settings`' choice).
     """
     plan.check()
     name = served_model_name or os.path.basename(os.path.normpath(model)) or model
@@ -155,7 +174,7 @@ def _run(
     plan: Plan,
     progress: Callable[[Phase], None] | None,
     kv_cache_bytes: int,
-    engine_kwargs: dict[str, Any] | None,
+    engine_kwargs: EngineKwargs | None,
 ) -> ProfileRun:
     llm = _start_engine(model, name, plan, kv_cache_bytes, engine_kwargs)
     try:
@@ -184,20 +203,18 @@ def _delivered(forward: Any) -> Delivery:
 
 
 def _start_engine(
-    model: str, name: str, plan: Plan, kv_cache_bytes: int, engine_kwargs: dict[str, Any] | None
+    model: str, name: str, plan: Plan, kv_cache_bytes: int, engine_kwargs: EngineKwargs | None
 ) -> Any:
     """vLLM's ``LLM`` with the plugin, in this process, sized for ``plan``, eager, no prefix cache."""
     try:
         from vllm import LLM
-
-        from engine_hooks.vllm.cpu import engine_settings
     except ImportError as exc:
         raise DriverError(
             f"vLLM with chunkledger's plugin is needed ({exc}); install chunkledger[vllm]"
         ) from None
     settings = engine_settings(dtype=(engine_kwargs or {}).get("dtype"))
     settings.apply_threads()
-    kwargs: dict[str, Any] = {
+    kwargs: EngineKwargs = {
         **settings.llm_kwargs(),
         "model": model,
         "served_model_name": name,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
+import types
 
 import httpx
 import msgspec
@@ -15,7 +17,8 @@ from typer.testing import CliRunner
 from chunkledger.main import app as cli_app
 from engine_hooks import events as ev
 from engine_hooks.profile_run import Delivery, Phase, ProfileRun
-from engine_hooks.vllm.profile import StepRecorder, _delivered
+from engine_hooks.vllm.cpu import EngineSettings
+from engine_hooks.vllm.profile import EngineKwargs, StepRecorder, _delivered, _start_engine
 from ledger.advice.answer import Advice
 from ledger.advice.profile import ProfileError, ProfilePlan, ProfileResult, theil_sen
 from ledger.advice.report import render_profile
@@ -211,6 +214,28 @@ def test_the_driver_reports_what_its_exporter_delivered_once_it_is_shut_down():
     assert _delivered(Exporter()) == Delivery(
         url="http://127.0.0.1:8321", source_id="profile-tiny", sent=41, dropped={"spool_full": 1}
     )
+
+
+def test_the_engine_kwargs_win_over_the_drivers_own_and_their_dtype_over_the_machines(monkeypatch):
+    built: list[dict] = []
+
+    class LLM:  # stands in for vllm.LLM: takes the keyword arguments
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    monkeypatch.setattr(EngineSettings, "apply_threads", lambda self: None)  # leave torch's threads be
+    monkeypatch.setenv("CHUNKLEDGER_ENGINE_DEVICE", "cpu")
+    plan = ProfilePlan()
+    mine = EngineKwargs(dtype="bfloat16", max_num_seqs=3, seed=7)
+    _start_engine("/models/tiny", "tiny", plan, 1 << 20, mine)
+    _start_engine("/models/tiny", "tiny", plan, 1 << 20, None)
+    given, default = built
+    assert {k: given[k] for k in mine} == mine
+    assert given["scheduler_cls"] == "engine_hooks.vllm.LedgerScheduler"
+    assert given["max_model_len"] == plan.max_model_len and given["kv_cache_memory_bytes"] == 1 << 20
+    assert set(given) == set(default) | {"dtype"} and set(given) <= set(EngineKwargs.__annotations__)
+    assert default["seed"] == plan.seed
 
 
 def test_theil_sen_line_ignores_a_few_stalled_steps():
