@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from engine_hooks.config import ConfigError, ExporterConfig
+from engine_hooks.config import ConfigError, ExporterConfig, ExporterSettings
 from engine_hooks.gateway.config import GatewayConfig, GatewayConfigError
 
 
@@ -69,7 +69,7 @@ def gateway(
         raise typer.Exit(2) from None
     exporter_config = None
     if ledger or os.environ.get("CHUNKLEDGER_URL"):
-        overrides: dict[str, Any] = {"source_kind": "gateway"}
+        overrides: ExporterSettings = {"source_kind": "gateway"}
         if ledger:
             overrides["url"] = ledger
         if source_id or not os.environ.get("CHUNKLEDGER_SOURCE_ID"):

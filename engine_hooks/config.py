@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict, Unpack
 
 import msgspec
 
@@ -101,12 +101,14 @@ class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
         return self.spool_dir is not None and self.spool_max_bytes > 0
 
     @classmethod
-    def create(cls, **settings: Any) -> ExporterConfig:
+    def create(cls, **settings: Unpack[ExporterSettings]) -> ExporterConfig:
         """Build from keyword arguments, raising :class:`ConfigError` with a readable message."""
         return convert(cls, settings, {k: k for k in settings}, what="exporter setting", error=ConfigError)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ExporterConfig:
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides: Unpack[ExporterSettings]
+    ) -> ExporterConfig:
         """Build from ``CHUNKLEDGER_*`` variables; keyword ``overrides`` win over the environment."""
         env = os.environ if environ is None else environ
         raw, names = from_environ(cls, ENV_PREFIX, env, _parse_env_value)
@@ -119,6 +121,36 @@ class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
                     f"{ENV_PREFIX}{required.upper()} is not set (or pass {required}=... to the exporter)"
                 )
         return convert(cls, raw, names, what="exporter setting", error=ConfigError)
+
+
+class ExporterSettings(TypedDict, total=False):
+    """Some of :class:`ExporterConfig`'s settings by name, as keyword arguments (``create``, ``from_env``,
+    overrides of the environment). ExporterConfig's fields, names and types, all optional: a field
+    added there is added here (tests/engine_hooks/test_exporter_config.py holds the two equal)."""
+
+    url: str
+    source_id: str
+    source_kind: Literal["engine", "gateway"]
+    model: str | None
+    ingest_token: str | None
+    queue_size: PositiveInt
+    batch_size: PositiveInt
+    flush_interval_s: PositiveFloat
+    timeout_s: PositiveFloat
+    connect_timeout_s: PositiveFloat
+    max_attempts: PositiveInt
+    max_in_flight: PositiveInt
+    backoff_initial_s: PositiveFloat
+    backoff_max_s: PositiveFloat
+    replay_max_events: PositiveInt
+    replay_max_bytes: PositiveInt
+    spool_dir: str | None
+    spool_max_bytes: NonNegInt
+    spool_segment_bytes: PositiveInt
+    spool_fsync: bool
+    command_poll_wait_s: PollWait
+    seq_start: NonNegInt | None
+    shutdown_timeout_s: PositiveFloat
 
 
 def _parse_env_value(name: str, var: str, value: str) -> Any:

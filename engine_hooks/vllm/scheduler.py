@@ -56,7 +56,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from engine_hooks.config import ENV_PREFIX, ConfigError
+from engine_hooks.config import ENV_PREFIX, ConfigError, ExporterSettings
 from engine_hooks.events import XARGS_KEY
 from engine_hooks.exporter import Exporter
 from engine_hooks.vllm import compat, state
@@ -188,10 +188,12 @@ class _LedgerHooks(Reporter, Commands, Policies):
             )
             return None
         configured = env.get(ENV_PREFIX + "SOURCE_ID")
-        overrides: dict[str, Any] = {"source_id": source_id(self.vllm_config, configured)}
+        overrides: ExporterSettings = {"source_id": source_id(self.vllm_config, configured)}
         if not env.get(ENV_PREFIX + "MODEL"):
             name = self.vllm_config.model_config.served_model_name
-            overrides["model"] = (name[0] if isinstance(name, list) and name else name) or None
+            if isinstance(name, list):
+                name = name[0] if name else None
+            overrides["model"] = name or None
         try:
             return Exporter.from_env(on_command=self.submit_command, **overrides)
         except ConfigError:

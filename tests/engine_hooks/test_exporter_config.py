@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import get_type_hints
+
 import pytest
 
-from engine_hooks.config import ConfigError, ExporterConfig, parse_size
+from engine_hooks.config import ConfigError, ExporterConfig, ExporterSettings, parse_size
 from engine_hooks.exporter import Exporter
 
 BASE = {"CHUNKLEDGER_URL": "http://127.0.0.1:8321", "CHUNKLEDGER_SOURCE_ID": "vllm-0"}
@@ -87,6 +89,14 @@ def test_cross_field_checks_name_both_settings():
         ExporterConfig.create(url="http://x", source_id="a", batch_size=10, queue_size=5)
     with pytest.raises(ConfigError, match="backoff_initial_s"):
         ExporterConfig.create(url="http://x", source_id="a", backoff_initial_s=5, backoff_max_s=1)
+
+
+def test_the_keyword_settings_are_the_configs_fields_by_name_and_type_all_optional():
+    """ExporterSettings (create's and from_env's keywords, the overrides) mirrors ExporterConfig."""
+    fields = get_type_hints(ExporterConfig, include_extras=True)
+    assert get_type_hints(ExporterSettings, include_extras=True) == fields
+    assert list(ExporterSettings.__annotations__) == list(ExporterConfig.__struct_fields__)
+    assert ExporterSettings.__required_keys__ == frozenset()
 
 
 def test_unknown_setting_is_refused():
