@@ -29,15 +29,38 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
-from engine_hooks.config import ExporterConfig
+from engine_hooks.config import ExporterConfig, ExporterSettings
 
 if TYPE_CHECKING:
     from engine_hooks.exporter import Exporter
 
-from engine_hooks.simulation.fleet import Fleet
+from engine_hooks.simulation.fleet import Fleet, FleetSummary
 from engine_hooks.simulation.scenario import SCENARIOS, Scenario
+
+
+class Drain(TypedDict):
+    """After the run: whether the ledger acknowledged every event (spooled ones too) within the drain
+    timeout, how long that took, and what stays spooled for the next run when it did not."""
+
+    drained: bool
+    waited_s: float
+    spool_pending: dict[str, int]  # events still spooled, by source id (sources with none left out)
+    spool_dir: str
+
+
+class SimulationSummary(FleetSummary):
+    """What :func:`run_simulation` returns (``chunkledger simulate`` prints it as one JSON line)."""
+
+    scenario: str
+    seed: int
+    engines: int
+    rps: float
+    duration_s: float
+    wall_s: float
+    lag_s: float
+    drain: Drain
 
 
 def run_simulation(
@@ -53,17 +76,23 @@ def run_simulation(
     model: str = "sim-llama-3-8b",
     source_prefix: str = "sim",
     pace: bool = True,
-    overrides: dict[str, Any] | None = None,
+    overrides: ExporterSettings | None = None,
     shutdown_timeout_s: float = 30.0,
     drain_timeout_s: float = 120.0,
-) -> dict[str, Any]:
+) -> SimulationSummary:
     """Run the fleet, wait (up to ``drain_timeout_s``) until every event is acknowledged, spooled ones
     included, shut the exporters down and return the summary.
 
     The spool folder defaults to the exporter's (``.chunkledger/spool``, or ``CHUNKLEDGER_SPOOL_DIR``):
     one stable folder per source id, so a run that ends with events still spooled (the ledger was down
     past the drain timeout) leaves them for the next run of the same source ids to send.
+
+    ``overrides``: exporter settings for every source, but those the fleet sets itself (url, source id
+    and kind, model, ingest token, spool folder: its arguments).
     """
+    taken = sorted(set(overrides or {}) & set(_FLEET_SETS))
+    if taken:
+        raise ValueError(f"overrides: the simulator sets {', '.join(taken)} itself (see its arguments)")
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
     if engines < 1 or rps <= 0 or duration_s <= 0:
@@ -89,9 +118,9 @@ def run_simulation(
         drain_s = time.monotonic() - ran
     finally:
         _each(fleet.exporters.values(), lambda ex: ex.shutdown(shutdown_timeout_s))
-    summary = fleet.summary()
+    ran_summary = fleet.summary()
     pending = {sid: ex.stats().spool_pending for sid, ex in fleet.exporters.items()}
-    summary = {
+    summary: SimulationSummary = {
         "scenario": scenario,
         "seed": seed,
         "engines": engines,
@@ -99,7 +128,7 @@ def run_simulation(
         "duration_s": duration_s,
         "wall_s": round(time.monotonic() - started, 3),
         "lag_s": round(lag, 3),
-        **summary,
+        **ran_summary,
         # after the run: how long it took until the ledger had acknowledged every event (spooled ones
         # too), and what is still spooled for the next run when it did not within drain_timeout_s
         "drain": {
@@ -113,26 +142,28 @@ def run_simulation(
 
 
 _DEFAULT_SPOOL_DIR = ".chunkledger/spool"
+# The exporter settings the fleet gives each source itself: not overridden.
+_FLEET_SETS = ("url", "source_id", "source_kind", "model", "ingest_token", "spool_dir")
 
 
 def _exporters(
-    ledger_url: str, model: str, ingest_token: str | None, spool_dir: str, overrides: dict[str, Any]
-) -> Callable[[str, str, Any], Exporter]:
+    ledger_url: str, model: str, ingest_token: str | None, spool_dir: str, overrides: ExporterSettings
+) -> Callable[[str, Literal["engine", "gateway"], Any], Exporter]:
     """How the fleet makes each source's exporter: to ``ledger_url``, spooling under ``spool_dir``."""
 
-    def make_exporter(source_id: str, kind: str, on_command: Any) -> Exporter:
+    def make_exporter(source_id: str, kind: Literal["engine", "gateway"], on_command: Any) -> Exporter:
         from engine_hooks.exporter import Exporter
 
-        config = ExporterConfig.create(
-            url=ledger_url,
-            source_id=source_id,
-            source_kind=kind,
-            model=model if kind == "engine" else None,
-            ingest_token=ingest_token,
-            spool_dir=spool_dir,
+        settings: ExporterSettings = {
+            "url": ledger_url,
+            "source_id": source_id,
+            "source_kind": kind,
+            "model": model if kind == "engine" else None,
+            "ingest_token": ingest_token,
+            "spool_dir": spool_dir,
             **overrides,
-        )
-        return Exporter(config, on_command=on_command)
+        }
+        return Exporter(ExporterConfig.create(**settings), on_command=on_command)
 
     return make_exporter
 

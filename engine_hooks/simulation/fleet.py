@@ -9,7 +9,7 @@ import heapq
 import math
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from engine_hooks.events import Command
 from engine_hooks.simulation.engine import SimEngine
@@ -18,6 +18,26 @@ from engine_hooks.simulation.scenario import BLOCK_TOKENS, Scenario, SimRequest
 
 if TYPE_CHECKING:
     from engine_hooks.exporter import Exporter
+
+
+class ExporterTotals(TypedDict):
+    """The fleet's exporters' counters, summed over its sources."""
+
+    sent: int
+    retried: int
+    spooled: int
+    replayed: int
+    dropped: dict[str, int]  # by reason
+
+
+class FleetSummary(TypedDict):
+    """What the fleet emitted and its exporters delivered (:meth:`Fleet.summary`)."""
+
+    requests: int  # requests that arrived
+    finished: dict[str, int]  # requests that finished, by reason
+    emitted: dict[str, int]  # events emitted, by source id
+    last_seq: dict[str, int | None]  # the last seq given, by source id (None before the first)
+    exporter: ExporterTotals
 
 
 class Fleet:
@@ -147,7 +167,7 @@ class Fleet:
                 self._push(t + engine.step(t), "step", idx)
         return lag
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> FleetSummary:
         emitted = {e.id: e.emitted for e in self.engines}
         emitted[self.gateway.id] = self.gateway.emitted
         stats = {sid: ex.stats() for sid, ex in self.exporters.items()}

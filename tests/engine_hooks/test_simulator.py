@@ -7,12 +7,14 @@ from collections import Counter
 from dataclasses import replace
 
 import msgspec
+import pytest
 import typer
 from typer.testing import CliRunner
 
 from chunkledger.simulator import simulate
 from engine_hooks.events import Chunk, Command, Finished, Preempted, Queued, Step, Tokens
-from engine_hooks.simulator import SCENARIOS, Fleet, run_simulation
+from engine_hooks.simulation.fleet import ExporterTotals
+from engine_hooks.simulator import SCENARIOS, Drain, Fleet, SimulationSummary, run_simulation
 from tests.support.factories import output_token_ids
 from tests.support.fake_ledger import FakeLedger, wait_until
 
@@ -87,6 +89,25 @@ def test_summary_counts_match_what_the_ledger_stored(fake_ledger, tmp_path):
     assert summary["last_seq"] == last
     assert summary["exporter"]["sent"] == sum(stored.values())
     assert summary["exporter"]["dropped"] == {}
+
+
+def test_the_summary_has_the_fields_its_type_names_and_no_other(fake_ledger, tmp_path):
+    summary = _simulate(fake_ledger, tmp_path, engines=1, rps=20, duration_s=0.3, seed=1)
+    assert set(summary) == SimulationSummary.__required_keys__
+    assert set(summary["exporter"]) == ExporterTotals.__required_keys__
+    assert set(summary["drain"]) == Drain.__required_keys__
+
+
+def test_overrides_of_what_the_fleet_sets_itself_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="the simulator sets source_id, url itself"):
+        run_simulation(
+            engines=1,
+            rps=1,
+            duration_s=0.1,
+            ledger_url="http://127.0.0.1:9",
+            spool_dir=str(tmp_path),
+            overrides={"url": "http://127.0.0.1:8", "source_id": "one", "batch_size": 10},
+        )
 
 
 def test_long_prompts_are_chunked_under_the_token_budget(fake_ledger, tmp_path):
