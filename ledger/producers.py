@@ -28,7 +28,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Annotated
 
+import msgspec
+
+from ledger.records import Record
 from ledger.store import Store
 
 
@@ -43,6 +47,18 @@ def digest(key: str | None) -> str | None:
 class _Binding:
     producer: str | None  # the digest the source is bound to; None: unbound
     seen: float  # when its producer was last heard from (wall clock)
+
+
+class ProducerReleased(Record, kw_only=True):
+    """``DELETE /v1/sources/{id}/producer``: the producer's release of its source id."""
+
+    source_id: Annotated[str, msgspec.Meta(description="the source id released")]
+    released: Annotated[
+        bool,
+        msgspec.Meta(
+            description="true: it was bound to this producer and is now free; false: it was not bound"
+        ),
+    ]
 
 
 class ProducerBook:

@@ -15,10 +15,11 @@ from starlette.requests import ClientDisconnect
 
 from engine_hooks import events as ev
 from ledger.api import errors
+from ledger.api.answers import documents, encoded
 from ledger.api.deps import ProducersDep, SettingsDep, WriterDep, on_ingest_pool, require
-from ledger.api.models import BatchRejected, ProducerReleased, json_response
+from ledger.api.models import BatchRejected
 from ledger.ingest import BadBatch, WriterUnavailable, clamp_future, decode_batch
-from ledger.producers import digest
+from ledger.producers import ProducerReleased, digest
 from ledger.ratelimit import Refusal, SourceLimits, peek_source_id
 from ledger.store import WriteResult
 
@@ -241,8 +242,7 @@ async def ingest_events(
 @router.delete(
     "/sources/{source_id}/producer",
     dependencies=[require("ingest")],
-    response_model=None,
-    responses={200: {"model": ProducerReleased}, **errors.responses(*errors.AUTH, 409, 422)},
+    **documents(ProducerReleased, 409, 422),
 )
 async def release_producer(request: Request, producers: ProducersDep, source_id: str) -> Response:
     """A producer stopping for good with nothing left to send releases its source id (ingest token and
@@ -264,4 +264,4 @@ async def release_producer(request: Request, producers: ProducersDep, source_id:
             f"source_id: {source_id!r} is bound to another producer; only its own may release it",
             reason="not_source_owner",
         )
-    return json_response({"source_id": source_id, "released": released})
+    return encoded(ProducerReleased(source_id=source_id, released=released))

@@ -1,4 +1,4 @@
-"""The answers still described by pydantic models: the error bodies, the producer release, the policy
+"""The answers still described by pydantic models: the error bodies, the policy
 (whose model parses ``PUT /v1/policy`` too) and the what-if.
 
 Every other answer is a record (:mod:`ledger.records`) whose schema is generated from it
@@ -72,16 +72,6 @@ class NotReady(ErrorBody):
     status: str = Field(description="not ready")
     schema_revision: str | None = Field(alias="schema", description="the database's migration revision")
     problems: list[str] = Field(description="what is wrong (the detail joins them)")
-
-
-# -- ingest -----------------------------------------------------------------------------------------
-class ProducerReleased(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    source_id: str = Field(description="the source id released")
-    released: bool = Field(
-        description="true: it was bound to this producer and is now free; false: it was not bound"
-    )
 
 
 # -- rules, commands, policy ------------------------------------------------------------------------
