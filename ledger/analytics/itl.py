@@ -9,7 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from ledger import schema
-from ledger.analytics.answers import RequestItl
+from ledger.analytics.answers import ModelTails, RequestItl
 from ledger.analytics.common import (
     QUANTILES,
     S,
@@ -20,6 +20,7 @@ from ledger.analytics.common import (
     request_row,
 )
 from ledger.analytics.window import Window
+from ledger.records import UNSET
 
 # Weighted quantiles of the step intervals come from a log-binned histogram: bins 0.5 % wide, each
 # reported by its largest member, so a quantile is over by at most 0.5 % and the query never sorts
@@ -33,8 +34,8 @@ def decode_itl(
     *,
     group_by_model: bool = False,
     source_ids: list[str] | None = None,
-) -> list[dict[str, Any]]:
-    """Inter-token latency tails of decoding requests, from ``steps``.
+) -> list[ModelTails]:
+    """Inter-token latency tails of decoding requests, from ``steps`` (per model with ``group_by_model``).
 
     A request that decodes in two consecutive steps of its engine sees ``steps.interval_s`` between its
     tokens (end of the previous step to end of this one); each step counts once per decoding request
@@ -74,16 +75,17 @@ def decode_itl(
     out_stmt = sa.select(*([ranked.c.model] if group_by_model else []), *cols)
     if group_by_model:
         out_stmt = out_stmt.group_by(ranked.c.model).order_by(ranked.c.model)
-    out = []
-    for row in conn.execute(out_stmt).mappings():
-        if not row["n"]:
-            continue
-        m = row["model"] if group_by_model else None
-        entry: dict[str, Any] = {"n": int(row["n"]), **{k: row[k] for k in (*QUANTILES, "max", "mean")}}
-        if group_by_model:
-            entry = {"model": m or None, **entry}
-        out.append(entry)
-    return out
+    return [
+        ModelTails(
+            n=int(row["n"]),
+            **{k: row[k] for k in QUANTILES},
+            max=row["max"],
+            mean=row["mean"],
+            model=(row["model"] or None) if group_by_model else UNSET,
+        )
+        for row in conn.execute(out_stmt).mappings()
+        if row["n"]
+    ]
 
 
 def _silent_chunk_steps(

@@ -16,7 +16,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Path, Query, Response, status
 
 from ledger.analytics import queries as q
-from ledger.analytics.answers import Attribution, Itl, KvStalls, ModelTails, RequestItl
+from ledger.analytics.answers import Attribution, Itl, KvStalls, RequestItl
 from ledger.analytics.why_answer import TOP_DEFAULT
 from ledger.analytics.window import BadTime, Window
 from ledger.api import errors
@@ -53,11 +53,6 @@ def _window(since: str | None, until: str | None) -> Window:
         raise _bad("since/until", str(exc)) from None
 
 
-def _tails(rows: list[dict[str, Any]]) -> list[ModelTails]:
-    """``decode_itl``'s rows (plain: what-if reads them too) as the records the answers hold."""
-    return [ModelTails(**row) for row in rows]
-
-
 def _read(reads: Reads, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
     """``fn`` on a read connection (``ledger.reads``: its own pool and time limit, never ingest's)."""
     with _params(), reads.connect() as conn:
@@ -80,7 +75,7 @@ def attribution(
     most = settings.attribution_max_buckets
     rows = _read(reads, q.attribution, w, group_by=groups, bucket_s=bucket_s, max_buckets=most)
     itl = _read(reads, q.decode_itl, w, group_by_model="model" in groups)
-    return encoded(Attribution(since=w.since, until=w.until, group_by=groups, groups=rows, itl=_tails(itl)))
+    return encoded(Attribution(since=w.since, until=w.until, group_by=groups, groups=rows, itl=itl))
 
 
 @router.get("/requests", **documents(RequestList, 422))
@@ -124,7 +119,7 @@ def itl(reads: ReadsDep, since: Since = None, until: Until = None, by_model: boo
     """Decode inter-token latency tails over the window, from the engines' steps."""
     w = _window(since, until)
     rows = _read(reads, q.decode_itl, w, group_by_model=by_model)
-    return encoded(Itl(since=w.since, until=w.until, itl=_tails(rows)))
+    return encoded(Itl(since=w.since, until=w.until, itl=rows))
 
 
 @router.get("/requests/{request_id}/itl", **documents(RequestItl, 404, 422))

@@ -28,6 +28,7 @@ import numpy as np
 import sqlalchemy as sa
 
 from ledger import schema
+from ledger.analytics.answers import ModelTails
 from ledger.analytics.itl import decode_itl
 from ledger.analytics.window import Window
 from ledger.whatif.answer import Observed
@@ -47,7 +48,7 @@ class Recorded:
     e2e_s: np.ndarray
     prompt_tokens: np.ndarray
     preemptions: int
-    itl: dict[str, Any] | None  # decode_itl's answer for the model (n, p50, p90, p99, ...)
+    itl: ModelTails | None  # decode_itl's answer for the model
     observed: Observed
     skipped: dict[str, int] = field(default_factory=dict)
 
@@ -60,7 +61,7 @@ class Recorded:
         return {
             "requests": self.count,
             **ttft_tails(self.ttft_s, self.prompt_tokens, long_prompt_tokens),
-            "itl_p99_s": None if self.itl is None else self.itl.get("p99"),
+            "itl_p99_s": None if self.itl is None else self.itl.p99,
             "e2e_p99_s": quantile(self.e2e_s, 0.99),
             "preemptions": self.preemptions,
         }
@@ -146,7 +147,7 @@ def read_recorded(
 
 def _measured_itl(
     conn: sa.Connection, source_ids: list[str], since: float | None, until: float | None
-) -> dict[str, Any] | None:
+) -> ModelTails | None:
     """The ledger's decode ITL tails over the steps of ``source_ids`` only: the replay's engines (all
     the engines of the model would compare a window narrowed to one engine with the others' ITL)."""
     tails = decode_itl(conn, Window(since=since, until=until), source_ids=source_ids)

@@ -113,8 +113,8 @@ def _as_json(fn):
     return lambda *args, **kw: as_json(fn(*args, **kw))
 
 
-_attribution, _list_requests, _kv_stalls, _request_itl = (
-    _as_json(fn) for fn in (q.attribution, q.list_requests, q.kv_stalls, q.request_itl)
+_attribution, _list_requests, _kv_stalls, _request_itl, _decode_itl = (
+    _as_json(fn) for fn in (q.attribution, q.list_requests, q.kv_stalls, q.request_itl, q.decode_itl)
 )
 
 
@@ -148,7 +148,7 @@ def test_request_itl_skips_prefill_steps_and_is_empty_with_one_token(loaded):
 
 def test_decode_itl_weights_step_gaps_by_decoding_requests(loaded):
     with _conn(loaded) as conn:
-        (itl,) = q.decode_itl(conn)
+        (itl,) = _decode_itl(conn)
     # decode steps 1, 4, 5, 6 each follow their predecessor: gaps 0.12, 0.01, 0.01, 0.01 (weight 1 each)
     assert itl["n"] == 4
     assert itl["max"] == pytest.approx(0.12)
