@@ -28,6 +28,7 @@ import sqlalchemy as sa
 
 from ledger.advice.fit import fit_step_time
 from ledger.advice.terms import StepData
+from ledger.records import as_json
 from ledger.whatif.cost import fitted_cost
 from ledger.whatif.query import WhatIfQuery
 from ledger.whatif.service import asked_setting, load_window, pooled_replay, recorded_settings
@@ -103,7 +104,9 @@ def predict_variants(
     for variant in variants:
         cost, info = step_cost(loaded.steps.data, variant)
         tails = {
-            name: pooled_replay(loaded.recorded.requests, asked_setting(base, values), cost).summary(cut)
+            name: as_json(
+                pooled_replay(loaded.recorded.requests, asked_setting(base, values), cost).summary(cut)
+            )
             for name, values in candidates.items()
         }
         out[variant] = {**info, "predicted": tails}

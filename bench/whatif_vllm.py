@@ -186,7 +186,7 @@ def measured_of(engine: sa.Engine, result: Mapping[str, Any], cut: int) -> dict[
 
     since, until = window_of(engine, result)
     query = WhatIfQuery(source_id=result["source_id"], since=repr(since), until=repr(until))
-    return load_window(engine, query).recorded.summary(cut)
+    return _builtins(load_window(engine, query).recorded.summary(cut))
 
 
 def what_if_on(

@@ -1,4 +1,5 @@
-"""What a replay gives back (:class:`Replay`) and the weighted quantile its summary uses."""
+"""What a replay gives back (:class:`Replay`), its summary (:class:`ReplaySummary`, the measured
+window's too) and the weighted quantile the summary uses."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from ledger.records import UNSET, UnsetType
+from ledger.whatif.answer import ReplayTails
 
 
 def weighted_quantile(values: Any, weights: Any, q: float) -> float | None:
@@ -41,25 +45,71 @@ def quantile(values: Any, q: float) -> float | None:
     return weighted_quantile(v, np.ones_like(v), q)
 
 
-def ttft_tails(
-    ttft_s: np.ndarray, prompt_tokens: np.ndarray, long_prompt_tokens: int | None, draws: int = 1
-) -> dict[str, Any]:
-    """TTFT p50/p99 and, with ``long_prompt_tokens``, the TTFT of each request whose prompt has at
-    least that many tokens (``long_ttft_s``, in request order, and their max) and the TTFT p99 of the
-    others (``short_ttft_p99_s``): what a replay and a measured window are compared on.
+class ReplaySummary(ReplayTails):
+    """A replay's tails (:class:`ReplayTails`, what the answer shows of them) and what the answer leaves
+    out: each long prompt's TTFT (``long_ttft_s``, in request order: with a long-prompt cut only) and,
+    for a replay (not a measured window), its ``steps`` and ``simulated_s``.
+
+    Read by key too (``summary["itl_p99_s"]``, ``"long_ttft_s" in summary``), as its JSON has it: an
+    unset field is not there."""
+
+    long_ttft_s: list[float] | UnsetType = UNSET
+    steps: int | UnsetType = UNSET
+    simulated_s: float | UnsetType = UNSET
+
+    def __getitem__(self, key: str) -> Any:
+        value = getattr(self, key) if key in self.__struct_fields__ else UNSET
+        if value is UNSET:
+            raise KeyError(key)
+        return value
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key in self.__struct_fields__ and getattr(self, key) is not UNSET
+
+
+def summarise(
+    ttft_s: np.ndarray,
+    prompt_tokens: np.ndarray,
+    e2e_s: np.ndarray,
+    long_prompt_tokens: int | None,
+    *,
+    itl_p99_s: float | None,
+    preemptions: int,
+    requests: int,
+    draws: int = 1,
+    steps: int | UnsetType = UNSET,
+    simulated_s: float | UnsetType = UNSET,
+) -> ReplaySummary:
+    """The tails a replay and a measured window are compared on: TTFT p50/p99, end-to-end p99 and, with
+    ``long_prompt_tokens``, the TTFT of each request whose prompt has at least that many tokens
+    (``long_ttft_s``, in request order, and their max) and the TTFT p99 of the others
+    (``short_ttft_p99_s``; both null without it); the ITL p99, preemptions and counts as given.
 
     ``draws``: the arrays hold that many replays of the same requests one after the other (step noise
     drawn anew in each); the quantiles are those of all of them pooled, and a long request's TTFT is
     its median over the draws."""
-    out: dict[str, Any] = {"ttft_p50_s": quantile(ttft_s, 0.5), "ttft_p99_s": quantile(ttft_s, 0.99)}
+    long_ttft: list[float] | UnsetType = UNSET
+    long_max = short_p99 = None
     if long_prompt_tokens is not None:
         is_long = prompt_tokens >= long_prompt_tokens
         n = len(ttft_s) // draws
-        long_ttft = np.median(ttft_s.reshape(draws, n)[:, is_long[:n]], axis=0) if n else ttft_s[:0]
-        out["long_ttft_s"] = [float(x) for x in long_ttft]
-        out["long_ttft_max_s"] = float(long_ttft.max()) if long_ttft.size else None
-        out["short_ttft_p99_s"] = quantile(ttft_s[~is_long], 0.99)
-    return out
+        longs = np.median(ttft_s.reshape(draws, n)[:, is_long[:n]], axis=0) if n else ttft_s[:0]
+        long_ttft = [float(x) for x in longs]
+        long_max = float(longs.max()) if longs.size else None
+        short_p99 = quantile(ttft_s[~is_long], 0.99)
+    return ReplaySummary(
+        ttft_p50_s=quantile(ttft_s, 0.5),
+        ttft_p99_s=quantile(ttft_s, 0.99),
+        itl_p99_s=itl_p99_s,
+        e2e_p99_s=quantile(e2e_s, 0.99),
+        short_ttft_p99_s=short_p99,
+        long_ttft_max_s=long_max,
+        preemptions=preemptions,
+        requests=requests,
+        long_ttft_s=long_ttft,
+        steps=steps,
+        simulated_s=simulated_s,
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,7 +139,7 @@ class Replay:
     simulated_s: float
     draws: int = 1
 
-    def summary(self, long_prompt_tokens: int | None = None) -> dict[str, Any]:
+    def summary(self, long_prompt_tokens: int | None = None) -> ReplaySummary:
         """Tail latencies: TTFT p50/p99, decode ITL p99 (weighted), end-to-end p99, preemptions.
 
         With ``long_prompt_tokens``, also the TTFT of each request whose prompt has at least that
@@ -100,15 +150,18 @@ class Replay:
         their mean, rounded).
         """
         k = self.draws
-        return {
-            "requests": len(self.request_id) // k,
-            "steps": self.steps // k,
-            "simulated_s": self.simulated_s,
-            **ttft_tails(self.ttft_s, self.prompt_tokens, long_prompt_tokens, k),
-            "itl_p99_s": weighted_quantile(self.itl_gap_s, self.itl_count, 0.99),
-            "e2e_p99_s": quantile(self.e2e_s, 0.99),
-            "preemptions": round(int(self.preemptions.sum()) / k),
-        }
+        return summarise(
+            self.ttft_s,
+            self.prompt_tokens,
+            self.e2e_s,
+            long_prompt_tokens,
+            itl_p99_s=weighted_quantile(self.itl_gap_s, self.itl_count, 0.99),
+            preemptions=round(int(self.preemptions.sum()) / k),
+            requests=len(self.request_id) // k,
+            draws=k,
+            steps=self.steps // k,
+            simulated_s=self.simulated_s,
+        )
 
 
-__all__ = ["Replay", "quantile", "ttft_tails", "weighted_quantile"]
+__all__ = ["Replay", "ReplaySummary", "quantile", "summarise", "weighted_quantile"]

@@ -64,7 +64,7 @@ from ledger.whatif.cost import fitted_cost
 from ledger.whatif.model import ReplayTimeout, replay
 from ledger.whatif.noise import StepNoise, draws_for, window_noise
 from ledger.whatif.query import SettingValue, WhatIfQuery, setting_text
-from ledger.whatif.results import Replay
+from ledger.whatif.results import Replay, ReplaySummary
 from ledger.whatif.trace import Recorded, read_recorded
 from ledger.whatif.types import StepCost, StepShape, TraceRequest
 
@@ -271,12 +271,13 @@ def default_long_prompt(recorded: Recorded) -> int | None:
     return cut if bool((recorded.prompt_tokens >= cut).any()) else None
 
 
-def tails(summary: Mapping[str, Any]) -> ReplayTails:
-    """A summary's tails (:meth:`ledger.whatif.results.Replay.summary` or the measured ones)."""
+def tails(summary: ReplaySummary) -> ReplayTails:
+    """A summary's tails (:meth:`ledger.whatif.results.Replay.summary` or the measured ones) as the
+    answer shows them."""
     return ReplayTails(
-        **{k: _num(summary.get(k)) for k in METRICS},
-        preemptions=int(summary["preemptions"]),
-        requests=int(summary["requests"]),
+        **{k: _num(getattr(summary, k)) for k in METRICS},
+        preemptions=int(summary.preemptions),
+        requests=int(summary.requests),
     )
 
 
@@ -451,7 +452,7 @@ class Calibrated:
 
     base: EngineSettings
     long_tokens: int | None
-    predicted: dict[str, Any]
+    predicted: ReplaySummary
     record: Calibration
 
 
@@ -481,7 +482,7 @@ def calibrate(
     )
     measured = rec.summary(long_tokens)
     predicted = replay_setting(window, costing, base, deadline=deadline).summary(long_tokens)
-    error = {k: _rel(predicted.get(k), measured.get(k)) for k in CALIBRATED}
+    error = {k: _rel(getattr(predicted, k), getattr(measured, k)) for k in CALIBRATED}
     worst = max((abs(v) for v in error.values() if v is not None), default=None)
     record = Calibration(
         settings=settings_record(base),
@@ -546,7 +547,9 @@ def replay_candidates(
                 set=AskedSettings(**asked),
                 settings=settings_record(settings),
                 predicted=tails(summary),
-                relative=Relative(**{k: _rel(summary.get(k), calibrated.predicted.get(k)) for k in METRICS}),
+                relative=Relative(
+                    **{k: _rel(getattr(summary, k), getattr(calibrated.predicted, k)) for k in METRICS}
+                ),
                 meets=_meets(summary, query.itl_target_ms, query.ttft_target_ms),
                 extrapolated=coverage.outside(costing.fit, costing.attention),
                 frontier=False,
@@ -566,11 +569,11 @@ def _dominates(a: ReplayTails, b: ReplayTails) -> bool:
     return bool(keys) and all(x <= y for x, y in keys) and any(x < y for x, y in keys)
 
 
-def _meets(summary: Mapping[str, Any], itl_ms: float | None, ttft_ms: float | None) -> Meets | None:
+def _meets(summary: ReplaySummary, itl_ms: float | None, ttft_ms: float | None) -> Meets | None:
     out: dict[str, bool] = {}
-    if itl_ms is not None and summary.get("itl_p99_s") is not None:
-        out["itl"] = summary["itl_p99_s"] * 1e3 <= itl_ms
-    ttft = summary.get("short_ttft_p99_s") or summary.get("ttft_p99_s")
+    if itl_ms is not None and summary.itl_p99_s is not None:
+        out["itl"] = summary.itl_p99_s * 1e3 <= itl_ms
+    ttft = summary.short_ttft_p99_s or summary.ttft_p99_s
     if ttft_ms is not None and ttft is not None:
         out["ttft"] = ttft * 1e3 <= ttft_ms
     return Meets(**out) if out else None

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import sqlalchemy as sa
@@ -32,7 +31,7 @@ from ledger.analytics.answers import ModelTails
 from ledger.analytics.itl import decode_itl
 from ledger.analytics.window import Window
 from ledger.whatif.answer import Observed
-from ledger.whatif.results import quantile, ttft_tails
+from ledger.whatif.results import ReplaySummary, summarise
 from ledger.whatif.types import TraceRequest
 
 
@@ -56,15 +55,18 @@ class Recorded:
     def count(self) -> int:
         return sum(len(v) for v in self.requests.values())
 
-    def summary(self, long_prompt_tokens: int | None) -> dict[str, Any]:
-        """The measured tails, with the keys of :meth:`ledger.whatif.results.Replay.summary`."""
-        return {
-            "requests": self.count,
-            **ttft_tails(self.ttft_s, self.prompt_tokens, long_prompt_tokens),
-            "itl_p99_s": None if self.itl is None else self.itl.p99,
-            "e2e_p99_s": quantile(self.e2e_s, 0.99),
-            "preemptions": self.preemptions,
-        }
+    def summary(self, long_prompt_tokens: int | None) -> ReplaySummary:
+        """The measured tails, as :meth:`ledger.whatif.results.Replay.summary` gives a replay's (no
+        ``steps`` or ``simulated_s``)."""
+        return summarise(
+            self.ttft_s,
+            self.prompt_tokens,
+            self.e2e_s,
+            long_prompt_tokens,
+            itl_p99_s=None if self.itl is None else self.itl.p99,
+            preemptions=self.preemptions,
+            requests=self.count,
+        )
 
 
 def _cached(cached: int | None, prompt: int) -> int:
