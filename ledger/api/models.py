@@ -1,5 +1,5 @@
-"""The answers still described by pydantic models: the error bodies, the policy
-(whose model parses ``PUT /v1/policy`` too) and the what-if.
+"""The answers still described by pydantic models: the error bodies and the what-if. (The policy's
+answer, ``PolicyVersion``, is the policy store's: ``ledger.rules.policy_store``.)
 
 Every other answer is a record (:mod:`ledger.records`) whose schema is generated from it
 (:mod:`ledger.api.answers`). The models here are declared as ``response_model`` (small answers, checked
@@ -16,8 +16,6 @@ from typing import Any
 from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from pydantic.json_schema import SkipJsonSchema
-
-from ledger.rules.policy import Policy
 
 _ANY = TypeAdapter(Any)
 
@@ -74,14 +72,6 @@ class NotReady(ErrorBody):
     problems: list[str] = Field(description="what is wrong (the detail joins them)")
 
 
-# -- rules, commands, policy ------------------------------------------------------------------------
-class PolicyVersion(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    version: int = Field(description="one more with every accepted policy")
-    created_ts: float
-    origin: str = Field(description="where it came from: default, file or api")
-    policy: Policy
 
 
 # -- export -----------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ from fastapi.concurrency import run_in_threadpool
 
 from ledger.api import errors
 from ledger.api.deps import require
-from ledger.api.models import PolicyVersion
 from ledger.rules.policy import PolicyError, parse_policy
+from ledger.rules.policy_store import PolicyVersion
 from ledger.runaway import RunawayService
 
 router = APIRouter(prefix="/v1", tags=["rules"])
@@ -26,7 +26,7 @@ def runaway(request: Request) -> RunawayService:
     response_model=PolicyVersion,
     responses=errors.responses(*errors.AUTH),
 )
-async def get_policy(request: Request) -> dict[str, Any]:
+async def get_policy(request: Request) -> PolicyVersion:
     """The live policy: ``{"version", "created_ts", "origin", "policy"}``."""
     return runaway(request).policies.describe()
 

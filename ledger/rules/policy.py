@@ -38,9 +38,21 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    create_model,
+    field_validator,
+    model_serializer,
+)
+from pydantic.fields import FieldInfo
+from pydantic.json_schema import JsonDict
 
 Action = Literal["slow_pool", "non_preemptible"]
 
@@ -136,9 +148,54 @@ class CommandSettings(_Strict):
     ttl_s: float = Field(600.0, gt=0, description="stop re-sending an unconfirmed command after this")
 
 
+class _Partial(_Strict):
+    """Base of the partial settings (:func:`_partial`): a field not given is not set, and is left out
+    when the model is dumped (so a dumped override parses back to the same override)."""
+
+    @model_serializer(mode="wrap")
+    def _given(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
+
+
+def _no_default(schema: JsonDict) -> None:
+    schema.pop("default", None)  # a field not given keeps the value it overrides: it has no default
+
+
+def _partial(cls: type[_Strict]) -> Any:
+    """``cls`` with every field optional: the same names, types, constraints, descriptions and field
+    validators, nested settings partial too; unknown fields refused. Only the fields given are set."""
+    if cls.__pydantic_decorators__.model_validators:
+        raise TypeError(f"{cls.__name__}: model validators would not see a partial model's missing fields")
+    fields: dict[str, tuple[Any, FieldInfo]] = {}
+    for name, f in cls.model_fields.items():
+        kind, default = f.annotation, None
+        if isinstance(kind, type) and issubclass(kind, _Strict):
+            kind = _partial(kind)
+            default = kind()  # nested settings: none of their fields set
+        fields[name] = (kind, FieldInfo.merge_field_infos(f, default=default, json_schema_extra=_no_default))
+    validators: dict[str, classmethod[Any, Any, Any]] = {}
+    for d in cls.__pydantic_decorators__.field_validators.values():
+        own = d.func.__func__  # type: ignore[attr-defined]  # pydantic holds it bound to ``cls``
+        validators[d.cls_var_name] = field_validator(*d.info.fields, mode=d.info.mode)(classmethod(own))
+    return create_model(  # type: ignore[call-overload]
+        f"Partial{cls.__name__}",
+        __base__=_Partial,
+        __module__=__name__,
+        __doc__=f"Any subset of {cls.__name__}'s fields, merged over it.",
+        __validators__=validators,
+        **fields,
+    )
+
+
+PartialRuleSettings: Any = _partial(RuleSettings)
+PartialSloSettings: Any = _partial(SloSettings)
+
+
 class ModelOverride(_Strict):
-    rules: dict[str, Any] = {}
-    slo: dict[str, Any] = {}
+    """One model's overrides: any subset of ``[rules]`` and of ``[alerts.slo]``."""
+
+    rules: PartialRuleSettings = PartialRuleSettings()  # type: ignore[valid-type]
+    slo: PartialSloSettings = PartialSloSettings()  # type: ignore[valid-type]
 
 
 class Policy(_Strict):
@@ -147,39 +204,61 @@ class Policy(_Strict):
     alerts: AlertSettings = AlertSettings()
     commands: CommandSettings = CommandSettings()
 
-    @field_validator("models")
+    @field_validator("models", mode="wrap")
     @classmethod
-    def _overrides_validate(cls, v: dict[str, ModelOverride], info: Any) -> dict[str, ModelOverride]:
+    def _overrides_validate(
+        cls, v: Any, handler: ValidatorFunctionWrapHandler, info: Any
+    ) -> dict[str, ModelOverride]:
+        try:
+            models: dict[str, ModelOverride] = handler(v)
+        except ValidationError as exc:
+            raise ValueError(_override_errors(exc)) from None
         base = info.data.get("rules", RuleSettings())
-        for name, ov in v.items():
+        for name, ov in models.items():
             try:
-                _merge(RuleSettings, base, ov.rules)
-                _merge(SloSettings, SloSettings(), ov.slo)
+                _merge(base, ov.rules)
+                _merge(SloSettings(), ov.slo)
             except ValidationError as exc:
                 raise ValueError(f"models.{name}: {format_errors(exc)}") from None
-        return v
+        return models
 
     def rules_for(self, model: str | None) -> RuleSettings:
         ov = self.models.get(model or "")
-        return self.rules if ov is None or not ov.rules else _merge(RuleSettings, self.rules, ov.rules)
+        return self.rules if ov is None else _merge(self.rules, ov.rules)
 
     def slo_for(self, model: str | None) -> SloSettings:
         ov = self.models.get(model or "")
-        return self.alerts.slo if ov is None or not ov.slo else _merge(SloSettings, self.alerts.slo, ov.slo)
+        return self.alerts.slo if ov is None else _merge(self.alerts.slo, ov.slo)
 
 
-def _merge(cls: type[BaseModel], base: BaseModel, override: dict[str, Any]) -> Any:
+S = TypeVar("S", bound=_Strict)
+
+
+def _merge(base: S, override: _Partial) -> S:
+    """``base`` with the fields ``override`` sets (nested settings merged field by field), validated."""
+    if not override.model_fields_set:
+        return base
     data = base.model_dump()
-    for k, v in override.items():
-        if isinstance(v, dict) and isinstance(data.get(k), dict):
-            data[k] = {**data[k], **v}
-        else:
-            data[k] = v
-    return cls.model_validate(data)
+    for k, v in override.model_dump().items():  # only the fields it sets
+        data[k] = {**data[k], **v} if isinstance(v, dict) else v
+    return type(base).model_validate(data)
 
 
 class PolicyError(ValueError):
     """A policy that does not validate; the message names each field and the reason."""
+
+
+def _override_errors(exc: ValidationError) -> str:
+    """The errors of ``models`` as ``models.<name>: <field>: <reason>``, the field named within its
+    section (``rules`` or ``slo``) as the merged settings name it."""
+    parts = []
+    for e in exc.errors():
+        loc = [str(x) for x in e["loc"]]
+        if len(loc) > 2 and loc[1] in ("rules", "slo"):
+            del loc[1]
+        name, field = (f"models.{loc[0]}", ".".join(loc[1:])) if loc else ("models", "")
+        parts.append(f"{name}: {field}: {e['msg']}" if field else f"{name}: {e['msg']}")
+    return "; ".join(parts)
 
 
 def format_errors(exc: ValidationError) -> str:
@@ -232,5 +311,6 @@ def load_policy_file(path: str | Path) -> Policy:
         raise PolicyError(f"policy file {p}: {exc}") from None
 
 
-def policy_json(policy: Policy) -> dict[str, Any]:
-    return policy.model_dump(mode="json")
+def policy_json(policy: Policy) -> str:
+    """The policy as it is stored: JSON, keys sorted (a model's overrides: only the fields they set)."""
+    return json.dumps(policy.model_dump(mode="json"), sort_keys=True)

@@ -12,11 +12,22 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any
 
 import sqlalchemy as sa
+from pydantic import BaseModel, ConfigDict, Field
 
-from ledger.rules.policy import Policy, load_policy_file, parse_policy, policy_json
+from ledger.rules.policy import Policy, PolicyError, load_policy_file, parse_policy, policy_json
+
+
+class PolicyVersion(BaseModel):
+    """A policy version: ``GET /v1/policy`` answers the live one, ``PUT /v1/policy`` the one it stored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(description="one more with every accepted policy")
+    created_ts: float
+    origin: str = Field(description="where it came from: default, file or api")
+    policy: Policy
 
 
 class PolicyStore:
@@ -37,12 +48,14 @@ class PolicyStore:
         latest = self._latest()
         if latest is not None:
             self._set(*latest)
-        if file_policy is not None and policy_json(file_policy) != self._last_file_body():
+        if file_policy is not None and policy_json(file_policy) != self._last_file_json():
             self.put(file_policy, origin="file")  # a new or edited file wins; an unchanged one does not
         elif latest is None:
             self.put(Policy(), origin="default")
 
-    def _last_file_body(self) -> dict[str, Any] | None:
+    def _last_file_json(self) -> str | None:
+        """The newest version that came from the file, as ``policy_json`` writes it now (None: there is
+        none, or it no longer validates)."""
         if self.engine is None:
             return None
         with self.engine.connect() as conn:
@@ -51,7 +64,12 @@ class PolicyStore:
                     "SELECT body FROM policy_versions WHERE origin = 'file' ORDER BY version DESC LIMIT 1"
                 )
             ).scalar()
-        return json.loads(body) if body is not None else None
+        if body is None:
+            return None
+        try:
+            return policy_json(parse_policy(json.loads(body)))
+        except PolicyError:
+            return None
 
     def _latest(self) -> tuple[int, float, str, Policy] | None:
         if self.engine is None:
@@ -77,7 +95,7 @@ class PolicyStore:
         if self.engine is None:
             self._set(self.version + 1, now, origin, policy)
             return self.version
-        body = json.dumps(policy_json(policy), sort_keys=True)
+        body = policy_json(policy)
         for _ in range(5):  # another replica may take the same number: take the next one
             with self.engine.connect() as conn:
                 top = conn.execute(sa.text("SELECT max(version) FROM policy_versions")).scalar()
@@ -105,11 +123,8 @@ class PolicyStore:
         self._set(*latest)
         return True
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> PolicyVersion:
         with self._lock:
-            return {
-                "version": self.version,
-                "created_ts": self.created_ts,
-                "origin": self.origin,
-                "policy": policy_json(self.policy),
-            }
+            return PolicyVersion(
+                version=self.version, created_ts=self.created_ts, origin=self.origin, policy=self.policy
+            )

@@ -445,3 +445,39 @@ def test_a_decision_recorded_just_after_its_gateway_joined_targets_that_gateway(
     assert book.for_source("g0") == []
     ((_, later),) = book.record([Decision("r1", "stall_timeout", "abort", "d", "m", "e0", None, 2.0)])
     assert later.targets == {"e0": "engine"}  # the gateway finished it: no stream left to cut
+
+
+def test_policy_api_overrides_are_typed_partial_settings(db_url, tmp_path):
+    """An unknown override field is a 422 naming it (nothing stored); an accepted override is answered
+    as set (only its fields), matches the schema the document publishes, and a restart on the unchanged
+    file keeps its version."""
+    import jsonschema
+
+    pol = tmp_path / "policy.toml"
+    pol.write_text('[models."m".rules]\nstall_timeout_s = 0\nloop = { min_repeats = 3 }\n')
+    with TestClient(create_app(settings(db_url, policy_file=str(pol)))) as c:
+        cur = c.get("/v1/policy", headers=ADM).json()
+        assert cur["policy"]["models"] == {
+            "m": {"rules": {"stall_timeout_s": None, "loop": {"min_repeats": 3}}, "slo": {}}
+        }
+        for override, field in [
+            ({"rules": {"max_output_tokenz": 5}}, "models.m: max_output_tokenz"),
+            ({"slo": {"itl_p99": 0.1}}, "models.m: itl_p99"),
+        ]:
+            bad = c.put("/v1/policy", json={"models": {"m": override}}, headers=ADM)
+            assert bad.status_code == 422 and field in bad.json()["detail"], bad.text
+        assert c.get("/v1/policy", headers=ADM).json()["version"] == cur["version"]
+        doc = c.get("/openapi.json").json()
+        partial = doc["components"]["schemas"]["PartialRuleSettings"]
+        assert {"max_output_tokens", "stall_timeout_s", "loop", "near_loop"} <= set(partial["properties"])
+        answer = doc["paths"]["/v1/policy"]["put"]["responses"]["200"]["content"]["application/json"]
+        validator = jsonschema.Draft202012Validator({**answer["schema"], "components": doc["components"]})
+        models = {"m": {"rules": {"max_output_tokens": 9}, "slo": {"ttft_p99_s": 0.5}}, "n": {}}
+        new = c.put("/v1/policy", json={"models": models}, headers=ADM).json()
+        assert new["policy"]["models"] == {**models, "n": {"rules": {}, "slo": {}}}
+        validator.validate(new)
+        wrong = {**new, "policy": {**new["policy"], "models": {"m": {"rules": {"max_output_tokenz": 9}}}}}
+        assert not validator.is_valid(wrong)
+        assert c.get("/v1/policy", headers=ADM).json() == new
+    with TestClient(create_app(settings(db_url, policy_file=str(pol)))) as c:
+        assert c.get("/v1/policy", headers=ADM).json()["version"] == new["version"]  # the file unchanged

@@ -119,3 +119,60 @@ def test_policy_check_prints_the_effective_policy(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["models"]["m"]["rules"] == {"max_output_tokens": 9}
+
+
+def test_model_overrides_are_partial_settings_generated_from_the_full_ones():
+    from ledger.rules.policy import (
+        LoopSettings,
+        PartialRuleSettings,
+        PartialSloSettings,
+        RuleSettings,
+        SloSettings,
+    )
+
+    for partial, full in [(PartialRuleSettings, RuleSettings), (PartialSloSettings, SloSettings)]:
+        assert list(partial.model_fields) == list(full.model_fields)
+        for name, f in full.model_fields.items():
+            assert partial.model_fields[name].description == f.description
+        assert partial().model_dump() == {}  # nothing set: nothing overridden
+    nested = PartialRuleSettings.model_fields["loop"].annotation
+    assert list(nested.model_fields) == list(LoopSettings.model_fields)
+    schema = Policy.model_json_schema()["$defs"]
+    assert set(schema["PartialRuleSettings"]["properties"]) == set(RuleSettings.model_fields)
+    assert set(schema["PartialSloSettings"]["properties"]) == set(SloSettings.model_fields)
+    assert schema["PartialRuleSettings"]["additionalProperties"] is False
+    assert "required" not in schema["PartialRuleSettings"]
+    assert "default" not in schema["PartialRuleSettings"]["properties"]["max_output_tokens"]
+
+
+def test_an_override_keeps_only_the_fields_it_sets_and_parses_back_to_itself():
+    from ledger.rules.policy import parse_policy, policy_json
+
+    doc = {"models": {"m": {"rules": {"stall_timeout_s": 0, "loop": {"min_repeats": 3}}, "slo": {}}}}
+    p = parse_policy(doc)
+    dumped = p.model_dump(mode="json")["models"]
+    assert dumped == {"m": {"rules": {"stall_timeout_s": None, "loop": {"min_repeats": 3}}, "slo": {}}}
+    again = parse_policy(json.loads(policy_json(p)))
+    assert again == p and policy_json(again) == policy_json(p)
+    rules = again.rules_for("m")
+    assert rules.stall_timeout_s is None and rules.loop.min_repeats == 3
+    assert rules.loop.max_period == 512 and rules.max_output_tokens == 16384  # the rest: the defaults
+
+
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ({"rules": {"max_output_tokenz": 5}}, "models.m: max_output_tokenz: Extra inputs are not permitted"),
+        ({"rules": {"loop": {"min_repeatz": 5}}}, "models.m: loop.min_repeatz: Extra inputs"),
+        ({"slo": {"ttft_p99": 1.0}}, "models.m: ttft_p99: Extra inputs are not permitted"),
+        ({"rulez": {}}, "models.m: rulez: Extra inputs are not permitted"),
+        ({"rules": {"preemption_action": None}}, "models.m: preemption_action"),
+        ({"rules": {"near_loop": {"max_period": 3}}}, "models.m: near_loop.max_period"),  # < the base's min
+    ],
+)
+def test_an_override_field_that_is_unknown_or_invalid_is_refused_naming_it(override, names):
+    from ledger.rules.policy import parse_policy
+
+    with pytest.raises(PolicyError) as err:
+        parse_policy({"models": {"m": override}})
+    assert names in str(err.value)
