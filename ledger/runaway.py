@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from engine_hooks import events as ev
+from ledger.alerts import Alert, CutoffAlert, DataLossAlert, StarvationAlert
 from ledger.rules import rules as R
 from ledger.rules.commands import CommandBook, Pending
 from ledger.rules.engine import Decision, RuleEngine
@@ -176,7 +177,7 @@ class RunawayService:
         if now - self._last_slo >= policy.alerts.slo_check_interval_s:
             self._last_slo = now
             for alert in self.slo.check(policy, now):
-                self._alert("slo_breach", alert)
+                self._alert(alert)
         if now - self._last_refresh >= 5.0:
             self._last_refresh = now
             self.policies.refresh()
@@ -283,21 +284,21 @@ class RunawayService:
             self.metrics.cutoffs.labels(d.rule, d.action).inc()
             log.info("cutoff %s: %s -> %s on %s (%s)", p.command.id, d.rule, d.action, d.request_id, d.detail)
             alerts.append(
-                {
-                    "command_id": p.command.id,
-                    "request_id": d.request_id,
-                    "model": d.model,
-                    "rule": d.rule,
-                    "action": d.action,
-                    "detail": d.detail,
-                    "source_id": d.engine_source_id,
-                    "gateway_source_id": d.gateway_source_id,
-                    "decided_ts": d.decided_ts,
-                }
+                CutoffAlert(
+                    command_id=p.command.id,
+                    request_id=d.request_id,
+                    model=d.model,
+                    rule=d.rule,
+                    action=d.action,
+                    detail=d.detail,
+                    source_id=d.engine_source_id,
+                    gateway_source_id=d.gateway_source_id,
+                    decided_ts=d.decided_ts,
+                )
             )
         if alerts and self.webhooks is not None:
             try:
-                self.webhooks.emit_many("cutoff", alerts)
+                self.webhooks.emit_many(alerts)
             except Exception:
                 log.exception("could not queue the cutoff webhooks")
 
@@ -320,22 +321,20 @@ class RunawayService:
         m.source_dropped.labels(m.sources(source.id), m.reasons(reason)).inc(count)
         self._beside_intake(
             self._alert,
-            "data_loss",
-            {"source_id": source.id, "model": source.model, "count": count, "reason": reason, "ts": ts},
+            DataLossAlert(source_id=source.id, model=source.model, count=count, reason=reason, ts=ts),
         )
 
     def starving(self, r: R.LiveRequest, waited_s: float, now: float) -> None:
         bound = self.policies.get().alerts.starvation_wait_s
         self._alert(
-            "starvation",
-            {
-                "request_id": r.request_id,
-                "model": r.model,
-                "source_id": r.engine_source_id,
-                "waited_s": waited_s,
-                "bound_s": bound,
-                "preemptions": r.preemptions,
-            },
+            StarvationAlert(
+                request_id=r.request_id,
+                model=r.model,
+                source_id=r.engine_source_id,
+                waited_s=waited_s,
+                bound_s=bound,
+                preemptions=r.preemptions,
+            )
         )
 
     # -- command book hooks --------------------------------------------------------------------------
@@ -354,15 +353,15 @@ class RunawayService:
         if dead:
             m.webhook_dead.labels(event_type).inc()
 
-    def _alert(self, event_type: str, data: dict[str, Any], count: bool = True) -> None:
+    def _alert(self, alert: Alert, count: bool = True) -> None:
         if count:
-            self.metrics.alerts.labels(event_type).inc()
+            self.metrics.alerts.labels(alert.event_type).inc()
         if self.webhooks is None:
             return
         try:
-            self.webhooks.emit(event_type, data)
+            self.webhooks.emit(alert)
         except Exception:
-            log.exception("could not queue the %s webhook", event_type)
+            log.exception("could not queue the %s webhook", alert.event_type)
 
     # -- latency observations ------------------------------------------------------------------------
     def _observe_finished(self, now: float) -> None:

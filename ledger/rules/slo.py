@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from ledger.alerts import SloBreachAlert, SloMetric, SloState
+
 
 def itl_of(row: dict[str, object]) -> float | None:
     """Mean inter-token latency of a request: decode time over the gaps between its output tokens."""
@@ -32,9 +34,10 @@ class SloMonitor:
             dq = self.samples[model] = deque(maxlen=50_000)
         dq.append((now, ttft, itl))
 
-    def check(self, policy: Any, now: float) -> list[dict[str, Any]]:
+    def check(self, policy: Any, now: float) -> list[SloBreachAlert]:
         alerts = policy.alerts
         out = []
+        metric: SloMetric
         for model, dq in self.samples.items():
             while dq and dq[0][0] < now - alerts.slo_window_s:
                 dq.popleft()
@@ -48,7 +51,7 @@ class SloMonitor:
                 if len(values) < alerts.slo_min_samples:
                     continue
                 p99 = values[min(len(values) - 1, int(0.99 * len(values)))]
-                state = None
+                state: SloState | None = None
                 if key not in self.firing and p99 > target:
                     self.firing.add(key)
                     state = "firing"
@@ -57,14 +60,14 @@ class SloMonitor:
                     state = "resolved"
                 if state is not None:
                     out.append(
-                        {
-                            "model": model,
-                            "metric": metric,
-                            "state": state,
-                            "p99_s": p99,
-                            "target_s": target,
-                            "samples": len(values),
-                            "window_s": alerts.slo_window_s,
-                        }
+                        SloBreachAlert(
+                            model=model,
+                            metric=metric,
+                            state=state,
+                            p99_s=p99,
+                            target_s=target,
+                            samples=len(values),
+                            window_s=alerts.slo_window_s,
+                        )
                     )
         return out

@@ -1,10 +1,10 @@
 """Webhook subscriptions, the persistent outbox and its delivery worker.
 
-``emit(event_type, data)`` writes one outbox row per subscriber of that type, with the body already
-rendered in the subscriber's format (``json``: ``{"id", "type", "ts", "data"}``; ``text``: a Slack-
-compatible ``{"text": ...}``). The worker thread claims due rows with a lease (``UPDATE .. RETURNING``,
-so two replicas on one PostgreSQL never send the same row at once), POSTs them signed
-(``ledger.webhooks.signing``), logs every attempt in ``webhook_attempts`` and either marks the row
+``emit(alert)`` writes one outbox row per subscriber of the alert's event type (``ledger.alerts``),
+with the body already rendered in the subscriber's format (``json``: ``{"id", "type", "ts", "data"}``;
+``text``: a Slack-compatible ``{"text": ...}``). The worker thread claims due rows with a lease
+(``UPDATE .. RETURNING``, so two replicas on one PostgreSQL never send the same row at once), POSTs them
+signed (``ledger.webhooks.signing``), logs every attempt in ``webhook_attempts`` and either marks the row
 delivered (2xx), schedules a retry with exponential backoff and jitter, or, after ``max_attempts``,
 dead-letters it. Rows live in the database, so deliveries pending at a restart go out after it.
 """
@@ -17,49 +17,69 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
+import msgspec
 import sqlalchemy as sa
 
+from ledger.alerts import (
+    BODIES,
+    EVENT_TYPES,
+    Alert,
+    CutoffAlert,
+    DataLossAlert,
+    SloBreachAlert,
+    StarvationAlert,
+    TextBody,
+)
 from ledger.rows import Delivery, DeliveryAttempt, Webhook
 from ledger.webhooks.signing import HEADER, sign
 from ledger.webhooks.targets import TargetPolicy, TargetRefused
 
 log = logging.getLogger(__name__)
 
-EVENT_TYPES = ("cutoff", "slo_breach", "starvation", "data_loss")
 FORMATS = ("json", "text")
 
 
-def render_text(event_type: str, data: dict[str, Any]) -> str:
+def render_text(alert: Alert) -> str:
     """One line for chat tools (Slack's ``text`` field)."""
-    if event_type == "cutoff":
-        return (
-            f":scissors: chunkledger cut request `{data.get('request_id')}` "
-            f"({data.get('model') or 'unknown model'}): "
-            f"{data.get('rule')} -> {data.get('action')}, {data.get('detail')}"
-        )
-    if event_type == "slo_breach":
-        verb = "breached" if data.get("state") == "firing" else "recovered"
-        return (
-            f":rotating_light: chunkledger SLO {verb} for {data.get('model')}: {data.get('metric')} p99 "
-            f"{data.get('p99_s'):.3f} s vs target {data.get('target_s'):.3f} s over "
-            f"{data.get('samples')} requests"
-        )
-    if event_type == "starvation":
-        return (
-            f":hourglass: chunkledger: request `{data.get('request_id')}` "
-            f"({data.get('model') or 'unknown model'}) "
-            f"waiting {data.get('waited_s'):.1f} s (bound {data.get('bound_s'):g} s)"
-        )
-    if event_type == "data_loss":
-        return (
-            f":warning: chunkledger: source {data.get('source_id')} dropped {data.get('count')} events "
-            f"({data.get('reason')})"
-        )
-    return f"chunkledger {event_type}: {json.dumps(data, sort_keys=True)}"
+    match alert:
+        case CutoffAlert():
+            return (
+                f":scissors: chunkledger cut request `{alert.request_id}` "
+                f"({alert.model or 'unknown model'}): "
+                f"{alert.rule} -> {alert.action}, {alert.detail}"
+            )
+        case SloBreachAlert():
+            verb = "breached" if alert.state == "firing" else "recovered"
+            return (
+                f":rotating_light: chunkledger SLO {verb} for {alert.model}: {alert.metric} p99 "
+                f"{alert.p99_s:.3f} s vs target {alert.target_s:.3f} s over "
+                f"{alert.samples} requests"
+            )
+        case StarvationAlert():
+            return (
+                f":hourglass: chunkledger: request `{alert.request_id}` "
+                f"({alert.model or 'unknown model'}) "
+                f"waiting {alert.waited_s:.1f} s (bound {alert.bound_s:g} s)"
+            )
+        case DataLossAlert():
+            return (
+                f":warning: chunkledger: source {alert.source_id} dropped {alert.count} events "
+                f"({alert.reason})"
+            )
+    return f"chunkledger {alert.event_type}: {json.dumps(msgspec.to_builtins(alert), sort_keys=True)}"
+
+
+def _posted_body(alert: Alert, format: str, event_id: str, ts: float) -> str:
+    """The body posted for ``alert`` to a subscriber in ``format``: the json format's
+    ``{"data", "id", "ts", "type"}`` (keys sorted) or the text format's ``{"text"}``."""
+    if format == "text":
+        return json.dumps(msgspec.to_builtins(TextBody(text=render_text(alert))))
+    body = BODIES[type(alert)](id=event_id, ts=ts, data=alert)
+    return json.dumps(msgspec.to_builtins(body), sort_keys=True)
 
 
 class SubscriptionError(ValueError):
@@ -172,33 +192,31 @@ class Webhooks:
         return True
 
     # -- outbox ------------------------------------------------------------------------------------
-    def emit(self, event_type: str, data: dict[str, Any]) -> int:
-        """Queue ``data`` for every subscriber of ``event_type``; returns how many deliveries."""
-        return self.emit_many(event_type, [data])
+    def emit(self, alert: Alert) -> int:
+        """Queue ``alert`` for every subscriber of its event type; returns how many deliveries."""
+        return self.emit_many([alert])
 
-    def emit_many(self, event_type: str, items: list[dict[str, Any]]) -> int:
-        """Queue several events of one type in one transaction; returns how many deliveries."""
-        subs = self.subscriptions(event_type)
-        if not subs or not items:
+    def emit_many(self, alerts: Sequence[Alert]) -> int:
+        """Queue several alerts in one transaction, each for every subscriber of its event type;
+        returns how many deliveries."""
+        types = {a.event_type for a in alerts}
+        subs = [s for s in self.subscriptions() if types.intersection(s.event_types)]
+        if not subs:
             return 0
         now = self._clock()
         rows = []
-        for data in items:
+        for alert in alerts:
             event_id = uuid.uuid4().hex  # the same for every subscriber of this event
             for s in subs:
-                if s.format == "text":
-                    body = json.dumps({"text": render_text(event_type, data)})
-                else:
-                    body = json.dumps(
-                        {"id": event_id, "type": event_type, "ts": now, "data": data}, sort_keys=True
-                    )
+                if alert.event_type not in s.event_types:
+                    continue
                 rows.append(
                     {
                         "id": uuid.uuid4().hex,
                         "subscription_id": s.id,
-                        "event_type": event_type,
+                        "event_type": alert.event_type,
                         "event_id": event_id,
-                        "body": body,
+                        "body": _posted_body(alert, s.format, event_id, now),
                         "created_ts": now,
                         "next_attempt_ts": now,
                     }

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from bench.toolkit import free_port
 from engine_hooks import events as ev
+from ledger.alerts import EVENT_TYPES, CutoffAlert, DataLossAlert, SloBreachAlert, StarvationAlert
 from ledger.app import create_app
 from ledger.config import Settings
 from ledger.records import as_json
@@ -89,6 +90,17 @@ def _create(wh, **kw) -> dict:
     return as_json(wh.create(**kw))
 
 
+def _cutoff(request_id: str, **kw) -> CutoffAlert:
+    """A cutoff alert; the fields a test does not look at filled in."""
+    fields = {"command_id": "c1", "model": None, "rule": "loop", "action": "abort", "detail": "d"}
+    fields |= {"source_id": "e0", "gateway_source_id": None, "decided_ts": 1.0, **kw}
+    return CutoffAlert(request_id=request_id, **fields)
+
+
+def _data_loss(source_id: str, count: int = 1, reason: str = "queue_full") -> DataLossAlert:
+    return DataLossAlert(source_id=source_id, model=None, count=count, reason=reason, ts=1.0)
+
+
 def test_signature_verifies_and_rejects_tampering_wrong_secret_and_stale_timestamps():
     body = b'{"type": "cutoff"}'
     header = sign(SECRET, body, t=1_800_000_000)
@@ -136,8 +148,8 @@ def test_receiver_that_fails_three_times_gets_the_delivery_on_the_fourth_attempt
     store, wh, attempts = _webhooks(db_url, max_attempts=8)
     with Receiver(fail=3) as rx:
         sub = _create(wh, url=rx.url, secret=SECRET, event_types=["cutoff"])
-        assert wh.emit("cutoff", {"request_id": "r1", "rule": "loop", "action": "abort", "detail": "d"}) == 1
-        assert wh.emit("data_loss", {"source_id": "e0"}) == 0  # nobody subscribed to that
+        assert wh.emit(_cutoff("r1", rule="loop", action="abort", detail="d")) == 1
+        assert wh.emit(_data_loss("e0")) == 0  # nobody subscribed to that
         wh.start()
         try:
             assert wait_until(lambda: len(rx.received) == 1, 10)
@@ -157,7 +169,11 @@ def test_delivery_is_dead_lettered_after_max_attempts(db_url):
     store, wh, attempts = _webhooks(db_url, max_attempts=3)
     with Receiver(fail=100) as rx:
         wh.create(url=rx.url, secret=SECRET, event_types=["starvation"], format="text")
-        wh.emit("starvation", {"request_id": "r", "model": "m", "waited_s": 75.0, "bound_s": 60})
+        wh.emit(
+            StarvationAlert(
+                request_id="r", model="m", source_id="e0", waited_s=75.0, bound_s=60, preemptions=0
+            )
+        )
         wh.start()
         try:
             assert wait_until(lambda: _deliveries(wh)[0]["state"] == "dead", 10)
@@ -173,7 +189,7 @@ def test_delivery_is_dead_lettered_after_max_attempts(db_url):
 def test_unreachable_receiver_is_retried_and_logged_as_a_connection_error(db_url):
     store, wh, _ = _webhooks(db_url, max_attempts=2, timeout_s=1)
     wh.create(url=f"http://127.0.0.1:{free_port()}/nobody", secret=SECRET, event_types=["data_loss"])
-    wh.emit("data_loss", {"source_id": "e0", "count": 3, "reason": "spool_full"})
+    wh.emit(_data_loss("e0", count=3, reason="spool_full"))
     wh.start()
     try:
         assert wait_until(lambda: _deliveries(wh)[0]["state"] == "dead", 10)
@@ -187,14 +203,12 @@ def test_unreachable_receiver_is_retried_and_logged_as_a_connection_error(db_url
 def test_text_format_is_a_slack_compatible_message():
     from ledger.webhooks.outbox import render_text
 
-    msg = render_text(
-        "cutoff",
-        {"request_id": "r1", "model": "llama", "rule": "loop", "action": "abort", "detail": "period 3"},
-    )
+    msg = render_text(_cutoff("r1", model="llama", rule="loop", action="abort", detail="period 3"))
     assert "r1" in msg and "loop" in msg and "period 3" in msg
     slo = render_text(
-        "slo_breach",
-        {"model": "m", "metric": "ttft", "state": "firing", "p99_s": 2.5, "target_s": 2.0, "samples": 40},
+        SloBreachAlert(
+            model="m", metric="ttft", state="firing", p99_s=2.5, target_s=2.0, samples=40, window_s=300.0
+        )
     )
     assert "breached" in slo and "2.500" in slo
 
@@ -216,7 +230,7 @@ def test_slo_breach_fires_once_and_resolves_with_hysteresis():
     assert mon.check(pol, now) == []
     for _ in range(5):
         mon.add("m", now, 1.5, None)  # p99 now above the target
-    (fired,) = mon.check(pol, now)
+    (fired,) = as_json(mon.check(pol, now))
     assert (fired["metric"], fired["state"], fired["p99_s"]) == ("ttft", "firing", 1.5)
     assert mon.check(pol, now) == []  # still breached: no repeat
     # the slow ones age out; p99 at 0.9 is under the target but not under 0.8 * target: keeps firing
@@ -227,7 +241,7 @@ def test_slo_breach_fires_once_and_resolves_with_hysteresis():
     now += 101
     for _ in range(20):
         mon.add("m", now, 0.7, None)
-    (resolved,) = mon.check(pol, now)
+    (resolved,) = as_json(mon.check(pol, now))
     assert resolved["state"] == "resolved"
 
 
@@ -326,11 +340,11 @@ def test_pending_deliveries_go_out_after_a_ledger_restart(db_url, tmp_path):
 def test_deleting_a_subscription_dead_letters_its_pending_deliveries(db_url):
     store, wh, _ = _webhooks(db_url)
     sub = _create(wh, url=f"http://127.0.0.1:{free_port()}/x", secret=SECRET, event_types=["cutoff"])
-    wh.emit("cutoff", {"request_id": "r"})
+    wh.emit(_cutoff("r"))
     assert wh.delete(sub["id"]) and not wh.delete(sub["id"])
     (d,) = _deliveries(wh)
     assert d["state"] == "dead" and d["last_error"] == "subscription deleted"
-    assert wh.emit("cutoff", {"request_id": "r2"}) == 0
+    assert wh.emit(_cutoff("r2")) == 0
     store.close()
 
 
@@ -447,7 +461,7 @@ def test_a_name_that_rebinds_to_loopback_after_registration_is_refused_at_delive
     store, wh, _ = _webhooks(db_url, max_attempts=2, targets=TargetPolicy.parse("", resolver=resolve))
     with Receiver() as rx:
         wh.create(url=f"http://rebind.example:{rx.port}/hook", secret=SECRET, event_types=["data_loss"])
-        wh.emit("data_loss", {"source_id": "e0"})
+        wh.emit(_data_loss("e0"))
         wh.start()
         try:
             assert wait_until(lambda: _deliveries(wh)[0]["state"] == "dead", 10)
@@ -465,7 +479,7 @@ def test_a_delivery_connects_to_the_address_it_checked_and_names_the_host_in_the
     store, wh, _ = _webhooks(db_url, targets=TargetPolicy.parse("127.0.0.1/32", resolver=resolve))
     with Receiver() as rx:
         wh.create(url=f"http://hooks.example:{rx.port}/hook", secret=SECRET, event_types=["data_loss"])
-        wh.emit("data_loss", {"source_id": "e0"})
+        wh.emit(_data_loss("e0"))
         wh.start()
         try:
             assert wait_until(lambda: len(rx.received) == 1, 10)
@@ -473,3 +487,93 @@ def test_a_delivery_connects_to_the_address_it_checked_and_names_the_host_in_the
             wh.stop()
     assert rx.hosts == [f"hooks.example:{rx.port}"]
     store.close()
+
+
+# Each alert and its ``data`` as the outbox built it before the alerts were records (a dict per event
+# type, ``json.dumps``ed): the signed bodies must stay byte for byte what they were.
+ALERT_DATA = [
+    (
+        _cutoff("r1", command_id="c9", model="m", detail="period 3 x 40", decided_ts=1.7e9 + 0.125),
+        {
+            "command_id": "c9",
+            "request_id": "r1",
+            "model": "m",
+            "rule": "loop",
+            "action": "abort",
+            "detail": "period 3 x 40",
+            "source_id": "e0",
+            "gateway_source_id": None,
+            "decided_ts": 1.7e9 + 0.125,
+        },
+    ),
+    (
+        SloBreachAlert(
+            model="m", metric="itl", state="resolved", p99_s=0.1, target_s=0.2, samples=20, window_s=300.0
+        ),
+        {
+            "model": "m",
+            "metric": "itl",
+            "state": "resolved",
+            "p99_s": 0.1,
+            "target_s": 0.2,
+            "samples": 20,
+            "window_s": 300.0,
+        },
+    ),
+    (
+        StarvationAlert(
+            request_id="q", model=None, source_id="e1", waited_s=61.5, bound_s=60.0, preemptions=2
+        ),
+        {
+            "request_id": "q",
+            "model": None,
+            "source_id": "e1",
+            "waited_s": 61.5,
+            "bound_s": 60.0,
+            "preemptions": 2,
+        },
+    ),
+    (
+        _data_loss("e2", count=7, reason="spool_full"),
+        {"source_id": "e2", "model": None, "count": 7, "reason": "spool_full", "ts": 1.0},
+    ),
+]  # fmt: skip
+
+
+def test_the_posted_bodies_are_byte_for_byte_what_the_outbox_wrote_before_the_alerts_were_records(db_url):
+    from ledger.alerts import AlertBody, TextBody
+    from ledger.webhooks.outbox import render_text
+
+    store, wh, _ = _webhooks(db_url, clock=lambda: 1_800_000_000.25)
+    for fmt in ("json", "text"):
+        _create(wh, url="http://127.0.0.1:9/h", secret=SECRET, event_types=list(EVENT_TYPES), format=fmt)
+    assert wh.emit_many([alert for alert, _ in ALERT_DATA]) == 2 * len(ALERT_DATA)
+    with store.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT o.event_type, o.event_id, o.body, s.format FROM webhook_outbox o "
+                "JOIN webhook_subscriptions s ON s.id = o.subscription_id"
+            )
+        ).all()
+    assert len(rows) == 2 * len(ALERT_DATA)
+    for alert, data in ALERT_DATA:
+        (json_row,) = [r for r in rows if r.event_type == alert.event_type and r.format == "json"]
+        (text_row,) = [r for r in rows if r.event_type == alert.event_type and r.format == "text"]
+        assert json_row.event_id == text_row.event_id  # one event, two subscribers
+        before = {"id": json_row.event_id, "type": alert.event_type, "ts": 1_800_000_000.25, "data": data}
+        assert json_row.body == json.dumps(before, sort_keys=True)
+        assert text_row.body == json.dumps({"text": render_text(alert)})
+        # and each decodes as its published record
+        assert msgspec.json.decode(json_row.body, type=AlertBody).data == alert
+        assert msgspec.json.decode(text_row.body, type=TextBody).text == render_text(alert)
+    store.close()
+
+
+def test_each_event_type_renders_its_own_text_line():
+    from ledger.webhooks.outbox import render_text
+
+    lines = [render_text(alert) for alert, _ in ALERT_DATA]
+    assert lines[0].startswith(":scissors:") and "`r1` (m): loop -> abort, period 3 x 40" in lines[0]
+    assert "SLO recovered for m: itl p99 0.100 s vs target 0.200 s over 20 requests" in lines[1]
+    assert "`q` (unknown model) waiting 61.5 s (bound 60 s)" in lines[2]
+    assert "source e2 dropped 7 events (spool_full)" in lines[3]
