@@ -286,7 +286,7 @@ class CommandBook:
         """Count a delivery. Only the first one to each target is written at once (its delivered
         timestamp); re-send counts reach ``cutoffs.deliveries`` on the ticker (``flush``) and at close."""
         now = self._clock()
-        first: list[dict[str, Any]] = []
+        first: list[tuple[str, int, bool]] = []  # (command id, sends, to the request's gateway)
         with self._lock:
             for c in commands:
                 p = self.by_id.get(c.id)
@@ -295,14 +295,12 @@ class CommandBook:
                 p.sends += 1
                 if source_id not in p.delivered:
                     p.delivered.add(source_id)
-                    first.append(
-                        {"now": now, "id": c.id, "n": p.sends, "gw": p.targets.get(source_id) == "gateway"}
-                    )
+                    first.append((c.id, p.sends, p.targets.get(source_id) == "gateway"))
                     p.stored_sends = p.sends
         if first and self.engine is not None:
             with self._db_lock, self.engine.begin() as conn:
                 for gw in (False, True):
-                    rows = [r for r in first if r["gw"] is gw]
+                    rows = [{"now": now, "id": cid, "n": n} for cid, n, to_gw in first if to_gw is gw]
                     if rows:
                         col = "gateway_delivered_ts" if gw else "delivered_ts"
                         values_update(
