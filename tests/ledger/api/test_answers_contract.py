@@ -309,9 +309,9 @@ def _strict_violations(doc: dict[str, Any], schema: Any, where: str, seen: set[s
 # The wire contract's answers (``engine_hooks.events``): sources decode them leniently on purpose, so a
 # newer ledger may add a field without breaking older exporters.
 LENIENT = {"IngestResponse", "CommandsResponse", "Command"}
-# Answers not yet strict (issue 36): each one typed leaves this list, and nothing joins it. A model's
-# overrides are partial rule settings (parsed by the policy's pydantic model); a delivery's body is what
-# was posted, whose ``data`` differs by event type.
+# Answers not yet strict (issue 36): each one typed leaves this list, and nothing joins it. A delivery's
+# body is what was posted: an alert's body tagged by ``type`` (``ledger.alerts``) or a text body with no
+# tag, a union msgspec cannot decode or describe.
 NOT_YET_RECORDS = {
     "GET /v1/webhooks/deliveries": ["Delivery.body"],
 }
