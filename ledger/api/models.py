@@ -72,7 +72,5 @@ class NotReady(ErrorBody):
     problems: list[str] = Field(description="what is wrong (the detail joins them)")
 
 
-
-
 # -- export -----------------------------------------------------------------------------------------
 PARQUET = "application/vnd.apache.parquet"  # GET /v1/export/{table}.parquet
