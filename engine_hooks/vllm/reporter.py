@@ -242,32 +242,24 @@ class Reporter(HookState):
         (``admission_step_target_s``) needs every request's attention work, or when vLLM's block lists
         or preemption method cannot be reached (:mod:`.compat`).
         """
-        states = self._cl_states
         step = self._cl_step
         self._cl_step = step + 1
-        for rid in output.preempted_req_ids:
-            st = states.get(rid)
-            if st is None or st.state == PREEMPTED:
-                continue
-            if st.pending:
-                self._cl_flush(rid, st, ts)
-            req = self.requests.get(rid)
-            self._e_preempted(ts, st.ext, st.held, st.computed)
-            st.state = PREEMPTED
-            st.fast = False
-            st.waiting_since = now
-            st.out_at_preempt = req.num_output_tokens if req is not None else st.output
-            st.blocks = 0
-            st.kv = None
+        if output.preempted_req_ids:
+            self._cl_report_preempted(output.preempted_req_ids, now, ts)
         scheduled = output.num_scheduled_tokens
-        if not scheduled:
-            self._cl_steps[id(output)] = None
-            return
+        record = self._cl_step_record(output, step, now, ts, started) if scheduled else None
+        self._cl_steps[id(output)] = record
+        if len(self._cl_steps) > 64:  # outputs never passed back (should not happen): forget them
+            del self._cl_steps[next(iter(self._cl_steps))]
+
+    def _cl_step_record(self, output: Any, step: int, now: float, ts: float, started: float) -> StepRecord:
+        """The step's record (its ``step`` event once its outputs are in); sends its chunks."""
+        states = self._cl_states
+        scheduled = output.num_scheduled_tokens
         spec = output.scheduled_spec_decode_tokens
         requests = self.requests
-        kv_lists = self._cl_kv
         fast = self._cl_fast and not self.options.admission_step_target_s
-        chunk_rows = []
+        chunk_rows: list[tuple[Any, ...]] = []
         ids: list[str] = []
         rids: list[str] = []  # with step_tokens only (the default path pays nothing for them)
         outs: list[int] = []
@@ -285,38 +277,8 @@ class Reporter(HookState):
                 req = requests.get(rid)
                 if req is None:
                     continue
-                computed = req.num_computed_tokens
-                before = computed - n
-                if st.state != RUNNING:
-                    if st.state == PREEMPTED:
-                        self._e_resumed(ts, st.ext, now - st.waiting_since, before, st.out_at_preempt)
-                    st.state = RUNNING
-                kv = None
-                if kv_lists is not None:
-                    kv = st.kv = kv_lists.get(rid)
-                    blocks = len(kv) if kv is not None else 0
-                else:
-                    blocks = st.blocks = -(-computed // self._cl_block_size)
-                st.computed = computed
-                if before < req.num_prompt_tokens or (n > 1 and rid not in spec):
-                    hw = st.hw
-                    first = st.chunks == 0
-                    chunk_rows.append(
-                        (
-                            ts,
-                            st.ext,
-                            step,
-                            n,
-                            before,
-                            (min(computed, hw) - before) if hw > before else 0,
-                            before if first else 0,
-                            blocks,
-                            req.num_preemptions,
-                            vllm_stamp(req, SCHEDULED, now) - st.queued_t if first else None,
-                        )
-                    )
-                    st.chunks += 1
-                    st.fast = False
+                before = self._cl_place(st, req, n, rid in spec, step, ts, now, fast, chunk_rows)
+                if before is not None:  # a prefill chunk
                     prefill_tokens += n
                     n_prefill += 1
                     depth += n * before
@@ -326,10 +288,7 @@ class Reporter(HookState):
                 else:
                     decode_tokens += n
                     n_decode += 1
-                    work += n * before
-                    st.fast = fast and kv is not None and not st.streamed
-                if computed > st.hw:
-                    st.hw = computed
+                    work += n * (st.computed - n)
             ids.append(st.ext)
             if in_step:
                 rids.append(rid)
@@ -338,23 +297,10 @@ class Reporter(HookState):
             st.sat_out = 0
         if chunk_rows:
             self._e_chunk.many(chunk_rows)
-        stalled_ids = []
-        stalled_blocks = []
-        if len(self.running) != len(scheduled):  # every request scheduled is running: none sat out
-            for req in self.running:
-                rid = req.request_id
-                if rid in scheduled:
-                    continue
-                st = states.get(rid)
-                if st is not None:
-                    blocks = st.held
-                    if blocks:
-                        st.sat_out += 1
-                        stalled_ids.append(st.ext)
-                        stalled_blocks.append(blocks)
+        stalled_ids, stalled_blocks = self._cl_stalled(scheduled)
         n_running, n_waiting = self.get_request_counts()
         usage = self.kv_cache_manager.usage
-        self._cl_steps[id(output)] = StepRecord(
+        return StepRecord(
             ts,
             step,
             started,
@@ -374,8 +320,99 @@ class Reporter(HookState):
             rids,
             outs,
         )
-        if len(self._cl_steps) > 64:  # outputs never passed back (should not happen): forget them
-            del self._cl_steps[next(iter(self._cl_steps))]
+
+    def _cl_report_preempted(self, preempted: Any, now: float, ts: float) -> None:
+        """Send a ``preempted`` event for each request vLLM preempted while scheduling this step."""
+        states = self._cl_states
+        for rid in preempted:
+            st = states.get(rid)
+            if st is None or st.state == PREEMPTED:
+                continue
+            if st.pending:
+                self._cl_flush(rid, st, ts)
+            req = self.requests.get(rid)
+            self._e_preempted(ts, st.ext, st.held, st.computed)
+            st.state = PREEMPTED
+            st.fast = False
+            st.waiting_since = now
+            st.out_at_preempt = req.num_output_tokens if req is not None else st.output
+            st.blocks = 0
+            st.kv = None
+
+    def _cl_place(
+        self,
+        st: Any,
+        req: Any,
+        n: int,
+        speculative: bool,
+        step: int,
+        ts: float,
+        now: float,
+        fast: bool,
+        chunk_rows: list[tuple[Any, ...]],
+    ) -> int | None:
+        """A request scheduled ``n`` tokens off the fast path: its state brought up to date (resumed,
+        its blocks and computed tokens), its chunk row added when it runs a prefill chunk. Returns where
+        the chunk starts (its computed tokens before it); None for a decode."""
+        computed = req.num_computed_tokens
+        before = computed - n
+        if st.state != RUNNING:
+            if st.state == PREEMPTED:
+                self._e_resumed(ts, st.ext, now - st.waiting_since, before, st.out_at_preempt)
+            st.state = RUNNING
+        kv = None
+        kv_lists = self._cl_kv
+        if kv_lists is not None:
+            kv = st.kv = kv_lists.get(req.request_id)
+            blocks = len(kv) if kv is not None else 0
+        else:
+            blocks = st.blocks = -(-computed // self._cl_block_size)
+        st.computed = computed
+        hw = st.hw
+        if computed > hw:
+            st.hw = computed
+        if before < req.num_prompt_tokens or (n > 1 and not speculative):
+            first = st.chunks == 0
+            chunk_rows.append(
+                (
+                    ts,
+                    st.ext,
+                    step,
+                    n,
+                    before,
+                    (min(computed, hw) - before) if hw > before else 0,
+                    before if first else 0,
+                    blocks,
+                    req.num_preemptions,
+                    vllm_stamp(req, SCHEDULED, now) - st.queued_t if first else None,
+                )
+            )
+            st.chunks += 1
+            st.fast = False
+            return before
+        st.fast = fast and kv is not None and not st.streamed
+        return None
+
+    def _cl_stalled(self, scheduled: Any) -> tuple[list[str], list[int]]:
+        """The running requests this step left out that hold KV blocks (their KV sits idle), and the
+        blocks each holds."""
+        stalled_ids: list[str] = []
+        stalled_blocks: list[int] = []
+        if len(self.running) == len(scheduled):  # every request scheduled is running: none sat out
+            return stalled_ids, stalled_blocks
+        states = self._cl_states
+        for req in self.running:
+            rid = req.request_id
+            if rid in scheduled:
+                continue
+            st = states.get(rid)
+            if st is not None:
+                blocks = st.held
+                if blocks:
+                    st.sat_out += 1
+                    stalled_ids.append(st.ext)
+                    stalled_blocks.append(blocks)
+        return stalled_ids, stalled_blocks
 
     # -- after update_from_output(): tokens, finishes, the step ---------------------------------------
 
