@@ -17,21 +17,24 @@ them. A row is one request in one step (about one output token). Per row, for ea
 The candidates:
 
 * ``json``: today's body (``Batch``, msgspec JSON, step columns of schema 2).
-* ``arrow-all`` / ``arrow-new``: a msgpack envelope (source, versions, the ids, the rare events as
-  the contract's own Structs) around one Arrow IPC stream: one record batch, one row per step, its
-  scalar columns, and the per-(request, step) rows as list<int32> columns (request keys, token counts,
-  token totals, token ids, stalled keys and their KV blocks): flattened, those lists are the row table
-  and their offsets the step index.
-* ``msgpack-all`` / ``msgpack-new``: the same envelope and layout, the columns as msgpack bin fields of
-  little-endian arrays (Arrow's buffers without the IPC framing).
+* ``arrow-all`` / ``arrow-new``: a msgpack envelope (source, versions, the ids, the events other than
+  steps as the contract's own Structs) around one Arrow IPC record batch message (the schema is fixed
+  by the wire version, so not sent): one row per step, its scalar columns, and the per-(request, step)
+  rows as list<int32> columns (request keys, token counts, token totals, token ids, stalled keys and
+  their KV blocks): flattened, those lists are the row table and their offsets the step index.
+* ``msgpack-all`` / ``msgpack-new``: the same envelope and the same columns as three little-endian
+  blocks in one bin field (int64, float64, int32; each type's columns side by side, so one numpy call
+  checks a block), that is Arrow's buffers without the IPC framing.
 
 ``-all``: request keys are per message (0..k-1 in order of first use) and every message carries the
 ids of all the requests it names; ``-new``: keys are per (source, producer run) and a message carries
 only the ids not sent before (both sides keep a book, and forget a request at its ``finished``).
 
-Figures are medians of ``--reps`` runs in which the candidates alternate (the machine is shared: read
-them as ratios). ``--imports`` (default on) also reports what importing pyarrow costs an engine process
-and whether vLLM imports it already.
+Times are CPU time of this process (``time.process_time``: the machine is shared, and wall time would
+count the other work's turns), medians of ``--reps`` runs in which the candidates alternate: read them
+as ratios. From the sizes the bench also fits each figure as a fixed cost a message plus a cost a row.
+``--imports`` (default on) reports what pyarrow would cost an engine process (import time, RSS, size
+installed) and whether vLLM's engine core imports it already.
 
     python -m bench.wire [--steps-per-message 8,16,64] [--steps 1024] [--running 256] [--seed 0]
                          [--reps 7] [--json PATH] [--no-imports]
@@ -367,6 +370,7 @@ LISTS = (
 COLUMN = {"request_ids": "request_keys", "stalled_request_ids": "stalled_keys", **{n: n for n in LISTS[2:]}}
 COLUMNS = tuple(COLUMN[n] for n in LISTS)
 FIELD = {v: k for k, v in COLUMN.items()}  # column -> the Step field it carries (for errors)
+ID_LISTS = ("request_ids", "stalled_request_ids")
 _STEP_ORDER = (*SCALARS, *LISTS)
 _I64, _F64, _I32 = np.dtype("<i8"), np.dtype("<f8"), np.dtype("<i4")
 
@@ -448,20 +452,23 @@ class Packed:
     i32: bytes | memoryview
 
 
-def pack_steps(seq: list[int], cols: dict[str, Sequence[Any]], values: dict[str, list[int]]) -> Packed:
-    """``cols``: the scalar columns and the per-step lists (for their lengths); ``values``: each list
-    column flattened (the id lists as keys). Raises ``struct.error`` for a value outside its type."""
-    i32 = list(chain(*(cols[c] for c in I32)))
-    for name in LISTS:
-        i32 += accumulate(map(len, cols[name]), initial=0)
-    for name in LISTS:
-        i32 += values[name]
+def pack_steps(seq: list[int], cols: dict[str, Sequence[Any]], keys: dict[str, list[int]]) -> Packed:
+    """``cols``: the scalar columns and the per-step lists; ``keys``: the two id lists' keys, flattened.
+    One ``struct.pack`` a block, straight from the steps' own lists. Raises ``struct.error`` for a
+    value outside its type."""
+    n = len(seq)
+    counts = [len(keys[name]) if name in keys else sum(map(len, cols[name])) for name in LISTS]
+    i32 = chain(
+        *(cols[c] for c in I32),
+        *(accumulate(map(len, cols[name]), initial=0) for name in LISTS),
+        *(keys[name] if name in keys else chain.from_iterable(cols[name]) for name in LISTS),
+    )
     return Packed(
-        len(seq),
-        [len(values[n]) for n in LISTS],
-        pack("q", [*seq, *cols["step"], *cols["prefill_depth_tokens"]]),
-        pack("d", [*chain(*(cols[c] for c in F64))]),
-        pack("i", i32),
+        n,
+        counts,
+        struct.pack(f"<{3 * n}q", *seq, *cols["step"], *cols["prefill_depth_tokens"]),
+        struct.pack(f"<{3 * n}d", *cols["ts"], *cols["duration_s"], *cols["kv_usage"]),
+        struct.pack(f"<{7 * n + 6 * (n + 1) + sum(counts)}i", *i32),
     )
 
 
@@ -701,7 +708,8 @@ class _Envelope(msgspec.Struct, kw_only=True):
 
 
 class ArrowMessage(_Envelope, kw_only=True):
-    steps: memoryview  # an Arrow IPC stream: one record batch, one row per step (ARROW_SCHEMA)
+    steps: memoryview  # an Arrow IPC record batch message, one row per step, of ARROW_SCHEMA (fixed by
+    # the wire version, so not sent: an IPC stream would add the schema message to every body)
 
 
 class PackedSteps(msgspec.Struct, array_like=True):
@@ -767,10 +775,9 @@ class ColumnarEncoder:
     def __call__(self, entries: list[Entry]) -> bytes:
         flat, self.next_seq = flatten(entries, self.next_seq)
         cols = flat.cols
-        values = {n: list(chain.from_iterable(cols[n])) for n in LISTS}
-        keyed = self.keys.assign(values["request_ids"], values["stalled_request_ids"])
-        values["request_ids"], values["stalled_request_ids"], ids, base = keyed
-        packed = pack_steps(flat.seq, cols, values)
+        runners, stalled = (list(chain.from_iterable(cols[n])) for n in ID_LISTS)
+        rkeys, skeys, ids, base = self.keys.assign(runners, stalled)
+        packed = pack_steps(flat.seq, cols, dict(zip(ID_LISTS, (rkeys, skeys), strict=True)))
         # What the worker checks before it sends (today it decodes its own JSON against the contract).
         if self.check and not steps_ok(Steps.view(packed)):
             raise ValueError("a step breaks the contract")  # the worker would drop it, as today
@@ -785,11 +792,9 @@ class ColumnarEncoder:
             "id_offsets": memoryview(id_offsets),
             "events": flat.events,
         }
-        if self.arrow:
-            sink = pa.BufferOutputStream()
-            with pa.ipc.new_stream(sink, ARROW_SCHEMA) as writer:
-                writer.write_batch(_arrow_batch(packed))
-            body = _envelope_encoder.encode(ArrowMessage(**head, steps=memoryview(sink.getvalue())))
+        if self.arrow:  # the record batch's IPC message alone: the schema is the wire version's
+            ipc = memoryview(_arrow_batch(packed).serialize())
+            body = _envelope_encoder.encode(ArrowMessage(**head, steps=ipc))
         else:
             blob = b"".join((packed.i64, packed.f64, packed.i32))
             steps = PackedSteps(packed.n, packed.counts, memoryview(blob))
@@ -1023,9 +1028,7 @@ class ColumnarDecoder:
 
     @staticmethod
     def _arrow(steps: memoryview) -> Steps:
-        batch = pa.ipc.open_stream(pa.py_buffer(_aligned(steps))).read_next_batch()
-        if not batch.schema.equals(ARROW_SCHEMA):
-            raise ValueError(f"schema {batch.schema} is not the wire's")
+        batch = pa.ipc.read_record_batch(pa.py_buffer(_aligned(steps)), ARROW_SCHEMA)
         batch.validate()
         cols = batch.columns
         n = batch.num_rows
@@ -1058,10 +1061,9 @@ def columns_from_batch(batch: ev.Batch) -> Columns:
     get = operator.attrgetter(*_STEP_ORDER)
     cols: list[Sequence[Any]] = list(zip(*map(get, steps), strict=True)) if steps else [()] * len(_STEP_ORDER)
     by_name = dict(zip(_STEP_ORDER, cols, strict=True))
-    values = {n: list(chain.from_iterable(by_name[n])) for n in LISTS}
-    keyed = MessageKeys().assign(values["request_ids"], values["stalled_request_ids"])
-    values["request_ids"], values["stalled_request_ids"], ids, _ = keyed
-    packed = pack_steps([e.seq for e in steps], by_name, values)
+    runners, stalled = (list(chain.from_iterable(by_name[n])) for n in ID_LISTS)
+    rkeys, skeys, ids, _ = MessageKeys().assign(runners, stalled)
+    packed = pack_steps([e.seq for e in steps], by_name, dict(zip(ID_LISTS, (rkeys, skeys), strict=True)))
     names = pa.array(ids, pa.string())
     return Columns(batch.source, Steps.view(packed), events, names.take, names)
 
@@ -1463,6 +1465,23 @@ def summarise(samples: dict[int, dict[str, dict[str, list[float]]]]) -> dict[int
     return out
 
 
+def fit(summary: dict[int, dict[str, dict[str, Any]]], rows_per_message: dict[int, float]) -> dict[str, Any]:
+    """Each candidate's encode, decode and decode + fold as ``fixed µs a message + ns a row``, a least
+    squares line through the sizes' medians (ns/row = fixed / rows a message + per row)."""
+    sizes = sorted(summary)
+    if len(sizes) < 2:
+        return {}
+    x = np.array([1.0 / rows_per_message[n] for n in sizes])
+    out: dict[str, Any] = {}
+    for name in summary[sizes[0]]:
+        out[name] = {}
+        for metric in ("encode", "decode", "fold"):
+            y = np.array([summary[n][name][metric] for n in sizes])
+            slope, intercept = np.polyfit(x, y, 1)
+            out[name][metric] = {"per_message_us": slope / 1000, "per_row_ns": intercept}
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
 # The engine side's dependency weight.
 
@@ -1488,13 +1507,21 @@ print(json.dumps(out))
 """
 
 
+def _installed_mb(module: Any) -> float:
+    from pathlib import Path
+
+    root = Path(module.__file__).parent
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) / 2**20
+
+
 def import_costs(reps: int = 3, vllm: bool = True) -> dict[str, Any]:
     """Importing pyarrow (and pyarrow.ipc) in a fresh interpreter: after the exporter's own imports
-    (msgspec, numpy), and after vLLM's engine core (what an engine process has loaded); medians."""
+    (msgspec, numpy), and after vLLM's engine core (what an engine process has loaded); medians. And
+    the size installed of pyarrow beside msgspec's."""
     bases = {"exporter (msgspec, numpy)": ["msgspec", "numpy", "engine_hooks.exporter"]}
     if vllm:
         bases["vLLM engine core (vllm.v1.engine.core)"] = ["msgspec", "numpy", "vllm", "vllm.v1.engine.core"]
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"installed_mb": {"pyarrow": _installed_mb(pa), "msgspec": _installed_mb(msgspec)}}
     for label, base in bases.items():
         runs = []
         for _ in range(reps):
@@ -1601,12 +1628,26 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarise(samples)
     per_msg = {n: rows / len(traffic.messages(n)[1]) for n in sizes}
     print(table(summary, per_msg, args.reps))
+    lines = fit(summary, per_msg)
+    if lines:
+        print(f"\nfitted over the sizes: fixed µs a message + ns a row ({', '.join(map(str, sizes))} steps)")
+        print(f"  {'':14s}" + "".join(f"{m:>24s}" for m in ("exporter encode", "decode", "decode + fold")))
+        for name, got in lines.items():
+            cells = "".join(
+                f"{got[m]['per_message_us']:>9.0f} µs + {got[m]['per_row_ns']:>5.0f} ns"
+                for m in ("encode", "decode", "fold")
+            )
+            print(f"  {name:14s}{cells}")
     imports: dict[str, Any] = {}
     if args.imports:
         say("import probe (fresh interpreters)")
         imports = import_costs()
         print("\nengine side: importing pyarrow + pyarrow.ipc (medians of 3 fresh interpreters)")
+        sizes_mb = imports["installed_mb"]
+        print(f"  installed: pyarrow {sizes_mb['pyarrow']:.0f} MB, msgspec {sizes_mb['msgspec']:.1f} MB")
         for label, got in imports.items():
+            if label == "installed_mb":
+                continue
             if "error" in got:
                 print(f"  after {label}: failed: {got['error']}")
                 continue
@@ -1633,6 +1674,7 @@ def main(argv: list[str] | None = None) -> None:
                     },
                     "content_types": {c.name: c.content_type for c in cands},
                     "medians": {str(n): v for n, v in summary.items()},
+                    "fit": lines,
                     "samples": {str(n): v for n, v in samples.items()},
                     "imports": imports,
                 },
