@@ -159,7 +159,7 @@ def main() -> None:
         for _ in range(50):
             tokens.many([(ts, rid, 1, 7) for rid in rids])
         started = time.perf_counter_ns()
-        prepared = exporter._prepare(exporter._take(50 * RUNNING))
+        prepared = exporter._prepare(exporter.take(50 * RUNNING))
         worker_ns = min(worker_ns, (time.perf_counter_ns() - started) / (50 * RUNNING))
         assert sum(p.events for p in prepared) == 50 * RUNNING
         reset()
@@ -206,7 +206,7 @@ def main() -> None:
                     ([1] * RUNNING, [7] * RUNNING, [1234] * RUNNING) if name == "columnar" else ([], [], [])
                 )
                 full_step(ts, k, 0.01, RUNNING, list(rids), *cols)
-            taken = exporter._take(10_000_000)
+            taken = exporter.take(10_000_000)
             started = time.perf_counter_ns()
             exporter._prepare(taken)
             best = min(best, (time.perf_counter_ns() - started) / (48 * RUNNING))

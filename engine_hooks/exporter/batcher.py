@@ -39,7 +39,7 @@ from collections import deque
 from engine_hooks.config import ExporterConfig
 from engine_hooks.exporter.encode import Encoder, Prepared, merge_records
 from engine_hooks.exporter.logonce import LogOnce, log
-from engine_hooks.exporter.queue import EventQueue
+from engine_hooks.exporter.queue import WorkerQueue
 from engine_hooks.exporter.stats import Counters
 from engine_hooks.exporter.transport import Outcome, backoff
 from engine_hooks.exporter.window import FRESH, HELD, SPOOLED, Job, Senders
@@ -55,7 +55,7 @@ class Batcher:
         self,
         *,
         config: ExporterConfig,
-        queue: EventQueue,
+        queue: WorkerQueue,
         spool: Spool | None,
         encoder: Encoder,
         senders: Senders,
@@ -67,7 +67,6 @@ class Batcher:
     ):
         self._config = config
         self._queue = queue
-        self._entries = queue._queue  # the deque the engine thread appends to
         self.spool = spool
         self.encoder = encoder
         self._senders = senders
@@ -101,8 +100,8 @@ class Batcher:
         """Nothing left to deliver: no event queued, numbered, in flight or spooled."""
         return not (
             self._in_cycle
-            or self._entries
-            or self._queue._drops_pending
+            or self._queue.pending()
+            or self._queue.marker_due()
             or self._held
             or self._ready
             or self._inflight
@@ -128,7 +127,7 @@ class Batcher:
         if inflight and inflight[0].done:
             return 0.0
         flush = self._config.flush_interval_s
-        if not (self._backlog() or self._entries or self._ready):
+        if not (self._backlog() or self._queue.pending() or self._ready):
             return flush
         now = time.monotonic()
         wait = self._down_until - now
@@ -138,7 +137,7 @@ class Batcher:
             return flush if inflight else 0.0
         if len(inflight) >= self._max_in_flight:
             return flush
-        if self._ready or self._queue._queued() >= self._batch_size:
+        if self._ready or self._queue.pending() >= self._batch_size:
             return 0.0
         if inflight:  # a partial batch follows the ones in flight on the flush timer
             return min(flush, max(self._next_partial - now, 0.001))
@@ -161,7 +160,7 @@ class Batcher:
 
     def _cycle(self, until: float) -> None:
         """Step the worker until it has to wait (for an answer, the backoff or events) or ``until``."""
-        self._queue._place_marker()
+        self._queue.place_marker()
         while time.monotonic() < until and not self._stop.is_set() and self._step(final=False):
             pass
 
@@ -173,7 +172,7 @@ class Batcher:
         the spool.
         """
         deadline = self.send_deadline
-        self._queue._place_marker(force=True)
+        self._queue.place_marker(force=True)
         while True:
             if self._step(final=True):
                 continue
@@ -186,12 +185,12 @@ class Batcher:
             self._wake.wait(remaining)  # a sender sets it when an answer arrives
             self._wake.clear()
         lost = sum(p.events for p in self._held) + sum(p.events for p in self._ready)
-        lost += self._queue._queued()
+        lost += self._queue.pending()
         if lost:
-            self._queue._discard()
+            self._queue.discard()
             self._held.clear()
             self._ready.clear()
-            self._queue._record_drop("shutdown", lost, report=False)
+            self._queue.record_drop("shutdown", lost, report=False)
             self.shutdown_ok = False
             log.error(
                 "chunkledger exporter %s: %d events could be neither delivered nor spooled at shutdown",
@@ -252,7 +251,7 @@ class Batcher:
                 if (
                     inflight
                     and not self._held  # the spool took the last one: held batches would pile up
-                    and self._queue._queued() >= self._queue._queue_size // 2
+                    and self._queue.pending() >= self._config.queue_size // 2
                 ):
                     if not self._ready:
                         self._fill_ready()
@@ -263,7 +262,7 @@ class Batcher:
             if inflight:
                 return progressed  # their outcomes come first, so that the spool stays in seq order
             # the ledger is backing off (or shutdown's send deadline passed): keep fresh batches
-            if not self._ready and not self._held and self._entries:
+            if not self._ready and not self._held and self._queue.pending():
                 self._fill_ready()
                 progressed = True
             if self._ready:
@@ -273,9 +272,9 @@ class Batcher:
         if len(self._inflight) >= self._max_in_flight:
             return progressed
         if not self._ready:
-            if not self._entries:
+            if not self._queue.pending():
                 return progressed
-            partial = self._queue._queued() < self._batch_size
+            partial = self._queue.pending() < self._batch_size
             if self._inflight and partial and now < self._next_partial:
                 return progressed  # a partial batch behind others waits for the flush timer
             self._next_partial = now + self._config.flush_interval_s
@@ -286,7 +285,7 @@ class Batcher:
         return True
 
     def _fill_ready(self) -> None:
-        self._ready.extend(self.encoder.prepare(self._queue._take(self._batch_size * _TAKE_CHUNKS)))
+        self._ready.extend(self.encoder.prepare(self._queue.take(self._batch_size * _TAKE_CHUNKS)))
 
     def _submit(
         self, kind: int, prepared: Prepared, attempts: int, end: SpoolPos | None = None, records: int = 1
@@ -311,7 +310,7 @@ class Batcher:
             )
             torn_records, torn_events = spool.take_torn()
             if torn_records:
-                self._queue._record_drop("spool_torn", torn_events)
+                self._queue.record_drop("spool_torn", torn_events)
             if got.records:
                 body, used, events = merge_records(got.records)
                 end = got.ends[used - 1] if used < len(got.records) else got.end
@@ -328,7 +327,7 @@ class Batcher:
         if self._held:
             self._submit(HELD, self._held[0], 1)
             return True
-        self._queue._set_overflow_reason("queue_full")
+        self._queue.count_overflow_as("queue_full")
         return False
 
     # -- outcomes ---------------------------------------------------------------------------------
@@ -403,7 +402,7 @@ class Batcher:
                     logging.ERROR, "spool_write", "chunkledger exporter: cannot write the spool: %s", exc
                 )
         self._held.append(prepared)
-        self._queue._set_overflow_reason("spool_full" if self.spool is not None else "queue_full")
+        self._queue.count_overflow_as("spool_full" if self.spool is not None else "queue_full")
 
     def _enter_down(self, hint: float | None) -> None:
         """The ledger did not take a batch: try again only after a growing, jittered delay."""

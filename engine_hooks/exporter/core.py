@@ -88,13 +88,13 @@ class Exporter(EventQueue):
         # the spool folder, so a restart with the spool is the same producer.
         self._producer_key = spool.producer_key() if spool is not None else new_producer_key()
         seq_start = config.seq_start if config.seq_start is not None else time.time_ns() // 1000
-        self._encoder = Encoder(self._source, config.batch_size, seq_start, log_once, self._record_drop)
+        self._encoder = Encoder(self._source, config.batch_size, seq_start, log_once, self.record_drop)
         senders = Senders(
             count=config.max_in_flight,
             name=f"chunkledger-sender-{self._source.id}",
             transport=Transport(config, self._counters, log_once, producer_key=self._producer_key),
             counters=self._counters,
-            record_drop=self._record_drop,
+            record_drop=self.record_drop,
             hand_over=self._commands,
             wake=self._wake,
             stop=self._stop,

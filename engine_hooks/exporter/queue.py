@@ -8,7 +8,7 @@ placing the drop marker) is the slow path, ``_admit``, under ``_lock``.
 
 Drops happen here when the queue is full (the worker cannot keep up, or it is holding back because the
 ledger is down and the spool is full or disabled) and after shutdown; the worker reports the others
-(``_record_drop``). Each is counted by reason, and the next batch carries a ``dropped`` marker event
+(``record_drop``). Each is counted by reason, and the next batch carries a ``dropped`` marker event
 (one per reason, each with a seq of its own) so the ledger shows the hole.
 """
 
@@ -80,13 +80,45 @@ MARKER = Layout(Dropped, ("ts", "reason", "count", "first_ts"), _build_marker, T
 _KEYWORD_LAYOUTS: dict[type[Any], Layout] = {}
 
 
+class WorkerQueue(Protocol):
+    """What the worker (``batcher.py``) does with the queue; ``EventQueue`` is the implementation."""
+
+    def pending(self) -> int:
+        """Events waiting to be taken (a many-entry counts its rows)."""
+        ...
+
+    def marker_due(self) -> bool:
+        """Drops were counted that no marker in the queue reports yet."""
+        ...
+
+    def take(self, max_events: int) -> list[tuple[Layout, Any]]:
+        """Remove and return the oldest entries, up to about ``max_events`` events."""
+        ...
+
+    def place_marker(self, force: bool = False) -> None:
+        """Queue the drop marker that is due, if any and if there is room (else the next emit does)."""
+        ...
+
+    def record_drop(self, reason: str, n: int, report: bool = True) -> None:
+        """Count ``n`` events lost past the queue; ``report``: a marker tells the ledger."""
+        ...
+
+    def count_overflow_as(self, reason: str) -> None:
+        """The reason an emit on a full queue is dropped under ("queue_full", "spool_full")."""
+        ...
+
+    def discard(self) -> int:
+        """Empty the queue; the events it held."""
+        ...
+
+
 class EventQueue:
     """A bounded FIFO of ``(layout, values)`` entries that never blocks and never raises on emit.
 
     ``_extra`` counts the events of ``many`` entries beyond one per entry, so ``len(_queue) + _extra``
     is the number of events queued. ``_limit`` is the fast path's threshold: below it an emit only
     appends; at it (a full batch, a full queue, a drop marker to place, shutdown) emit takes ``_admit``.
-    The worker takes entries from the other end (``_take``).
+    The worker takes entries from the other end (``take``); ``WorkerQueue`` is all it uses.
     """
 
     _queue: deque[tuple[Layout, Any]]
@@ -233,8 +265,9 @@ class EventQueue:
         self._drops_pending = {}
         return rows
 
-    def _record_drop(self, reason: str, n: int, report: bool = True) -> None:
-        """A drop found by the worker: counted now, marker placed at the worker's next cycle."""
+    def record_drop(self, reason: str, n: int, report: bool = True) -> None:
+        """A drop found past the queue (worker, senders, encoder): counted now; unless ``report`` is
+        False, a marker is placed by the next emit or the worker's next cycle."""
         if n <= 0:
             return
         with self._lock:
@@ -243,13 +276,17 @@ class EventQueue:
             logging.WARNING, f"drop:{reason}", "chunkledger exporter: dropped %d events (%s)", n, reason
         )
 
-    # -- the worker's side ------------------------------------------------------------------------
+    # -- the worker's side (WorkerQueue) ----------------------------------------------------------
 
-    def _queued(self) -> int:
-        """Events waiting in the queue."""
+    def pending(self) -> int:
+        """Events waiting to be taken (a many-entry counts its rows)."""
         return len(self._queue) + self._extra
 
-    def _place_marker(self, force: bool = False) -> None:
+    def marker_due(self) -> bool:
+        """Drops were counted that no marker in the queue reports yet."""
+        return bool(self._drops_pending)
+
+    def place_marker(self, force: bool = False) -> None:
         """Queue a drop marker the engine thread has not placed yet (e.g. the engine went idle).
 
         ``force`` (shutdown's last cycle): even past the queue's size, and the fast path stays closed.
@@ -270,8 +307,9 @@ class EventQueue:
         else:
             self._limit = self._batch_size
 
-    def _take(self, max_events: int) -> list[tuple[Layout, Any]]:
-        """Worker: take the oldest entries, up to about ``max_events`` events (a many-entry is whole)."""
+    def take(self, max_events: int) -> list[tuple[Layout, Any]]:
+        """Remove and return the oldest entries, up to about ``max_events`` events (a many-entry is
+        whole)."""
         queue = self._queue
         entries = []
         taken = extra = 0
@@ -289,9 +327,17 @@ class EventQueue:
             self._rearm_locked()
         return entries
 
-    def _set_overflow_reason(self, reason: str) -> None:
-        """Worker: what a drop on a full queue is counted as ("spool_full" while it holds batches back)."""
+    def count_overflow_as(self, reason: str) -> None:
+        """What a drop on a full queue is counted as ("spool_full" while the worker holds batches back
+        because the spool is full, else "queue_full")."""
         self._overflow_reason = reason
+
+    def discard(self) -> int:
+        """Shutdown, when nothing more can be sent or spooled: empty the queue; the events it held."""
+        lost = len(self._queue) + self._extra
+        self._queue.clear()
+        self._extra = 0
+        return lost
 
     def _close_queue(self) -> bool:
         """Shutdown: later emits are counted as dropped ("shutdown"). False when it was closed already."""
@@ -300,10 +346,3 @@ class EventQueue:
             self._closed = True
             self._limit = 0
         return first
-
-    def _discard(self) -> int:
-        """Shutdown, when nothing more can be sent or spooled: empty the queue; the events it held."""
-        lost = len(self._queue) + self._extra
-        self._queue.clear()
-        self._extra = 0
-        return lost
