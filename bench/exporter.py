@@ -64,6 +64,7 @@ def main() -> None:
         spool_dir=tempfile.mkdtemp(prefix="chunkledger-bench-"),
     )
     exporter = Exporter(config)
+    queue = exporter._queue  # the worker's side of it (take, discard); the worker does not run here
     tokens = exporter.emitter(Tokens, "ts", "request_id", "count", "total")
     step = exporter.emitter(Step, "ts", "step", "duration_s", "running")
     groups = exporter.emitter(Tokens, "ts", "request_id", "count", "total", "token_ids")
@@ -84,8 +85,7 @@ def main() -> None:
     raw: deque[tuple[str, float, int, int]] = deque()
 
     def reset() -> None:
-        exporter._queue.clear()
-        exporter._extra = 0
+        queue.discard()
 
     def raw_step() -> None:
         ts = time.time()
@@ -159,7 +159,7 @@ def main() -> None:
         for _ in range(50):
             tokens.many([(ts, rid, 1, 7) for rid in rids])
         started = time.perf_counter_ns()
-        prepared = exporter._prepare(exporter.take(50 * RUNNING))
+        prepared = exporter._prepare(queue.take(50 * RUNNING))
         worker_ns = min(worker_ns, (time.perf_counter_ns() - started) / (50 * RUNNING))
         assert sum(p.events for p in prepared) == 50 * RUNNING
         reset()
@@ -206,7 +206,7 @@ def main() -> None:
                     ([1] * RUNNING, [7] * RUNNING, [1234] * RUNNING) if name == "columnar" else ([], [], [])
                 )
                 full_step(ts, k, 0.01, RUNNING, list(rids), *cols)
-            taken = exporter.take(10_000_000)
+            taken = queue.take(10_000_000)
             started = time.perf_counter_ns()
             exporter._prepare(taken)
             best = min(best, (time.perf_counter_ns() - started) / (48 * RUNNING))

@@ -14,14 +14,15 @@ Shape (OpenTelemetry's BatchProcessor, plus a disk spool and a window of POSTs i
 
 One concept per module:
 
-* ``queue``: the bounded event queue and the emit fast path (``emitter``, ``emit``, admission, drops);
+* ``queue``: the bounded event queue and the emit fast path (``emitter``, ``emit``, admission, drops),
+  and ``WorkerQueue``, all the worker may do with it;
 * ``encode``: numbering and encoding (``Prepared``), merging spooled batches (``merge_records``);
 * ``batcher``: the worker thread (the in-flight window, spool replay, settling outcomes in order);
 * ``window``: the jobs in flight and the sender threads that POST them;
 * ``transport``: one POST and its status rules, with retries (``Outcome``, ``SendResult``);
 * ``commands``: the command long-poller and de-duplicator (the gateway's too);
 * ``stats``: ``ExporterStats`` and the counters; ``logonce``: rate-limited logging;
-* ``core``: ``Exporter``, which wires them, and the process life cycle (fork, exit).
+* ``core``: ``Exporter``, which holds the queue and wires the rest, and the process life cycle (fork, exit).
 
 The spool is ``engine_hooks.spool``; the Prometheus view of the stats is ``engine_hooks.metrics``.
 """

@@ -56,6 +56,7 @@ class Batcher:
         *,
         config: ExporterConfig,
         queue: WorkerQueue,
+        owner: object,
         spool: Spool | None,
         encoder: Encoder,
         senders: Senders,
@@ -67,6 +68,9 @@ class Batcher:
     ):
         self._config = config
         self._queue = queue
+        # The exporter lives as long as its worker runs, as when it was the queue itself: a host may
+        # keep only its emitters, and the fork and exit hooks (core._live) hold exporters weakly.
+        self._owner = owner
         self.spool = spool
         self.encoder = encoder
         self._senders = senders

@@ -1,8 +1,10 @@
 """``Exporter``: one source's events from its hooks to the ledger, wired from the parts of this package.
 
-The exporter is the event queue the engine thread emits into (``queue.py``) and owns the rest: the
-worker (``batcher.py``), its sender threads (``window.py``) with their transport (``transport.py``),
-the command poller and de-duplicator (``commands.py``), the spool and the counters (``stats.py``).
+The exporter owns the event queue the engine thread emits into (``queue.py``: its ``emitter`` and
+``emit`` are the queue's, so emitting costs no more than appending to it) and the rest: the worker
+(``batcher.py``, which takes from the queue as a ``WorkerQueue``), its sender threads (``window.py``)
+with their transport (``transport.py``), the command poller and de-duplicator (``commands.py``), the
+spool and the counters (``stats.py``).
 It also handles the process life cycle: a forked child becomes a new source, and every live exporter
 is shut down at exit.
 """
@@ -17,7 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import httpx
@@ -29,7 +31,7 @@ from engine_hooks.exporter.batcher import Batcher
 from engine_hooks.exporter.commands import CommandCallback, CommandDeduper, CommandPoller
 from engine_hooks.exporter.encode import Encoder, Prepared
 from engine_hooks.exporter.logonce import LogOnce, log
-from engine_hooks.exporter.queue import EventQueue, Layout
+from engine_hooks.exporter.queue import Emitter, EventQueue, Layout
 from engine_hooks.exporter.stats import Counters, ExporterStats
 from engine_hooks.exporter.transport import Transport, request_headers
 from engine_hooks.exporter.window import Senders
@@ -38,7 +40,13 @@ from engine_hooks.spool import Spool, SpoolError, new_producer_key
 _live: weakref.WeakSet[Exporter] = weakref.WeakSet()
 
 
-class Exporter(EventQueue):
+class KeywordEmit(Protocol):
+    """``Exporter.emit``: one event by keyword."""
+
+    def __call__(self, kind: type[Any], **fields: Any) -> None: ...
+
+
+class Exporter:
     """Sends one source's events to the ledger; see the package docstring.
 
     ``on_command`` is called on a sender or the command-poll thread with each ``Command`` from the ledger
@@ -46,6 +54,10 @@ class Exporter(EventQueue):
     engine drains) and return.
     ``registry``: a ``prometheus_client.CollectorRegistry`` to expose the self-metrics in.
     """
+
+    emit: KeywordEmit
+    """``emit(kind, **fields)``: emit one event by keyword (``ts`` defaults to now). Slower than an
+    emitter; never raises. The queue's own method (``EventQueue.emit``), so it costs no extra call."""
 
     def __init__(
         self,
@@ -57,9 +69,12 @@ class Exporter(EventQueue):
         self.config = config
         self._on_command = on_command
         self._source = Source(id=config.source_id, kind=config.source_kind, model=config.model)
-        self._init_queue(config.queue_size, config.batch_size)
         self._log = LogOnce()
         self._holders: list[Callable[[], None]] = []  # see hold_back
+        self._wake = threading.Event()  # wakes the worker: a full batch, an answer, flush, shutdown
+        # Emitters hold the queue (never replaced): a forked child restarts it (_after_fork_in_child).
+        self._queue = EventQueue(config.queue_size, config.batch_size, self._wake, self._log)
+        self.emit = self._queue.emit
         self._init_state(self._open_spool())
         self._start()
         _live.add(self)
@@ -76,10 +91,9 @@ class Exporter(EventQueue):
         return cls(ExporterConfig.from_env(**overrides), on_command=on_command, registry=registry)
 
     def _init_state(self, spool: Spool | None) -> None:
-        """State that a forked child re-creates: the queue's counters, the worker and its parts."""
+        """State that a forked child re-creates: the worker and its parts."""
         config, log_once = self.config, self._log
         self._stop = threading.Event()
-        self._reset_queue(threading.Event())
         self._shutdown_started = False
         self._spool = spool
         self._counters = Counters()
@@ -88,13 +102,13 @@ class Exporter(EventQueue):
         # the spool folder, so a restart with the spool is the same producer.
         self._producer_key = spool.producer_key() if spool is not None else new_producer_key()
         seq_start = config.seq_start if config.seq_start is not None else time.time_ns() // 1000
-        self._encoder = Encoder(self._source, config.batch_size, seq_start, log_once, self.record_drop)
+        self._encoder = Encoder(self._source, config.batch_size, seq_start, log_once, self._queue.record_drop)
         senders = Senders(
             count=config.max_in_flight,
             name=f"chunkledger-sender-{self._source.id}",
             transport=Transport(config, self._counters, log_once, producer_key=self._producer_key),
             counters=self._counters,
-            record_drop=self.record_drop,
+            record_drop=self._queue.record_drop,
             hand_over=self._commands,
             wake=self._wake,
             stop=self._stop,
@@ -102,7 +116,8 @@ class Exporter(EventQueue):
         )
         self._batcher = Batcher(
             config=config,
-            queue=self,
+            queue=self._queue,
+            owner=self,
             spool=spool,
             encoder=self._encoder,
             senders=senders,
@@ -145,6 +160,17 @@ class Exporter(EventQueue):
     @property
     def source(self) -> Source:
         return self._source
+
+    def emitter(self, kind: type[Any], *fields: str) -> Emitter:
+        """A fast emit function for ``kind`` taking ``fields`` positionally.
+
+        ``tokens = exporter.emitter(Tokens, "ts", "request_id", "count", "total")`` then
+        ``tokens(ts, rid, 3, 10)`` for one event or ``tokens.many([(ts, rid, 3, 10), ...])`` for many.
+        Leave ``"ts"`` out to have the wall clock read at emit time. ``seq`` is never passed.
+        Raises ValueError here (at setup) for unknown or missing fields; emitting never raises.
+        Values (lists too) must not be mutated after they are emitted.
+        """
+        return self._queue.emitter(kind, *fields)
 
     def _prepare(self, entries: Iterable[tuple[Layout, Any]]) -> list[Prepared]:
         """Number and encode queue entries (the worker's step; ``bench/exporter.py`` times it)."""
@@ -206,7 +232,7 @@ class Exporter(EventQueue):
         batcher = self._batcher
         if not self._shutdown_started:
             self._release_held()
-        first = self._close_queue()
+        first = self._queue.close()
         self._shutdown_started = True
         if first:
             batcher.send_deadline = time.monotonic() + 0.8 * max(0.0, timeout)  # then spool the rest
@@ -250,7 +276,7 @@ class Exporter(EventQueue):
         next_seq, first_seq = encoder.next_seq, encoder.first_seq
         return ExporterStats(
             source_id=self._source.id,
-            queued=len(self._queue) + self._extra,
+            queued=self._queue.pending(),
             numbered=next_seq - first_seq,
             last_seq=next_seq - 1 if next_seq > first_seq else None,
             sent=sent,
@@ -264,7 +290,7 @@ class Exporter(EventQueue):
             spool_bytes=spool.size_bytes if spool is not None else 0,
             spool_pending=spool.pending_events if spool is not None else 0,
             spool_torn_records=spool.torn_records if spool is not None else 0,
-            dropped=dict(self._dropped),
+            dropped=self._queue.dropped(),
             commands=self._commands.handed if self._commands is not None else 0,
             last_success_ts=last_success_ts,
         )
@@ -277,8 +303,7 @@ class Exporter(EventQueue):
         The parent keeps sending what it had queued; the child must neither re-send it nor share the
         parent's sequence numbers, HTTP connection or spool folder.
         """
-        was_closed = self._closed
-        self._queue.clear()  # the same deque object: emitters hold a reference to it
+        was_closed = self._queue.closed
         self._source = Source(
             id=f"{self.config.source_id[:100]}-{os.getpid()}",
             kind=self._source.kind,
@@ -286,10 +311,11 @@ class Exporter(EventQueue):
         )
         self.config = msgspec.structs.replace(self.config, source_id=self._source.id, seq_start=None)
         self._log = LogOnce()
+        self._wake = threading.Event()
+        self._queue.restart(self._wake, self._log)  # the same queue object: emitters hold it
         if was_closed:
             self._init_state(None)
-            self._closed = self._shutdown_started = True
-            self._limit = 0
+            self._shutdown_started = True
             return
         try:
             spool = self._open_spool()

@@ -10,6 +10,10 @@ Drops happen here when the queue is full (the worker cannot keep up, or it is ho
 ledger is down and the spool is full or disabled) and after shutdown; the worker reports the others
 (``record_drop``). Each is counted by reason, and the next batch carries a ``dropped`` marker event
 (one per reason, each with a seq of its own) so the ledger shows the hole.
+
+The worker sees the queue only as a ``WorkerQueue``: it takes entries, places markers, records drops
+and says what an overflow counts as. The exporter that owns the queue also closes it, reads its drop
+counts and restarts it in a forked child.
 """
 
 from __future__ import annotations
@@ -118,39 +122,36 @@ class EventQueue:
     ``_extra`` counts the events of ``many`` entries beyond one per entry, so ``len(_queue) + _extra``
     is the number of events queued. ``_limit`` is the fast path's threshold: below it an emit only
     appends; at it (a full batch, a full queue, a drop marker to place, shutdown) emit takes ``_admit``.
-    The worker takes entries from the other end (``take``); ``WorkerQueue`` is all it uses.
+    The worker takes entries from the other end (``take``). ``wake`` is set at a full batch; ``log``
+    reports a failed emit.
     """
 
-    _queue: deque[tuple[Layout, Any]]
-    _log: LogOnce
-
-    def _init_queue(self, queue_size: int, batch_size: int) -> None:
-        self._queue = deque()  # emitters hold a reference to it: it is never replaced
+    def __init__(self, queue_size: int, batch_size: int, wake: threading.Event, log: LogOnce):
+        self._queue: deque[tuple[Layout, Any]] = deque()  # emitters hold it: never replaced
         self._queue_size = queue_size
         self._batch_size = batch_size
+        self._closed = False
+        self._reset(wake, log)
 
-    def _reset_queue(self, wake: threading.Event) -> None:
-        """State that a forked child re-creates (the deque itself is cleared, not replaced)."""
+    def _reset(self, wake: threading.Event, log: LogOnce) -> None:
+        """The state a forked child starts afresh (the deque and ``_closed`` stay)."""
         self._lock = threading.Lock()  # guards _extra, _limit, drops; the fast path takes no lock
         self._extra = 0  # events in queued many-entries beyond one per entry
-        self._limit = self._batch_size  # fast-path threshold: at it, emit takes the slow path
-        self._closed = False
+        self._limit = 0 if self._closed else self._batch_size  # at it, emit takes the slow path
         self._overflow_reason = "queue_full"  # drop reason while the queue is full; "spool_full" when the
         # worker holds batches back because the spool is full
         self._drops_pending: dict[str, list[float]] = {}  # reason -> [count, first_ts]
         self._dropped: dict[str, int] = {}
         self._wake = wake  # wakes the worker (a full batch)
+        self._log = log
 
     # -- the engine thread ------------------------------------------------------------------------
 
     def emitter(self, kind: type[Any], *fields: str) -> Emitter:
-        """A fast emit function for ``kind`` taking ``fields`` positionally.
+        """A fast emit function for ``kind`` taking ``fields`` positionally (``Exporter.emitter``).
 
-        ``tokens = exporter.emitter(Tokens, "ts", "request_id", "count", "total")`` then
-        ``tokens(ts, rid, 3, 10)`` for one event or ``tokens.many([(ts, rid, 3, 10), ...])`` for many.
-        Leave ``"ts"`` out to have the wall clock read at emit time. ``seq`` is never passed.
+        The function appends to the deque after one length check (see the module docstring).
         Raises ValueError here (at setup) for unknown or missing fields; emitting never raises.
-        Values (lists too) must not be mutated after they are emitted.
         """
         struct_fields = set(getattr(kind, "__struct_fields__", ()))
         if not struct_fields or "seq" not in struct_fields:
@@ -167,13 +168,12 @@ class EventQueue:
         build = make_builder(kind, names)
         one, many = Layout(kind, names, build, False), Layout(kind, names, build, True)
         queue, append, admit, clock = self._queue, self._queue.append, self._admit, time.time
-        exporter = self
 
         if stamp:
 
             def emit(*values: Any) -> None:
                 values = (clock(), *values)
-                if len(queue) + exporter._extra < exporter._limit:
+                if len(queue) + self._extra < self._limit:
                     append((one, values))
                 else:
                     admit(one, values, 1)
@@ -183,14 +183,14 @@ class EventQueue:
                     now = clock()
                     admit(many, [(now, *row) for row in rows], len(rows))
                 except Exception:
-                    exporter._log(
+                    self._log(
                         logging.ERROR, "many", "chunkledger exporter: bad rows for %s", kind, exc_info=True
                     )
 
         else:
 
             def emit(*values: Any) -> None:
-                if len(queue) + exporter._extra < exporter._limit:
+                if len(queue) + self._extra < self._limit:
                     append((one, values))
                 else:
                     admit(one, values, 1)
@@ -199,7 +199,7 @@ class EventQueue:
                 try:
                     admit(many, rows, len(rows))
                 except Exception:
-                    exporter._log(
+                    self._log(
                         logging.ERROR, "many", "chunkledger exporter: bad rows for %s", kind, exc_info=True
                     )
 
@@ -276,6 +276,10 @@ class EventQueue:
             logging.WARNING, f"drop:{reason}", "chunkledger exporter: dropped %d events (%s)", n, reason
         )
 
+    def dropped(self) -> dict[str, int]:
+        """Events dropped so far, by reason (a copy)."""
+        return dict(self._dropped)
+
     # -- the worker's side (WorkerQueue) ----------------------------------------------------------
 
     def pending(self) -> int:
@@ -339,10 +343,24 @@ class EventQueue:
         self._extra = 0
         return lost
 
-    def _close_queue(self) -> bool:
+    # -- the owner's side -------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> bool:
         """Shutdown: later emits are counted as dropped ("shutdown"). False when it was closed already."""
         with self._lock:
             first = not self._closed
             self._closed = True
             self._limit = 0
         return first
+
+    def restart(self, wake: threading.Event, log: LogOnce) -> None:
+        """In a forked child: empty the queue and start its counts afresh (a closed queue stays closed).
+
+        The deque and this object stay: the emitters hold them.
+        """
+        self._queue.clear()
+        self._reset(wake, log)
