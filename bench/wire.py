@@ -49,25 +49,46 @@ import math
 import operator
 import random
 import statistics
-import struct
 import subprocess
 import sys
 import time
-import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, chain, pairwise
+from itertools import chain, pairwise
 from typing import Any
 
 import msgspec
 import numpy as np
 import pyarrow as pa
 
+from engine_hooks import columnar
 from engine_hooks import events as ev
 from engine_hooks import fields as hook_fields
+from engine_hooks.columnar import (
+    COLUMNS,
+    F64,
+    I32,
+    I64,
+    ID_LISTS,
+    LISTS,
+    SCALARS,
+    STEP_ORDER,
+    Packed,
+    PackedSteps,
+)
 from engine_hooks.exporter.encode import Encoder
 from engine_hooks.exporter.logonce import LogOnce
 from engine_hooks.exporter.queue import Layout, make_builder
+from ledger.columnar import (
+    Steps,
+    _first,
+    _positions,
+    decode_columns,
+    event_errors,
+    id_errors,
+    step_errors,
+    steps_ok,
+)
 from ledger.fold import Row, fold_into
 from ledger.ingest import BadBatch, FieldError, decode_batch
 
@@ -80,7 +101,8 @@ PREEMPT_EVERY = 100  # steps
 RESUME_AFTER = 30  # steps
 CUTOFF_EVERY = 1000  # steps: a loop cut off (cutoff_applied, then finished with reason "cutoff")
 STALL_SHARE = 0.03  # steps in which a few decodes sit out holding KV (stalled_request_ids)
-WIRE_VERSION = 1  # of the columnar envelope
+WIRE_VERSION = columnar.WIRE_VERSION  # of the columnar envelope
+_I64, _F64, _I32 = np.dtype("<i8"), np.dtype("<f8"), np.dtype("<i4")
 
 Entry = tuple[Layout, Any]
 
@@ -343,301 +365,9 @@ def reference_events(entries: Iterable[Entry], seq: int) -> tuple[list[ev.Event]
 # ---------------------------------------------------------------------------------------------------
 # The step columns, shared by the columnar candidates.
 
-# A step's scalar fields by type, seq first. The packed form keeps each type in one block, so that one
-# numpy call checks a whole block: int64 (3 x n), float64 (3 x n), then int32: the int32 scalars
-# (7 x n), every list's offsets (6 x (n + 1)) and every list's values.
-I64 = ("seq", "step", "prefill_depth_tokens")
-F64 = ("ts", "duration_s", "kv_usage")
-I32 = (
-    "prefill_tokens",
-    "decode_tokens",
-    "num_prefill_reqs",
-    "num_decode_reqs",
-    "running",
-    "waiting",
-    "max_prefill_depth",
-)
-SCALARS = (*I64[1:], *F64, *I32)  # the Step fields
-# List columns of a step (int32 values and offsets); the two id lists travel as keys.
-LISTS = (
-    "request_ids",
-    "stalled_request_ids",
-    "stalled_kv_blocks",
-    "token_counts",
-    "token_totals",
-    "token_ids",
-)
-COLUMN = {"request_ids": "request_keys", "stalled_request_ids": "stalled_keys", **{n: n for n in LISTS[2:]}}
-COLUMNS = tuple(COLUMN[n] for n in LISTS)
-FIELD = {v: k for k, v in COLUMN.items()}  # column -> the Step field it carries (for errors)
-ID_LISTS = ("request_ids", "stalled_request_ids")
-_STEP_ORDER = (*SCALARS, *LISTS)
-_I64, _F64, _I32 = np.dtype("<i8"), np.dtype("<f8"), np.dtype("<i4")
-
-
-def _step_default(name: str) -> Any:
-    f = next(f for f in msgspec.structs.fields(ev.Step) if f.name == name)
-    if f.default_factory is not msgspec.NODEFAULT:
-        return f.default_factory()
-    return f.default
-
-
-_getters: dict[tuple[str, ...], Callable[[Any], tuple[Any, ...]]] = {}
-
-
-def _step_getter(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
-    """row -> the step's values in ``_STEP_ORDER`` for a layout's field order (one ``itemgetter`` when
-    the layout names every field, as the plugin's does)."""
-    get = _getters.get(names)
-    if get is None:
-        idx = [names.index(n) if n in names else None for n in _STEP_ORDER]
-        if all(i is not None for i in idx):
-            get = operator.itemgetter(*idx)  # type: ignore[arg-type]
-        else:
-            defaults = [_step_default(n) for n in _STEP_ORDER]
-
-            def get(row: Any) -> tuple[Any, ...]:
-                return tuple(row[i] if i is not None else d for i, d in zip(idx, defaults, strict=True))
-
-        _getters[names] = get
-    return get
-
-
-def pack(code: str, values: Sequence[Any]) -> bytes:
-    """Python numbers as a little-endian array (``struct``: about twice as fast as ``array`` or numpy
-    from a list). Raises ``struct.error`` for a value outside the type."""
-    return struct.pack(f"<{len(values)}{code}", *values)
-
-
-@dataclass
-class Flat:
-    """One message's steps as columns of Python values (exporter side), and its other events."""
-
-    seq: list[int]
-    cols: dict[str, Sequence[Any]]  # by Step field: the scalars, and per list one list a step
-    events: list[ev.Event]
-
-
-def flatten(entries: Iterable[Entry], seq: int) -> tuple[Flat, int]:
-    """The worker's first pass over queue entries: steps to columns, other events built as today."""
-    steps: list[tuple[Any, ...]] = []
-    seqs: list[int] = []
-    events: list[ev.Event] = []
-    step_kind = ev.Step
-    for layout, values in entries:
-        rows = values if layout.many else (values,)
-        if layout.kind is step_kind:
-            get = _step_getter(layout.fields) if not isinstance(values, dict) else None
-            for row in rows:
-                steps.append(get(row) if get else tuple(row.get(n, _step_default(n)) for n in _STEP_ORDER))
-                seqs.append(seq)
-                seq += 1
-        else:
-            build = layout.build
-            for row in rows:
-                events.append(build(seq, row))
-                seq += 1
-    cols: list[Sequence[Any]] = list(zip(*steps, strict=True)) if steps else [()] * len(_STEP_ORDER)
-    return Flat(seqs, dict(zip(_STEP_ORDER, cols, strict=True)), events), seq
-
-
-@dataclass
-class Packed:
-    """The step columns in three little-endian blocks (see ``I64``)."""
-
-    n: int  # steps
-    counts: list[int]  # values of each list column, in LISTS order
-    i64: bytes | memoryview
-    f64: bytes | memoryview
-    i32: bytes | memoryview
-
-
-def pack_steps(seq: list[int], cols: dict[str, Sequence[Any]], keys: dict[str, list[int]]) -> Packed:
-    """``cols``: the scalar columns and the per-step lists; ``keys``: the two id lists' keys, flattened.
-    One ``struct.pack`` a block, straight from the steps' own lists. Raises ``struct.error`` for a
-    value outside its type."""
-    n = len(seq)
-    counts = [len(keys[name]) if name in keys else sum(map(len, cols[name])) for name in LISTS]
-    i32 = chain(
-        *(cols[c] for c in I32),
-        *(accumulate(map(len, cols[name]), initial=0) for name in LISTS),
-        *(keys[name] if name in keys else chain.from_iterable(cols[name]) for name in LISTS),
-    )
-    return Packed(
-        n,
-        counts,
-        struct.pack(f"<{3 * n}q", *seq, *cols["step"], *cols["prefill_depth_tokens"]),
-        struct.pack(f"<{3 * n}d", *cols["ts"], *cols["duration_s"], *cols["kv_usage"]),
-        struct.pack(f"<{7 * n + 6 * (n + 1) + sum(counts)}i", *i32),
-    )
-
-
-@dataclass
-class Steps:
-    """A message's steps as numpy views over the three blocks (no Python object per row)."""
-
-    n: int
-    i64: np.ndarray  # 3 x n: seq, step, prefill_depth_tokens
-    f64: np.ndarray  # 3 x n: ts, duration_s, kv_usage
-    i32: np.ndarray  # 7 x n: I32
-    offsets2d: np.ndarray  # 6 x (n + 1): each list's offsets, in LISTS order
-    values: dict[str, np.ndarray]  # by column (request_keys, stalled_keys, token_counts, ...)
-    nonneg: list[np.ndarray]  # every int32 array that must hold no negative number
-
-    @property
-    def seq(self) -> np.ndarray:
-        return self.i64[0]
-
-    def scalar(self, name: str) -> np.ndarray:
-        if name in I32:
-            return self.i32[I32.index(name)]
-        if name in F64:
-            return self.f64[F64.index(name)]
-        return self.i64[I64.index(name)]
-
-    def offsets(self, column: str) -> np.ndarray:
-        return self.offsets2d[COLUMNS.index(column)]
-
-    @classmethod
-    def view(cls, p: Packed) -> Steps:
-        """Views over packed blocks; raises ValueError when their sizes do not add up."""
-        n = p.n
-        if n < 0 or len(p.counts) != len(LISTS) or min(p.counts, default=0) < 0:
-            raise ValueError(f"{n} steps, {p.counts} values")
-        i32 = np.frombuffer(p.i32, _I32)
-        at = 7 * n + 6 * (n + 1)
-        if len(i32) != at + sum(p.counts):
-            raise ValueError(f"{len(i32)} int32 values, not {at + sum(p.counts)}")
-        values = {}
-        for name, count in zip(COLUMNS, p.counts, strict=True):
-            values[name] = i32[at : at + count]
-            at += count
-        return cls(
-            n,
-            np.frombuffer(p.i64, _I64).reshape(3, n),
-            np.frombuffer(p.f64, _F64).reshape(3, n),
-            i32[: 7 * n].reshape(7, n),
-            i32[7 * n : 7 * n + 6 * (n + 1)].reshape(6, n + 1),
-            values,
-            [i32],
-        )
-
-
-def steps_ok(s: Steps) -> bool:
-    """The whole message's columns against the contract in a few numpy calls (the fast path; a message
-    that fails it is looked at column by column to name the field: ``step_errors``). Two lists line up
-    step by step exactly when their offsets are equal."""
-    n = s.n
-    o = s.offsets2d
-    if n == 0:
-        return not any(len(v) for v in s.values.values()) and not o.any()
-    if s.i64.min() < 0:
-        return False
-    seq = s.i64[0]
-    if n > 1 and (seq[1:] - seq[:-1]).min() <= 0:
-        return False
-    lo, hi = s.f64.min(axis=1).tolist(), s.f64.max(axis=1).tolist()  # NaN fails every comparison below
-    if not (lo[0] > 0 and hi[0] <= ev.TS_MAX and lo[1] >= 0 and hi[1] <= ev.DURATION_MAX_S):
-        return False
-    if not (lo[2] >= 0 and hi[2] <= 1):
-        return False
-    if any(len(a) and a.min() < 0 for a in s.nonneg):
-        return False
-    ends = o[:, [0, -1]].tolist()
-    if ends != [[0, len(s.values[c])] for c in COLUMNS] or (o[:, 1:] - o[:, :-1]).min() < 0:
-        return False
-    # counts and totals line up with the requests, blocks with the stalled (the exporter's steps always)
-    if not (o[3:5] == o[0]).all() or not (o[2] == o[1]).all():
-        lens = o[:, 1:] - o[:, :-1]
-        r, st, b, c, t, i = lens
-        present = (c > 0) | (t > 0) | (i > 0)
-        if (present & ((c != r) | (t != c))).any() or ((b > 0) & (b != st)).any():
-            return False
-    counts, totals = s.values["token_counts"], s.values["token_totals"]
-    if len(counts) and (totals < counts).any():
-        return False
-    if len(s.values["token_ids"]):  # each step's ids: as many as its counts say (or none)
-        cs = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))[o[3]]
-        if not (cs == o[5]).all():
-            got = o[5, 1:] - o[5, :-1]
-            if ((got > 0) & (got != cs[1:] - cs[:-1])).any():
-                return False
-    return True
-
-
-def _first(bad: np.ndarray) -> int:
-    return int(np.flatnonzero(bad)[0])
-
-
-def step_errors(s: Steps, position: Callable[[int], int]) -> list[FieldError]:
-    """Each failure of ``steps_ok`` named as ``decode_batch`` names it for the same step sent as JSON:
-    (event index in the message, field[j])."""
-    errors: list[FieldError] = []
-    n = s.n
-
-    def at(i: int, name: str, reason: str) -> None:
-        errors.append(FieldError(position(i), name, f"{reason} (seq {int(s.seq[i])})"))
-
-    seq = s.seq
-    if n and seq.min() < 0:
-        at(_first(seq < 0), "seq", "Expected `int` >= 0")
-    elif n > 1 and not (seq[1:] > seq[:-1]).all():
-        at(_first(seq[1:] <= seq[:-1]) + 1, "seq", "must increase within a batch")
-    for name, ok, reason in (
-        ("ts", lambda x: (x > 0) & (x <= ev.TS_MAX), f"Expected `float` > 0.0 and <= {ev.TS_MAX}"),
-        ("duration_s", lambda x: (x >= 0) & (x <= ev.DURATION_MAX_S), "Expected `float` >= 0.0 and <= 1e9"),
-        ("kv_usage", lambda x: (x >= 0) & (x <= 1), "Expected `float` >= 0.0 and <= 1.0"),
-    ):
-        good = ok(s.scalar(name))
-        if not good.all():
-            at(_first(~good), name, reason)
-    for name in (*I64[1:], *I32):
-        col = s.scalar(name)
-        if n and col.min() < 0:
-            at(_first(col < 0), name, "Expected `int` >= 0")
-    o = s.offsets2d
-    lens = np.diff(o, axis=1)
-    for k, name in enumerate(COLUMNS):
-        if o[k, 0] != 0 or o[k, -1] != len(s.values[name]) or (lens[k] < 0).any():
-            errors.append(
-                FieldError(None, f"steps.{name}", "not offsets of the steps' lists into its values")
-            )
-    if errors:
-        return errors
-
-    def in_list(name: str, r: int, reason: str) -> None:
-        off = s.offsets(name)
-        i = int(np.searchsorted(off, r, "right")) - 1
-        at(i, f"{FIELD[name]}[{r - int(off[i])}]", reason)
-
-    for name in COLUMNS:
-        v = s.values[name]
-        if len(v) and v.min() < 0:
-            in_list(name, _first(v < 0), "Expected `int` >= 0")
-    r, st, bl, cnt, tot, ids = lens
-    if ((bl > 0) & (bl != st)).any():
-        i = _first((bl > 0) & (bl != st))
-        at(i, "stalled_kv_blocks", f"{bl[i]} block counts for {st[i]} stalled requests")
-    present = (cnt > 0) | (tot > 0) | (ids > 0)
-    if (present & (cnt != r)).any():
-        i = _first(present & (cnt != r))
-        at(i, "token_counts", f"{cnt[i]} counts for {r[i]} requests: one per request_ids entry")
-    elif (present & (tot != cnt)).any():
-        i = _first(present & (tot != cnt))
-        at(i, "token_totals", f"{tot[i]} totals for {cnt[i]} counts: one per request_ids entry")
-    else:
-        counts, totals = s.values["token_counts"], s.values["token_totals"]
-        if len(counts) and (totals < counts).any():
-            j = _first(totals < counts)
-            in_list(
-                "token_totals", j, f"{int(totals[j])} is less than this step's {int(counts[j])} new tokens"
-            )
-        sums = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
-        oc = s.offsets("token_counts")
-        bad = (ids > 0) & (ids != sums[oc[1:]] - sums[oc[:-1]])
-        if bad.any():
-            at(_first(bad), "token_ids", "the new ids of every request in order (or none)")
-    return errors
+# The step columns and their packing are the product's (engine_hooks/columnar.py, the encoder;
+# ledger/columnar.py, the checks): the msgpack-all candidate is that codec, and the others share its
+# columns. Here: the request keys of -all and -new.
 
 
 class MessageKeys:
@@ -647,9 +377,7 @@ class MessageKeys:
     epoch = 0
 
     def assign(self, runners: list[str], stalled: list[str]) -> tuple[list[int], list[int], list[str], int]:
-        ids = list(dict.fromkeys(chain(runners, stalled)))
-        get = dict(zip(ids, range(len(ids)), strict=True)).__getitem__
-        return list(map(get, runners)), list(map(get, stalled)), ids, 0
+        return (*columnar.assign_keys(runners, stalled), 0)
 
     def sent(self, events: list[ev.Event]) -> None:
         pass
@@ -684,14 +412,6 @@ class SourceKeys:
                 self.book.pop(e.request_id, None)
 
 
-def pack_ids(ids: list[str]) -> tuple[bytes, bytes]:
-    """Request ids as one UTF-8 buffer and int32 offsets (Arrow's string layout)."""
-    joined = "".join(ids)
-    data = joined.encode()
-    lens = map(len, ids) if len(data) == len(joined) else (len(s.encode()) for s in ids)
-    return data, pack("i", list(accumulate(lens, initial=0)))
-
-
 # ---------------------------------------------------------------------------------------------------
 # The envelopes (msgpack): the same for both columnar candidates but for how the step columns travel.
 
@@ -710,15 +430,6 @@ class _Envelope(msgspec.Struct, kw_only=True):
 class ArrowMessage(_Envelope, kw_only=True):
     steps: memoryview  # an Arrow IPC record batch message, one row per step, of ARROW_SCHEMA (fixed by
     # the wire version, so not sent: an IPC stream would add the schema message to every body)
-
-
-class PackedSteps(msgspec.Struct, array_like=True):
-    """The three blocks of ``Packed`` in one buffer (int64, float64, int32: each a multiple of 8 bytes
-    long but the last, so aligned once the buffer is)."""
-
-    n: int
-    counts: list[int]
-    data: memoryview
 
 
 class PackedMessage(_Envelope, kw_only=True):
@@ -759,7 +470,8 @@ def _arrow_batch(p: Packed) -> pa.RecordBatch:
 
 class ColumnarEncoder:
     """The worker's encoder for a columnar candidate: numbers the entries as today, flattens the steps,
-    assigns request keys, packs and checks the columns, and encodes the envelope around them."""
+    assigns request keys, packs and checks the columns, and encodes the envelope around them.
+    msgpack-all is the product's encoder (``engine_hooks.columnar.ColumnarEncoder``) and this check."""
 
     def __init__(
         self,
@@ -771,19 +483,35 @@ class ColumnarEncoder:
     ):
         self.source, self.next_seq, self.keys, self.arrow = source, seq_start, keys, arrow
         self.check = check  # off: send what it is given (to test the ledger's checks)
+        self.product = (
+            columnar.ColumnarEncoder(source, seq_start)
+            if isinstance(keys, MessageKeys) and not arrow
+            else None
+        )
+
+    def _check(self, steps: Steps, events: list[ev.Event]) -> None:
+        """What the worker checks before it sends (today it decodes its own JSON against the contract)."""
+        if not steps_ok(steps):
+            raise ValueError("a step breaks the contract")  # the worker would drop it, as today
+        if events:
+            _events_validator.decode(_envelope_encoder.encode(events))
 
     def __call__(self, entries: list[Entry]) -> bytes:
-        flat, self.next_seq = flatten(entries, self.next_seq)
+        if self.product is not None:
+            msg = self.product.message(entries)
+            if self.check:
+                self._check(Steps.from_wire(msg.steps, copy=False), msg.events)
+            return columnar.encoder.encode(msg)
+        flat, self.next_seq = columnar.flatten(entries, self.next_seq)
         cols = flat.cols
-        runners, stalled = (list(chain.from_iterable(cols[n])) for n in ID_LISTS)
+        runners, stalled = (list(chain.from_iterable(cols[n])) for n in columnar.ID_LISTS)
         rkeys, skeys, ids, base = self.keys.assign(runners, stalled)
-        packed = pack_steps(flat.seq, cols, dict(zip(ID_LISTS, (rkeys, skeys), strict=True)))
-        # What the worker checks before it sends (today it decodes its own JSON against the contract).
-        if self.check and not steps_ok(Steps.view(packed)):
-            raise ValueError("a step breaks the contract")  # the worker would drop it, as today
-        if self.check and flat.events:
-            _events_validator.decode(_envelope_encoder.encode(flat.events))
-        data, id_offsets = pack_ids(ids)
+        packed = columnar.pack_steps(
+            flat.seq, cols, dict(zip(columnar.ID_LISTS, (rkeys, skeys), strict=True))
+        )
+        if self.check:
+            self._check(Steps.view(packed), flat.events)
+        data, id_offsets = columnar.pack_ids(ids)
         head: dict[str, Any] = {
             "source": self.source,
             "key_epoch": self.keys.epoch,
@@ -796,9 +524,7 @@ class ColumnarEncoder:
             ipc = memoryview(_arrow_batch(packed).serialize())
             body = _envelope_encoder.encode(ArrowMessage(**head, steps=ipc))
         else:
-            blob = b"".join((packed.i64, packed.f64, packed.i32))
-            steps = PackedSteps(packed.n, packed.counts, memoryview(blob))
-            body = _envelope_encoder.encode(PackedMessage(**head, steps=steps))
+            body = _envelope_encoder.encode(PackedMessage(**head, steps=packed.wire()))
         self.keys.sent(flat.events)
         return body
 
@@ -901,95 +627,23 @@ class SourceBook:
                     self.forgotten.append(key)
 
 
-def _aligned(buf: memoryview) -> bytes:
-    """A copy of ``buf`` at an aligned address: a bin field lands anywhere in a msgpack body, and a
-    Python bytes object's data is 16-byte aligned (one memcpy a message: cheaper here than asking
-    numpy for the address)."""
-    return bytes(buf)
-
-
-def _id_errors(data: bytes, offsets: np.ndarray) -> list[FieldError]:
-    """The request id rules of ``decode_batch`` on packed ids: 1-256 characters, no '/', not a dot
-    segment, no NUL, NFC; byte scans first, per id only where a scan finds something."""
-    n = len(offsets) - 1
-    if n <= 0:
-        return [] if n == 0 and not data else [FieldError(None, "id_offsets", "no offsets")]
-    lens = offsets[1:] - offsets[:-1]
-    shortest, longest = int(lens.min()), int(lens.max())
-    if int(offsets[0]) != 0 or int(offsets[-1]) != len(data) or shortest < 1:
-        return [FieldError(None, "id_offsets", f"not offsets of non-empty ids into {len(data)} bytes")]
-    ascii_ = data.isascii()
-    if b"/" in data or b"\x00" in data or not ascii_ or longest > 256:
-        suspects: Iterable[int] = range(n)
-    elif shortest <= 2:
-        suspects = np.flatnonzero(lens <= 2).tolist()  # a dot segment?
-    else:
-        return []
-    errors = []
-    for j in suspects:
-        raw = data[offsets[j] : offsets[j + 1]]
-        try:
-            rid = raw.decode()
-        except UnicodeDecodeError:
-            errors.append(FieldError(None, f"ids[{j}]", "not UTF-8"))
-            continue
-        if "/" in rid or rid in (".", "..") or (not ascii_ and not unicodedata.is_normalized("NFC", rid)):
-            errors.append(FieldError(None, f"ids[{j}]", f"{rid[:300]!r} cannot be a request id"))
-        elif "\x00" in rid:
-            errors.append(FieldError(None, f"ids[{j}]", "text must not contain NUL (\\u0000)"))
-        elif len(rid) > 256:
-            errors.append(FieldError(None, f"ids[{j}]", "a request id has 1 to 256 characters"))
-        if len(errors) >= 20:
-            break
-    return errors
-
-
-_ENGINE_TYPES = frozenset(ev.EVENT_TYPES[k] for k in ev.ENGINE_KINDS | {"dropped", "cutoff_applied"}) - {
-    ev.Step
-}
-_GATEWAY_TYPES = frozenset(ev.EVENT_TYPES[k] for k in ev.GATEWAY_KINDS | {"dropped", "cutoff_applied"})
-
-
-def _event_errors(source: ev.Source, events: list[ev.Event], step_seqs: np.ndarray) -> list[FieldError]:
-    """The other events: the kinds a source may send (no ``step``: steps travel as columns), seqs
-    increasing and none a step's, request ids (as ``decode_batch``). Scans first; per event only to
-    name what a scan found."""
-    if not events:
-        return []
-    allowed = _ENGINE_TYPES if source.kind == "engine" else _GATEWAY_TYPES
-    seqs = [e.seq for e in events]
-    rids = [getattr(e, "request_id", "") for e in events]
-    joined = "\x00".join(rids)
-    kinds_ok = allowed.issuperset(map(type, events))
-    seqs_ok = all(map(operator.lt, seqs, seqs[1:])) and set(step_seqs.tolist()).isdisjoint(seqs)
-    if kinds_ok and seqs_ok and "/" not in joined and "." not in joined and joined.isascii():
-        return []
-    errors = []
-    prev = -1
-    for i, (e, rid) in enumerate(zip(events, rids, strict=True)):
-        if type(e) not in allowed:
-            errors.append(
-                FieldError(None, f"events[{i}].kind", f"{e.__struct_config__.tag!r} cannot travel here")
-            )
-        if e.seq <= prev:
-            errors.append(FieldError(None, f"events[{i}].seq", f"must increase: {e.seq} after {prev}"))
-        prev = e.seq
-        if "/" in rid or rid in (".", "..") or not (rid.isascii() or unicodedata.is_normalized("NFC", rid)):
-            errors.append(
-                FieldError(None, f"events[{i}].request_id", f"{rid[:300]!r} cannot be a request id")
-            )
-    if not errors and not seqs_ok:
-        errors.append(FieldError(None, "events", "a seq is given to a step and to an event"))
-    return errors
-
-
 class ColumnarDecoder:
-    """The ledger's decoder for a columnar candidate: envelope, step columns, ids, checks."""
+    """The ledger's decoder for a columnar candidate: envelope, step columns, ids, checks.
+    msgpack-all is the product's decoder (``ledger.columnar.decode_columns``)."""
 
     def __init__(self, arrow: bool, book: MessageBook | SourceBook):
         self.arrow, self.book = arrow, book
+        self.product = not arrow and isinstance(book, MessageBook)
 
     def __call__(self, body: bytes) -> Columns:
+        if self.product:
+            c = decode_columns(body, max_events=1 << 30)
+            ids = pa.Array.from_buffers(
+                pa.string(),
+                len(c.id_offsets) - 1,
+                [None, pa.py_buffer(c.id_offsets), pa.py_buffer(c.id_data)],
+            )
+            return Columns(c.source, c.steps, c.events, ids.take, ids)
         try:
             msg: _Envelope = (_arrow_decoder if self.arrow else _packed_decoder).decode(body)
         except msgspec.ValidationError as exc:
@@ -999,25 +653,22 @@ class ColumnarDecoder:
         if msg.wire_version != WIRE_VERSION or msg.schema_version > ev.SCHEMA_VERSION:
             raise BadBatch([FieldError(None, "wire_version", f"{msg.wire_version}/{msg.schema_version}")])
         try:
-            s = self._arrow(msg.steps) if self.arrow else self._packed(msg.steps)  # type: ignore[attr-defined]
+            s = self._arrow(msg.steps) if self.arrow else Steps.from_wire(msg.steps)  # type: ignore[attr-defined]
             id_offsets = np.frombuffer(bytes(msg.id_offsets), _I32)
         except (ValueError, TypeError, pa.ArrowException) as exc:
             raise BadBatch([FieldError(None, "steps", f"malformed columns: {exc}")]) from None
         data = bytes(msg.ids)
-        errors = _id_errors(data, id_offsets)
+        layout, bad = id_errors(data, id_offsets)
+        errors = layout + [FieldError(None, f"ids[{j}]", reason) for j, reason in bad]
         if errors:
             raise BadBatch(errors)
         ids = pa.Array.from_buffers(
             pa.string(), len(id_offsets) - 1, [None, pa.py_buffer(id_offsets), pa.py_buffer(data)]
         )
+        step_at, event_at = _positions(s.seq, [e.seq for e in msg.events])
         if not steps_ok(s):
-
-            def position(i: int) -> int:  # a step's index among the message's events (as in JSON)
-                both = np.sort(np.concatenate((s.seq, [e.seq for e in msg.events])))
-                return int(np.searchsorted(both, s.seq[i]))
-
-            errors = step_errors(s, position) or [FieldError(None, "steps", "the columns break the contract")]
-        errors += _event_errors(msg.source, msg.events, s.seq)
+            errors = step_errors(s, step_at) or [FieldError(None, "steps", "the columns break the contract")]
+        errors += event_errors(msg.source, msg.events, event_at)
         if not errors:
             more, names = self.book.take(msg, ids, s)
             errors += more
@@ -1028,7 +679,7 @@ class ColumnarDecoder:
 
     @staticmethod
     def _arrow(steps: memoryview) -> Steps:
-        batch = pa.ipc.read_record_batch(pa.py_buffer(_aligned(steps)), ARROW_SCHEMA)
+        batch = pa.ipc.read_record_batch(pa.py_buffer(bytes(steps)), ARROW_SCHEMA)  # bytes: aligned
         batch.validate()
         cols = batch.columns
         n = batch.num_rows
@@ -1045,25 +696,19 @@ class ColumnarDecoder:
             [i32, *values.values()],
         )
 
-    @staticmethod
-    def _packed(steps: PackedSteps) -> Steps:
-        n = steps.n
-        data = memoryview(_aligned(steps.data))
-        if n < 0 or len(data) < 48 * n:
-            raise ValueError(f"{len(data)} bytes for {n} steps")
-        return Steps.view(Packed(n, steps.counts, data[: 24 * n], data[24 * n : 48 * n], data[48 * n :]))
-
 
 def columns_from_batch(batch: ev.Batch) -> Columns:
     """Today's Structs to the same columns (Python per row): what a JSON body costs to get there."""
     steps = [e for e in batch.events if type(e) is ev.Step]
     events = [e for e in batch.events if type(e) is not ev.Step]
-    get = operator.attrgetter(*_STEP_ORDER)
-    cols: list[Sequence[Any]] = list(zip(*map(get, steps), strict=True)) if steps else [()] * len(_STEP_ORDER)
-    by_name = dict(zip(_STEP_ORDER, cols, strict=True))
+    get = operator.attrgetter(*STEP_ORDER)
+    cols: list[Sequence[Any]] = list(zip(*map(get, steps), strict=True)) if steps else [()] * len(STEP_ORDER)
+    by_name = dict(zip(STEP_ORDER, cols, strict=True))
     runners, stalled = (list(chain.from_iterable(by_name[n])) for n in ID_LISTS)
     rkeys, skeys, ids, _ = MessageKeys().assign(runners, stalled)
-    packed = pack_steps([e.seq for e in steps], by_name, dict(zip(ID_LISTS, (rkeys, skeys), strict=True)))
+    packed = columnar.pack_steps(
+        [e.seq for e in steps], by_name, dict(zip(ID_LISTS, (rkeys, skeys), strict=True))
+    )
     names = pa.array(ids, pa.string())
     return Columns(batch.source, Steps.view(packed), events, names.take, names)
 
@@ -1425,7 +1070,7 @@ def other_events_cost(source: ev.Source, msgs: list[list[Entry]], rows: int) -> 
     t0 = _clock()
     for blob in blobs:
         events = _events_validator.decode(blob)
-        _event_errors(source, events, no_steps)
+        event_errors(source, events, _positions(no_steps, [e.seq for e in events])[1])
         fold_into({}, source, events)
     return _ns(t0, rows)
 

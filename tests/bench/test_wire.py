@@ -159,15 +159,20 @@ def test_a_bad_step_is_refused_whole_naming_the_field_as_json_does(traffic, chan
         wire.ColumnarEncoder(traffic.source, events[0].seq, wire.MessageKeys(), arrow)(entries)
 
 
-def test_a_bad_request_id_is_named_in_the_ids(traffic):
-    entries, _ = _bad_message(traffic, _with("request_ids", _list_set(0, "a/b")))
-    body = wire.ColumnarEncoder(traffic.source, traffic.seq_start, wire.MessageKeys(), False, check=False)(
+def test_a_bad_request_id_is_named_as_json_names_it(traffic):
+    entries, events = _bad_message(traffic, _with("request_ids", _list_set(0, "a/b")))
+    with pytest.raises(BadBatch) as json_err:
+        decode_batch(
+            ev.batch_encoder.encode(ev.Batch(source=traffic.source, events=events)), max_events=10**6
+        )
+    body = wire.ColumnarEncoder(traffic.source, events[0].seq, wire.MessageKeys(), False, check=False)(
         entries
     )
     with pytest.raises(BadBatch) as err:
         wire.ColumnarDecoder(False, wire.MessageBook())(body)
     (e,) = err.value.errors
-    assert e.field.startswith("ids[") and "'a/b'" in e.reason
+    want = json_err.value.errors[0]
+    assert (e.index, e.field) == (want.index, want.field) and "'a/b'" in e.reason
 
 
 def test_a_key_the_ledger_does_not_know_is_refused(traffic):
