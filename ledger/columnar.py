@@ -386,7 +386,10 @@ def decode_columns(body: bytes, *, max_events: int) -> Columns:
     except msgspec.ValidationError as exc:
         if str(exc).endswith("`") and "- at `$.events[" in str(exc):
             raise BadBatch([_undecodable_event(body, exc)]) from None
-        raise BadBatch([_from_validation_error(exc)]) from None
+        err = _from_validation_error(exc)
+        if not err.field:  # not a message at all (msgpack, but not a map)
+            err = FieldError(None, "body", err.reason)
+        raise BadBatch([err]) from None
     except msgspec.DecodeError as exc:
         raise BadBatch([FieldError(None, "body", f"malformed msgpack: {exc}")]) from None
     if msg.wire_version != wire.WIRE_VERSION:
