@@ -331,6 +331,25 @@ class _Seq(msgspec.Struct):
     seq: int
 
 
+class _Version(msgspec.Struct):
+    wire_version: int = wire.WIRE_VERSION
+
+
+def _version(body: bytes) -> int:
+    """The wire version a map says it is in (ours when it says none or is not a map)."""
+    try:
+        return msgspec.msgpack.decode(body, type=_Version).wire_version
+    except msgspec.MsgspecError:
+        return wire.WIRE_VERSION
+
+
+def _wire_version_error(version: int) -> FieldError:
+    known = wire.WIRE_VERSION
+    return FieldError(
+        None, "wire_version", f"{version} is {'newer than' if version > known else 'not'} {known}"
+    )
+
+
 class _LazyMessage(msgspec.Struct, kw_only=True):
     """``Message`` with its events left undecoded: to name an event that fails to decode."""
 
@@ -349,16 +368,20 @@ def _positions(
     step_seqs: np.ndarray, event_seqs: list[int]
 ) -> tuple[Callable[[int], int], Callable[[int], int]]:
     """(step i, event j) -> its index among the message's events in seq order: the order the exporter
-    queued them in, that of the same events sent as JSON."""
-    ev_seqs = np.asarray(event_seqs, np.int64)
-    sorted_ev = np.sort(ev_seqs)
-    sorted_st = np.sort(step_seqs)
+    queued them in, that of the same events sent as JSON. (Sorted only when first asked: on the way to
+    an error.)"""
+    memo: list[np.ndarray] = []
+
+    def sorted_seqs() -> list[np.ndarray]:
+        if not memo:
+            memo.extend((np.sort(np.asarray(event_seqs, np.int64)), np.sort(step_seqs)))
+        return memo
 
     def step(i: int) -> int:
-        return i + int(np.searchsorted(sorted_ev, step_seqs[i]))
+        return i + int(np.searchsorted(sorted_seqs()[0], step_seqs[i]))
 
     def event(j: int) -> int:
-        return j + int(np.searchsorted(sorted_st, ev_seqs[j]))
+        return j + int(np.searchsorted(sorted_seqs()[1], event_seqs[j]))
 
     return step, event
 
@@ -384,6 +407,9 @@ def decode_columns(body: bytes, *, max_events: int) -> Columns:
     try:
         msg = _message_decoder.decode(body)
     except msgspec.ValidationError as exc:
+        version = _version(body)
+        if version != wire.WIRE_VERSION:  # another layout: say so, not what fails to decode as ours
+            raise BadBatch([_wire_version_error(version)]) from None
         if str(exc).endswith("`") and "- at `$.events[" in str(exc):
             raise BadBatch([_undecodable_event(body, exc)]) from None
         err = _from_validation_error(exc)
@@ -393,20 +419,17 @@ def decode_columns(body: bytes, *, max_events: int) -> Columns:
     except msgspec.DecodeError as exc:
         raise BadBatch([FieldError(None, "body", f"malformed msgpack: {exc}")]) from None
     if msg.wire_version != wire.WIRE_VERSION:
-        newer = "newer than" if msg.wire_version > wire.WIRE_VERSION else "not"
-        raise BadBatch(
-            [FieldError(None, "wire_version", f"{msg.wire_version} is {newer} {wire.WIRE_VERSION}")]
-        )
+        raise BadBatch([_wire_version_error(msg.wire_version)])
     try:
         s = Steps.from_wire(msg.steps)
         id_offsets = np.frombuffer(bytes(msg.id_offsets), _I32)
     except ValueError as exc:
         raise BadBatch([FieldError(None, "steps", f"malformed columns: {exc}")]) from None
     events = msg.events
+    step_at, event_at = _positions(s.seq, [e.seq for e in events])
     head: list[FieldError] = []  # as decode_batch orders them: NUL, versions, size, then by event
     if b"\\u0000" in _json.encode((msg.source, events)):  # msgpack text may hold NUL; PostgreSQL's not
         nul = _nul_fields({"source": msgspec.to_builtins(msg.source), "events": msgspec.to_builtins(events)})
-        step_at, event_at = _positions(s.seq, [e.seq for e in events])
         head += [FieldError(None if e.index is None else event_at(e.index), e.field, e.reason) for e in nul]
     if msg.schema_version > ev.SCHEMA_VERSION:
         head.append(
@@ -417,17 +440,19 @@ def decode_columns(body: bytes, *, max_events: int) -> Columns:
     data = bytes(msg.ids)
     layout, bad_ids = id_errors(data, id_offsets)
     head += layout
-    step_at, event_at = _positions(s.seq, [e.seq for e in events])
     errors: list[FieldError] = []
     if not steps_ok(s):
         errors = step_errors(s, step_at) or [FieldError(None, "steps", "the columns break the contract")]
     errors += event_errors(msg.source, events, event_at)
     errors += _seq_clashes(s.seq, events, event_at)
-    structural = any(e.index is None for e in errors) or bool(layout)
-    if not structural:
-        head += _key_errors(s, len(id_offsets) - 1)
-        if not head:
-            errors += _named_ids(s, bad_ids, step_at)
+    # keys and offsets that hold: a bad id is named where a step first names it, else by its key
+    keys_hold = not layout and not any(e.index is None for e in errors)
+    if keys_hold:
+        key_errors = _key_errors(s, len(id_offsets) - 1)
+        head += key_errors
+        keys_hold = not key_errors
+    if keys_hold:
+        errors += _named_ids(s, bad_ids, step_at)
     else:
         errors += [FieldError(None, f"ids[{j}]", reason) for j, reason in bad_ids]
     errors = head + sorted(errors, key=lambda e: -1 if e.index is None else e.index)

@@ -208,6 +208,20 @@ def test_a_newer_wire_version_is_refused(traffic):
     assert (e.index, e.field) == (None, "wire_version") and "newer" in e.reason
 
 
+def test_a_newer_wire_version_in_another_layout_is_refused_naming_wire_version():
+    body = msgspec.msgpack.encode({"wire_version": columnar.WIRE_VERSION + 1, "steps": "elsewhere"})
+    (e,) = _refused(body)
+    assert (e.index, e.field) == (None, "wire_version")
+
+
+def test_a_bad_id_is_named_beside_a_batch_level_error(traffic):
+    entries, seq = _message(traffic)
+    entries = _change_step(entries, "request_ids", _set(1, "a/b"))
+    msg = columnar.ColumnarEncoder(traffic.source, seq).message(entries)
+    body = columnar.encoder.encode(msgspec.structs.replace(msg, schema_version=ev.SCHEMA_VERSION + 1))
+    assert [e.field for e in _refused(body)] == ["schema_version", "request_ids[1]"]
+
+
 def test_a_newer_schema_version_and_too_many_events_are_refused_as_json_does(traffic):
     (e,) = _refused(_encoded(traffic, schema_version=ev.SCHEMA_VERSION + 1))
     assert (e.index, e.field) == (None, "schema_version")
