@@ -418,6 +418,8 @@ def decode_columns(body: bytes, *, max_events: int) -> Columns:
         raise BadBatch([err]) from None
     except msgspec.DecodeError as exc:
         raise BadBatch([FieldError(None, "body", f"malformed msgpack: {exc}")]) from None
+    except RecursionError:  # msgspec recurses per nesting level, also through unknown fields it skips
+        raise BadBatch([FieldError(None, "body", "msgpack nested deeper than the decoder allows")]) from None
     if msg.wire_version != wire.WIRE_VERSION:
         raise BadBatch([_wire_version_error(msg.wire_version)])
     try:
