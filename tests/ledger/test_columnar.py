@@ -5,8 +5,6 @@ the same events sent as JSON."""
 from __future__ import annotations
 
 import struct
-import subprocess
-import sys
 from itertools import pairwise
 from typing import Any
 
@@ -302,16 +300,3 @@ def test_nul_in_another_events_text_is_refused_as_json_does(traffic):
     entries[at] = (layout, (*values[:i], "a\x00", *values[i + 1 :]))
     want, got = _both(traffic, entries, seq)
     assert (got[0].index, got[0].field) == (want.index, want.field)
-
-
-def test_the_encoder_loads_no_numpy_and_no_ledger():
-    code = (
-        "import sys, engine_hooks.columnar; "
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('numpy', 'ledger', 'pyarrow')]; "
-        "assert not bad, bad"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_the_media_type():
-    assert columnar.MEDIA_TYPE == "application/vnd.chunkledger.columns+msgpack"
