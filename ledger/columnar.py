@@ -12,7 +12,6 @@ Not wired yet: ``POST /v1/events`` accepts JSON batches only.
 from __future__ import annotations
 
 import operator
-import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from ledger.ingest import (
     FieldError,
     _bad_id,
     _from_validation_error,
+    _nfc,
     _nul_fields,
 )
 
@@ -251,9 +251,7 @@ def id_errors(data: bytes, offsets: np.ndarray) -> tuple[list[FieldError], list[
             bad.append((j, "Expected `str` of length <= 256"))
         elif "\x00" in rid:
             bad.append((j, "text must not contain NUL (\\u0000)"))
-        elif (
-            "/" in rid or rid in _DOT_SEGMENTS or not (rid.isascii() or unicodedata.is_normalized("NFC", rid))
-        ):
+        elif "/" in rid or rid in _DOT_SEGMENTS or not _nfc(rid):
             bad.append((j, _bad_id(rid)))
         if len(layout) + len(bad) >= _MAX_ERRORS:
             break
@@ -296,7 +294,7 @@ def event_errors(
                 "steps travel as columns" if type(e) is ev.Step else f"a {source.kind} source cannot send it"
             )
             errors.append(FieldError(i, "kind", f"{kind!r} cannot travel here: {why}"))
-        if "/" in rid or rid in _DOT_SEGMENTS or not (rid.isascii() or unicodedata.is_normalized("NFC", rid)):
+        if "/" in rid or rid in _DOT_SEGMENTS or not _nfc(rid):
             errors.append(FieldError(i, "request_id", _bad_id(rid)))
     return errors
 
