@@ -162,6 +162,11 @@ class Traffic:
         rows = [sum(self.rows[i : i + per_message]) for i in range(0, len(self.rows), per_message)]
         return cut(self.warmup), cut(self.steps), rows
 
+    def all_messages(self, per_message: int) -> list[list[Entry]]:
+        """Every message of ``per_message`` steps, the warmup's first."""
+        warm, timed, _ = self.messages(per_message)
+        return warm + timed
+
 
 def _lognormal(rnd: random.Random, median: float, sigma: float, cap: int) -> int:
     return max(1, min(cap, int(math.exp(rnd.gauss(math.log(median), sigma)))))
@@ -350,6 +355,22 @@ def generate(
             rows.append(len(ran))
     source = ev.Source(id="engine-0", kind="engine", model="llama-3-70b")
     return Traffic(source, 1_750_000_000_000_000, out_warm, out_steps, rows)
+
+
+def small_traffic(seed: int) -> Traffic:
+    """A small run with every kind in it (arrivals, chunks, finishes, a preemption and its resume,
+    cutoffs, stalled steps, speculative decodes of 2-3 tokens): the tests' traffic."""
+    return generate(
+        steps=120,
+        warmup=8,
+        running=10,
+        seed=seed,
+        multi_token_share=0.2,
+        preempt_every=40,
+        cutoff_every=30,
+        stall_share=0.2,
+        budget=600,
+    )
 
 
 def reference_events(entries: Iterable[Entry], seq: int) -> tuple[list[ev.Event], int]:

@@ -21,29 +21,12 @@ SIZES = (4, 7)  # steps a message (7: messages that do not divide the run)
 
 @pytest.fixture(scope="module")
 def traffic() -> wire.Traffic:
-    # small, but with every kind: arrivals, chunks, finishes, a preemption and its resume, cutoffs,
-    # stalled steps, speculative decodes (2-3 tokens)
-    return wire.generate(
-        steps=120,
-        warmup=8,
-        running=10,
-        seed=3,
-        multi_token_share=0.2,
-        preempt_every=40,
-        cutoff_every=30,
-        stall_share=0.2,
-        budget=600,
-    )
-
-
-def _messages(traffic: wire.Traffic, n: int) -> list[list[wire.Entry]]:
-    warm, timed, _ = traffic.messages(n)
-    return warm + timed
+    return wire.small_traffic(seed=3)
 
 
 def _references(traffic: wire.Traffic, n: int) -> list[list[ev.Event]]:
     out, seq = [], traffic.seq_start
-    for m in _messages(traffic, n):
+    for m in traffic.all_messages(n):
         events, seq = wire.reference_events(m, seq)
         out.append(events)
     return out
@@ -66,14 +49,14 @@ def test_the_traffic_holds_every_kind_the_engine_sends(traffic):
 def test_every_candidate_decodes_to_the_source_exactly(traffic, name, n):
     cand = next(c for c in wire.candidates() if c.name == name)
     encode, decode = cand.new_encoder(traffic.source, traffic.seq_start), cand.new_decoder()
-    for entries, ref in zip(_messages(traffic, n), _references(traffic, n), strict=True):
+    for entries, ref in zip(traffic.all_messages(n), _references(traffic, n), strict=True):
         got = decode(encode(entries))
         assert wire.canonical_columns(got) == wire.canonical(ref)
 
 
 def test_the_comparison_sees_a_reordered_row(traffic):
     cand = next(c for c in wire.candidates() if c.name == "msgpack-all")
-    entries, ref = _messages(traffic, 4)[3], _references(traffic, 4)[3]
+    entries, ref = traffic.all_messages(4)[3], _references(traffic, 4)[3]
     got = cand.new_decoder()(cand.new_encoder(traffic.source, traffic.seq_start)(entries))
     keys = got.steps.values["request_keys"].copy()
     keys[[0, 1]] = keys[[1, 0]]
@@ -97,7 +80,7 @@ def _same_rows(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) 
 def test_the_fold_over_columns_is_the_ledgers_fold(traffic, name, method):
     cand = next(c for c in wire.candidates() if c.name == name)
     encode, decode = cand.new_encoder(traffic.source, traffic.seq_start), cand.new_decoder()
-    for entries, ref in zip(_messages(traffic, 7), _references(traffic, 7), strict=True):
+    for entries, ref in zip(traffic.all_messages(7), _references(traffic, 7), strict=True):
         folded = wire.fold_columns(decode(encode(entries)), method)
         want: dict[str, dict[str, Any]] = {}
         fold_into(want, traffic.source, ref)
@@ -107,7 +90,7 @@ def test_the_fold_over_columns_is_the_ledgers_fold(traffic, name, method):
 
 def _bad_message(traffic: wire.Traffic, change) -> tuple[list[wire.Entry], list[ev.Event]]:
     """The 6th message of 4 steps with its 3rd step changed by ``change(values) -> values``."""
-    entries = list(_messages(traffic, 4)[5])
+    entries = list(traffic.all_messages(4)[5])
     at = [i for i, (layout, _) in enumerate(entries) if layout.kind is ev.Step][2]
     layout, values = entries[at]
     entries[at] = (layout, change(list(values)))
@@ -178,7 +161,7 @@ def test_a_bad_request_id_is_named_as_json_names_it(traffic):
 def test_a_key_the_ledger_does_not_know_is_refused(traffic):
     """-new: a message that names a key whose id the ledger never got (a book lost, a message
     skipped) is refused, not folded under another request."""
-    msgs = _messages(traffic, 4)
+    msgs = traffic.all_messages(4)
     encode = wire.ColumnarEncoder(traffic.source, traffic.seq_start, wire.SourceKeys(1), False)
     first, second = encode(msgs[0]), encode(msgs[1])
     decode = wire.ColumnarDecoder(False, wire.SourceBook())

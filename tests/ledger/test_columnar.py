@@ -22,24 +22,7 @@ MAX = 10**6
 
 @pytest.fixture(scope="module")
 def traffic() -> wire.Traffic:
-    # small, but with every kind: arrivals, chunks, finishes, a preemption and its resume, cutoffs,
-    # stalled steps, speculative decodes
-    return wire.generate(
-        steps=120,
-        warmup=8,
-        running=10,
-        seed=5,
-        multi_token_share=0.2,
-        preempt_every=40,
-        cutoff_every=30,
-        stall_share=0.2,
-        budget=600,
-    )
-
-
-def _messages(traffic: wire.Traffic, n: int) -> list[list[wire.Entry]]:
-    warm, timed, _ = traffic.messages(n)
-    return warm + timed
+    return wire.small_traffic(seed=5)
 
 
 def _steps_of(c: Columns) -> list[dict[str, Any]]:
@@ -60,7 +43,7 @@ def _steps_of(c: Columns) -> list[dict[str, Any]]:
 def test_a_round_trip_is_the_json_paths_events_exactly(traffic, n):
     encode = columnar.ColumnarEncoder(traffic.source, traffic.seq_start)
     seq = traffic.seq_start
-    for entries in _messages(traffic, n):
+    for entries in traffic.all_messages(n):
         want, seq = wire.reference_events(entries, seq)
         json_body = ev.batch_encoder.encode(ev.Batch(source=traffic.source, events=want))
         got = decode_columns(encode(entries), max_events=MAX)
@@ -96,7 +79,7 @@ def _message(
     traffic: wire.Traffic, k: int = 5, kind: type[Any] | None = None
 ) -> tuple[list[wire.Entry], int]:
     """The k-th message of 4 steps (the first from it with an event of ``kind``), and its first seq."""
-    msgs = _messages(traffic, 4)
+    msgs = traffic.all_messages(4)
     if kind is not None:
         k = next(j for j in range(k, len(msgs)) if any(layout.kind is kind for layout, _ in msgs[j]))
     seq = traffic.seq_start + sum(len(wire.reference_events(m, 0)[0]) for m in msgs[:k])
@@ -144,7 +127,7 @@ def test_a_bad_step_is_refused_whole_naming_the_field_as_json_does(traffic, faul
 
 
 def test_a_bad_stalled_request_id_is_named_in_its_step(traffic):
-    for k in range(len(_messages(traffic, 4))):  # a message with a stalled request
+    for k in range(len(traffic.all_messages(4))):  # a message with a stalled request
         entries, seq = _message(traffic, k)
         steps = [v for layout, v in entries if layout.kind is ev.Step]
         i = columnar.STEP_ORDER.index("stalled_request_ids")
