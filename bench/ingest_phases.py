@@ -20,10 +20,10 @@ from typing import Any
 
 from bench.fleet_workload import build_cycle, render
 from ledger.fold import fold_into
-from ledger.ingest import decode_batch
 from ledger.rules.engine import RuleEngine
 from ledger.rules.policy import parse_policy
 from ledger.store import open_store
+from ledger.validation import decode_batch
 
 
 class _Hooks:

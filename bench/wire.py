@@ -90,7 +90,7 @@ from ledger.columnar import (
     steps_ok,
 )
 from ledger.fold import Row, fold_into
-from ledger.ingest import BadBatch, FieldError, decode_batch
+from ledger.validation import BadBatch, FieldError, decode_batch
 
 STEP_S = 0.03  # a GPU decode step
 BUDGET = 8192  # tokens per step

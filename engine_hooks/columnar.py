@@ -20,7 +20,7 @@ import operator
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, chain
+from itertools import accumulate, chain, pairwise
 from typing import Any
 
 import msgspec
@@ -217,18 +217,68 @@ class ColumnarEncoder:
     def message(self, entries: Iterable[Entry]) -> Message:
         """The entries as one message (the seqs they take are used even if it is not sent)."""
         flat, self.next_seq = flatten(entries, self.next_seq)
-        cols = flat.cols
-        runners, stalled = (list(chain.from_iterable(cols[n])) for n in ID_LISTS)
-        rkeys, skeys, ids = assign_keys(runners, stalled)
-        packed = pack_steps(flat.seq, cols, dict(zip(ID_LISTS, (rkeys, skeys), strict=True)))
-        data, id_offsets = pack_ids(ids)
-        return Message(
-            source=self.source,
-            ids=memoryview(data),
-            id_offsets=memoryview(id_offsets),
-            events=flat.events,
-            steps=packed.wire(),
-        )
+        return message_of(self.source, flat)
 
     def __call__(self, entries: Iterable[Entry]) -> bytes:
         return encoder.encode(self.message(entries))
+
+
+def message_of(source: ev.Source, flat: Flat, schema_version: int = ev.SCHEMA_VERSION) -> Message:
+    """One message from steps as columns and the other events."""
+    cols = flat.cols
+    runners, stalled = (list(chain.from_iterable(cols[n])) for n in ID_LISTS)
+    rkeys, skeys, ids = assign_keys(runners, stalled)
+    packed = pack_steps(flat.seq, cols, dict(zip(ID_LISTS, (rkeys, skeys), strict=True)))
+    data, id_offsets = pack_ids(ids)
+    return Message(
+        source=source,
+        schema_version=schema_version,
+        ids=memoryview(data),
+        id_offsets=memoryview(id_offsets),
+        events=flat.events,
+        steps=packed.wire(),
+    )
+
+
+def encode_batch(batch: ev.Batch) -> bytes:
+    """A contract batch as one columnar message, its steps as columns and its other events as they are:
+    for a source that builds events rather than queue entries. Raises ``struct.error`` for a number
+    outside its column's type."""
+    steps = [e for e in batch.events if type(e) is ev.Step]
+    cols: dict[str, Sequence[Any]] = {name: [getattr(e, name) for e in steps] for name in STEP_ORDER}
+    flat = Flat([e.seq for e in steps], cols, [e for e in batch.events if type(e) is not ev.Step])
+    return encoder.encode(message_of(batch.source, flat, batch.schema_version))
+
+
+def decode_to_batch(body: bytes) -> ev.Batch:
+    """A columnar message back to the contract's batch, its events in seq order (standard library and
+    msgspec only): how an exporter re-sends as JSON what a ledger that cannot read columns refused.
+    Checks only what unpacking needs (the ledger's ``decode_columns`` checks the contract); raises
+    ``msgspec.DecodeError`` or ``ValueError`` for a body that is not a message."""
+    msg = msgspec.msgpack.decode(body, type=Message)
+    p, n = msg.steps, msg.steps.n
+    data = bytes(p.data)
+    if n < 0 or len(p.counts) != len(LISTS) or len(data) != 48 * n + 4 * (13 * n + 6 + sum(p.counts)):
+        raise ValueError(f"{len(data)} bytes for {n} steps and {p.counts} values")
+    i64 = struct.unpack_from(f"<{3 * n}q", data)
+    f64 = struct.unpack_from(f"<{3 * n}d", data, 24 * n)
+    i32 = struct.unpack_from(f"<{13 * n + 6 + sum(p.counts)}i", data, 48 * n)
+    offsets = [i32[7 * n + k * (n + 1) : 7 * n + (k + 1) * (n + 1)] for k in range(len(LISTS))]
+    at = 13 * n + 6
+    raw = bytes(msg.ids)
+    bounds = struct.unpack(f"<{len(msg.id_offsets) // 4}i", bytes(msg.id_offsets))
+    ids = [raw[a:b].decode() for a, b in pairwise(bounds)]
+    cols: dict[str, Sequence[Any]] = {name: i64[k * n : (k + 1) * n] for k, name in enumerate(I64[1:], 1)}
+    cols |= {name: f64[k * n : (k + 1) * n] for k, name in enumerate(F64)}
+    cols |= {name: i32[k * n : (k + 1) * n] for k, name in enumerate(I32)}
+    for name, off, count in zip(LISTS, offsets, p.counts, strict=True):
+        values: Sequence[Any] = i32[at : at + count]
+        at += count
+        if name in ID_LISTS:
+            values = [ids[k] for k in values]
+        cols[name] = [list(values[a:b]) for a, b in pairwise(off)]
+    names = ("seq", *SCALARS, *LISTS)
+    rows = zip(i64[:n], *(cols[name] for name in names[1:]), strict=True)
+    steps: list[ev.Event] = [ev.Step(**dict(zip(names, row, strict=True))) for row in rows]
+    events = sorted([*steps, *msg.events], key=operator.attrgetter("seq"))
+    return ev.Batch(source=msg.source, events=events, schema_version=msg.schema_version)

@@ -6,14 +6,17 @@ JSON (the index of an event in the message's seq order, a step's list entry as `
 The whole message is checked in a few numpy calls (``steps_ok``); only a message that fails is looked
 at column by column to name the field (``step_errors``).
 
-Not wired yet: ``POST /v1/events`` accepts JSON batches only.
+``POST /v1/events`` takes a message sent with its media type (``MEDIA_TYPE``) and hands the rule engine
+and the store its ``Columns.batch()``.
 """
 
 from __future__ import annotations
 
+import heapq
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 
 import msgspec
 import numpy as np
@@ -21,14 +24,14 @@ import numpy as np
 from engine_hooks import columnar as wire
 from engine_hooks import events as ev
 from engine_hooks.columnar import COLUMNS, F64, FIELD, I32, I64, LISTS, Packed, PackedSteps
-from ledger.ingest import (
-    _DOT_SEGMENTS,
+from ledger.validation import (
+    DOT_SEGMENTS,
     BadBatch,
     FieldError,
-    _bad_id,
-    _from_validation_error,
-    _nfc,
-    _nul_fields,
+    bad_id,
+    from_validation_error,
+    nfc,
+    nul_fields,
 )
 
 _I64, _F64, _I32 = np.dtype("<i8"), np.dtype("<f8"), np.dtype("<i4")
@@ -251,8 +254,8 @@ def id_errors(data: bytes, offsets: np.ndarray) -> tuple[list[FieldError], list[
             bad.append((j, "Expected `str` of length <= 256"))
         elif "\x00" in rid:
             bad.append((j, "text must not contain NUL (\\u0000)"))
-        elif "/" in rid or rid in _DOT_SEGMENTS or not _nfc(rid):
-            bad.append((j, _bad_id(rid)))
+        elif "/" in rid or rid in DOT_SEGMENTS or not nfc(rid):
+            bad.append((j, bad_id(rid)))
         if len(layout) + len(bad) >= _MAX_ERRORS:
             break
     return layout, bad
@@ -294,8 +297,8 @@ def event_errors(
                 "steps travel as columns" if type(e) is ev.Step else f"a {source.kind} source cannot send it"
             )
             errors.append(FieldError(i, "kind", f"{kind!r} cannot travel here: {why}"))
-        if "/" in rid or rid in _DOT_SEGMENTS or not _nfc(rid):
-            errors.append(FieldError(i, "request_id", _bad_id(rid)))
+        if "/" in rid or rid in DOT_SEGMENTS or not nfc(rid):
+            errors.append(FieldError(i, "request_id", bad_id(rid)))
     return errors
 
 
@@ -309,6 +312,7 @@ class Columns:
     events: list[ev.Event]
     id_data: bytes  # UTF-8
     id_offsets: np.ndarray  # int32, one more than the ids
+    schema_version: int = ev.SCHEMA_VERSION  # of its events (the contract's)
 
     @property
     def rows(self) -> int:
@@ -323,6 +327,26 @@ class Columns:
     @property
     def ids(self) -> list[str]:
         return self.names(np.arange(len(self.id_offsets) - 1))
+
+    def batch(self) -> ev.Batch:
+        """The message as the contract's batch, its events in seq order (the order the exporter queued
+        them in): what the rule engine and the store take, so every ingest guarantee holds on this
+        wire as on JSON. One Struct a step, its lists sliced from the columns (ids by key)."""
+        s, ids = self.steps, self.ids
+        cols: list[list[object]] = [s.seq.tolist(), *(s.scalar(name).tolist() for name in wire.SCALARS)]
+        for name, column in zip(LISTS, COLUMNS, strict=True):
+            off, values = s.offsets(column).tolist(), s.values[column].tolist()
+            if name in wire.ID_LISTS:
+                values = list(map(ids.__getitem__, values))
+            cols.append([values[a:b] for a, b in pairwise(off)])
+        names = ("seq", *wire.SCALARS, *LISTS)
+        step = ev.Step
+        steps: list[ev.Event] = [
+            step(**dict(zip(names, row, strict=True))) for row in zip(*cols, strict=True)
+        ]
+        seq = operator.attrgetter("seq")
+        events = list(heapq.merge(steps, self.events, key=seq)) if self.events else steps
+        return ev.Batch(source=self.source, events=events, schema_version=self.schema_version)
 
 
 class _Seq(msgspec.Struct):
@@ -387,7 +411,7 @@ def _positions(
 def _undecodable_event(body: bytes, exc: msgspec.ValidationError) -> FieldError:
     """An event that does not decode, named as ``decode_batch`` names it (``$.events[j].field``: j the
     index among the other events, made the index among all)."""
-    err = _from_validation_error(exc)
+    err = from_validation_error(exc)
     try:
         lazy = _lazy_decoder.decode(body)
         seqs = [_seq_decoder.decode(raw).seq for raw in lazy.events]
@@ -410,7 +434,7 @@ def decode_columns(body: bytes, *, max_events: int) -> Columns:
             raise BadBatch([_wire_version_error(version)]) from None
         if str(exc).endswith("`") and "- at `$.events[" in str(exc):
             raise BadBatch([_undecodable_event(body, exc)]) from None
-        err = _from_validation_error(exc)
+        err = from_validation_error(exc)
         if not err.field:  # not a message at all (msgpack, but not a map)
             err = FieldError(None, "body", err.reason)
         raise BadBatch([err]) from None
@@ -429,7 +453,7 @@ def decode_columns(body: bytes, *, max_events: int) -> Columns:
     step_at, event_at = _positions(s.seq, [e.seq for e in events])
     head: list[FieldError] = []  # as decode_batch orders them: NUL, versions, size, then by event
     if b"\\u0000" in _json.encode((msg.source, events)):  # msgpack text may hold NUL; PostgreSQL's not
-        nul = _nul_fields({"source": msgspec.to_builtins(msg.source), "events": msgspec.to_builtins(events)})
+        nul = nul_fields({"source": msgspec.to_builtins(msg.source), "events": msgspec.to_builtins(events)})
         head += [FieldError(None if e.index is None else event_at(e.index), e.field, e.reason) for e in nul]
     if msg.schema_version > ev.SCHEMA_VERSION:
         head.append(
@@ -458,7 +482,7 @@ def decode_columns(body: bytes, *, max_events: int) -> Columns:
     errors = head + sorted(errors, key=lambda e: -1 if e.index is None else e.index)
     if errors:
         raise BadBatch(errors[:_MAX_ERRORS])
-    return Columns(msg.source, s, events, data, id_offsets)
+    return Columns(msg.source, s, events, data, id_offsets, msg.schema_version)
 
 
 def _seq_clashes(

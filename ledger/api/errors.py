@@ -180,6 +180,7 @@ _DESCRIPTIONS = {
     408: "timed out (timeout; body_timeout: the request body stopped arriving)",
     409: "refused in this state (reason says why)",
     413: "body too large (too_large)",
+    415: "a Content-Type the ledger does not read (unsupported_media_type; Accept-Post lists those it does)",
     422: "invalid: detail names each field; errors lists FastAPI's validation errors",
     429: "over a limit (rate_limited: detail and limit name it); retry after Retry-After seconds",
     503: "unavailable: retry later",

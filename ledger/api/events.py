@@ -7,6 +7,7 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -14,14 +15,18 @@ from fastapi import APIRouter, Request, Response, status
 from starlette.requests import ClientDisconnect
 
 from engine_hooks import events as ev
+from engine_hooks.columnar import MEDIA_TYPE
 from ledger.api import errors
 from ledger.api.answers import documents, encoded
 from ledger.api.deps import ProducersDep, SettingsDep, WriterDep, on_ingest_pool, require
+from ledger.api.gate import media_type
 from ledger.api.models import BatchRejected
-from ledger.ingest import BadBatch, WriterUnavailable, clamp_future, decode_batch
+from ledger.columnar import decode_columns
+from ledger.ingest import WriterUnavailable
 from ledger.producers import ProducerReleased, digest
 from ledger.ratelimit import Refusal, SourceLimits, peek_source_id
 from ledger.store import WriteResult
+from ledger.validation import BadBatch, clamp_future, decode_batch
 
 router = APIRouter(prefix="/v1", tags=["ingest"])
 log = logging.getLogger(__name__)
@@ -121,13 +126,24 @@ def _not_owner(request: Request, source_id: str, result: WriteResult) -> Respons
     )
 
 
+def _columns(body: bytes, *, max_events: int) -> ev.Batch:
+    return decode_columns(body, max_events=max_events).batch()
+
+
+def _decoder(content_type: str | None) -> Callable[..., ev.Batch]:
+    """The decoder of a body by its ``Content-Type`` (the gate refused the types neither reads)."""
+    return _columns if content_type and media_type(content_type) == MEDIA_TYPE else decode_batch
+
+
 # The body is decoded with msgspec (the wire contract), not by FastAPI: ``ledger.api.openapi`` names its
 # schema (Batch) and the 200 answer's (IngestResponse). Nothing here is validated by pydantic.
 @router.post(
     "/events",
     dependencies=[require("ingest")],
     response_model=None,
-    responses=errors.responses(400, *errors.AUTH, 408, 409, 413, 422, 429, 503, models={422: BatchRejected}),
+    responses=errors.responses(
+        400, *errors.AUTH, 408, 409, 413, 415, 422, 429, 503, models={422: BatchRejected}
+    ),
 )
 async def ingest_events(
     request: Request, settings: SettingsDep, writer: WriterDep, producers: ProducersDep
@@ -159,13 +175,14 @@ async def ingest_events(
             reason="too_large",
         )
     try:
+        decoder = _decoder(request.headers.get("content-type"))
+        decode = functools.partial(decoder, max_events=settings.max_events_per_batch)
         if len(body) > _DECODE_INLINE_BYTES:
             # A large body decodes on a worker thread: the event loop keeps answering other sources
             # meanwhile (the interpreter switches threads every few ms) instead of stopping for it.
-            decode = functools.partial(decode_batch, max_events=settings.max_events_per_batch)
             batch = await on_ingest_pool(request, decode, body)
         else:
-            batch = decode_batch(body, max_events=settings.max_events_per_batch)
+            batch = decode(body)
     except BadBatch as exc:
         if runaway is not None:
             runaway.metrics.ingest_rejections.labels("invalid").inc()

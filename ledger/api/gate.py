@@ -5,8 +5,9 @@ In order, on the event loop, without a worker thread:
 1. the route's role (declared with ``ledger.api.deps.require``); when that role has no token (the
    loopback default), ``Host`` and ``Origin`` must be this machine's (``ledger.api.origin``): 403
    ``not_loopback``;
-2. a request with a body must send it as JSON (``application/json`` or ``*/*+json``) or say nothing: a
-   ``text/plain`` or form post gets 415 ``unsupported_media_type``;
+2. a request with a body must send it as JSON (``application/json`` or ``*/*+json``) or say nothing (an
+   ingest body may also be the columnar message, ``engine_hooks.columnar.MEDIA_TYPE``): a ``text/plain``
+   or form post gets 415 ``unsupported_media_type``;
 3. the token (``ledger.auth``), with failed checks counted and limited per client address
    (``ledger.auth_failures``): 401/403, or 429 ``too_many_failed_tokens``;
 4. a read route takes a read slot (``ledger.budgets``) or gets 429 ``read_busy`` with ``Retry-After``;
@@ -31,6 +32,7 @@ from fastapi.routing import APIRoute
 from starlette.responses import Response
 from starlette.routing import Match
 
+from engine_hooks import columnar
 from ledger import auth
 from ledger.api import errors, origin
 from ledger.api.body_guard import guard_body
@@ -61,8 +63,13 @@ def _role_of(route: APIRoute) -> auth.Role | None:
     return None
 
 
+def media_type(content_type: str) -> str:
+    """The media type of a ``Content-Type``, without its parameters, in lower case."""
+    return content_type.split(";", 1)[0].strip().lower()
+
+
 def _json_type(content_type: str) -> bool:
-    media = content_type.split(";", 1)[0].strip().lower()
+    media = media_type(content_type)
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
@@ -123,7 +130,7 @@ class RequestGate:
         client = (scope.get("client") or ("unknown", 0))[0]
         refusal = (
             self._origin_refusal(headers, role)
-            or self._content_type_refusal(scope, headers)
+            or self._content_type_refusal(scope, headers, role)
             or self._token_refusal(headers, role, client)
         )
         slot = refusal is None and role == "read"
@@ -158,14 +165,27 @@ class RequestGate:
             reason="not_loopback",
         )
 
-    def _content_type_refusal(self, scope: Message, headers: _Headers) -> Response | None:
-        """2. A body is JSON or says nothing of its type."""
+    def _content_type_refusal(
+        self, scope: Message, headers: _Headers, role: auth.Role | None
+    ) -> Response | None:
+        """2. A body is JSON or says nothing of its type; an ingest body may be the columnar message."""
         has_body = scope.get("method") in _BODY_METHODS and (
             headers.get("content-length", "0") != "0" or headers.get("transfer-encoding") is not None
         )
         content_type = headers.get("content-type")
         if not has_body or content_type is None or _json_type(content_type):
             return None
+        if role == "ingest" and media_type(content_type) == columnar.MEDIA_TYPE:
+            return None
+        if role == "ingest":
+            return self._refusal(
+                415,
+                "content_type",
+                f"content-type: {content_type!r} is not a body this ledger reads; send application/json or "
+                f"{columnar.MEDIA_TYPE} (wire version {columnar.WIRE_VERSION}); nothing stored",
+                reason="unsupported_media_type",
+                headers={"Accept-Post": f"application/json, {columnar.MEDIA_TYPE}"},
+            )
         return self._refusal(
             415,
             "content_type",

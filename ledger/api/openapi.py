@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from engine_hooks import events as ev
+from engine_hooks.columnar import MEDIA_TYPE, WIRE_VERSION
 from ledger.api.answers import RECORDS
 from ledger.rules.policy import Policy
 
@@ -78,6 +79,15 @@ def install(app: FastAPI) -> None:
 
         events = paths["/v1/events"]["post"]
         events["requestBody"] = _body("Batch")
+        events["requestBody"]["content"][MEDIA_TYPE] = {
+            "schema": {
+                "type": "string",
+                "format": "binary",
+                "description": f"the columnar message, wire version {WIRE_VERSION} (msgpack: "
+                "engine_hooks/columnar.py, docs/reference/events.md#the-columnar-message): the same events, "
+                "its steps as packed columns",
+            }
+        }
         events["responses"]["200"] = _json("IngestResponse", "stored (durably) or already stored")
         paths["/v1/commands"]["get"]["responses"]["200"] = _json(
             "CommandsResponse", "the source's unconfirmed commands (re-sent until confirmed)"

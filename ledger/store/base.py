@@ -325,7 +325,7 @@ class Store:
 
         Compared as stored: kind, request id, time and (for every kind but ``step``, whose fields live in
         ``steps``) the JSON of its fields. A time the ledger clamped to its receive time (an event stamped
-        too far ahead, ``ledger.ingest.clamp_future``) is clamped again on a retry, to a later receive
+        too far ahead, ``ledger.validation.clamp_future``) is clamped again on a retry, to a later receive
         time: a time at or after the stored event's ingest is taken as that clamp, not as a conflict.
         """
         if type(e) is not ev.EVENT_TYPES.get(stored.kind):

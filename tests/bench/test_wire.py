@@ -14,7 +14,7 @@ import pytest
 from bench import wire
 from engine_hooks import events as ev
 from ledger.fold import SUM_COLUMNS, fold_into
-from ledger.ingest import BadBatch, decode_batch
+from ledger.validation import BadBatch, decode_batch
 
 SIZES = (4, 7)  # steps a message (7: messages that do not divide the run)
 

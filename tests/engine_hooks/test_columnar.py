@@ -87,3 +87,19 @@ def test_the_encoder_loads_no_numpy_and_no_ledger():
 
 def test_the_media_type():
     assert columnar.MEDIA_TYPE == "application/vnd.chunkledger.columns+msgpack"
+
+
+def test_a_batch_encoded_as_columns_decodes_back_to_the_same_events():
+    from bench import wire
+
+    traffic = wire.small_traffic(seed=3)
+    seq = traffic.seq_start
+    for entries in traffic.all_messages(4):
+        events, seq = wire.reference_events(entries, seq)
+        batch = ev.Batch(source=traffic.source, events=events)
+        assert columnar.decode_to_batch(columnar.encode_batch(batch)) == batch
+
+
+def test_a_body_that_is_not_a_message_does_not_decode_back():
+    with pytest.raises((msgspec.DecodeError, ValueError)):
+        columnar.decode_to_batch(b"\x00garbage")

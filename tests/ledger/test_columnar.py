@@ -15,7 +15,7 @@ from bench import wire
 from engine_hooks import columnar
 from engine_hooks import events as ev
 from ledger.columnar import Columns, decode_columns
-from ledger.ingest import BadBatch, FieldError, decode_batch
+from ledger.validation import BadBatch, FieldError, decode_batch
 
 MAX = 10**6
 
@@ -52,6 +52,7 @@ def test_a_round_trip_is_the_json_paths_events_exactly(traffic, n):
         assert got.events == [e for e in sent if type(e) is not ev.Step]
         assert _steps_of(got) == [msgspec.structs.asdict(e) for e in sent if type(e) is ev.Step]
         assert got.rows == sum(len(e.request_ids) for e in sent if type(e) is ev.Step)
+        assert got.batch() == ev.Batch(source=traffic.source, events=sent)  # what the store takes
     assert encode.next_seq == seq
 
 

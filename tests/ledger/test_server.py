@@ -8,8 +8,10 @@ import sys
 
 import duckdb
 import httpx
+import pytest
 import sqlalchemy as sa
 
+from engine_hooks import columnar
 from engine_hooks import events as ev
 from ledger.migrate import head_revision
 from tests.support.factories import ENGINE, body, numbered
@@ -17,8 +19,16 @@ from tests.support.factories import lifecycle as factories_lifecycle
 from tests.support.servers import LedgerServer
 
 
-def test_kill_9_right_after_a_200_loses_none_of_that_batch(db_url, tmp_path):
-    """On both backends: SIGKILL immediately after the last acknowledgement, then count the store."""
+def _encoded(evs: list, wire: str) -> tuple[bytes, dict[str, str]]:
+    if wire == "json":
+        return body(ENGINE, evs), {"content-type": "application/json"}
+    return columnar.encode_batch(ev.Batch(source=ENGINE, events=evs)), {"content-type": columnar.MEDIA_TYPE}
+
+
+@pytest.mark.parametrize("wire", ["json", "columns"])
+def test_kill_9_right_after_a_200_loses_none_of_that_batch(db_url, tmp_path, wire):
+    """On both backends and both wires: SIGKILL immediately after the last acknowledgement, then count
+    the store."""
     server = LedgerServer(db_url, tmp_path / "ledger.log")
     server.start()
     total = 0
@@ -32,7 +42,8 @@ def test_kill_9_right_after_a_200_loses_none_of_that_batch(db_url, tmp_path):
                     ],
                     start=1 + b * 2000,
                 )
-                r = http.post("/v1/events", content=body(ENGINE, evs))
+                content, headers = _encoded(evs, wire)
+                r = http.post("/v1/events", content=content, headers=headers)
                 assert r.status_code == 200 and r.json()["accepted"] == 2000
                 total += 2000
         server.stop(kill=True)
@@ -44,7 +55,8 @@ def test_kill_9_right_after_a_200_loses_none_of_that_batch(db_url, tmp_path):
             assert conn.exec_driver_sql("SELECT sum(token_events) FROM requests").scalar_one() == total
         engine.dispose()
         server.start()  # it comes back with the same high-water mark: a replay is all duplicates
-        r = httpx.post(f"{server.url}/v1/events", content=body(ENGINE, evs))
+        content, headers = _encoded(evs, wire)
+        r = httpx.post(f"{server.url}/v1/events", content=content, headers=headers)
         assert r.json() == {"accepted": 0, "duplicates": 2000, "commands": []}
     finally:
         server.stop()
