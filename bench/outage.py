@@ -68,7 +68,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, object]:
             duration_s=args.before + args.outage + args.after,
             ledger_url=url,
             spool_dir=str(spool),
-            overrides={"backoff_max_s": 1.0},
+            overrides={"backoff_max_s": 1.0, "wire": args.wire},
             drain_timeout_s=60,
         )
 
@@ -97,6 +97,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, object]:
     summary = result["summary"]
     once = all(exactly_once(stored.get(e.stats().source_id, []), e) for e in exporters)
     return {
+        "wire": args.wire,
         "sources": len(exporters),
         "outage_s": args.outage,
         "backlog_events": backlog,
@@ -116,6 +117,7 @@ def main() -> None:
     ap.add_argument("--before", type=float, default=5.0, help="seconds of traffic before the outage")
     ap.add_argument("--outage", type=float, default=60.0, help="seconds the ledger is down")
     ap.add_argument("--after", type=float, default=25.0, help="seconds of traffic after it is back")
+    ap.add_argument("--wire", choices=["json", "columns"], default="json", help="what the exporters send")
     ap.add_argument("--json", action="store_true", help="one line of JSON")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-outage-") as tmp:

@@ -11,7 +11,8 @@ order of first use, every message carrying the ids of all the requests it names)
 The encoder runs on the exporter's worker thread, never the engine thread; it imports only msgspec
 and the standard library. The ledger's decoder and checks: ``ledger/columnar.py``.
 
-Not sent yet: the exporter sends JSON batches, and ``POST /v1/events`` accepts only those.
+The exporter sends it when ``wire = "columns"`` (``engine_hooks/exporter/encode.py``), ``POST /v1/events``
+reads it by its media type (``MEDIA_TYPE``).
 """
 
 from __future__ import annotations
@@ -248,6 +249,16 @@ def encode_batch(batch: ev.Batch) -> bytes:
     cols: dict[str, Sequence[Any]] = {name: [getattr(e, name) for e in steps] for name in STEP_ORDER}
     flat = Flat([e.seq for e in steps], cols, [e for e in batch.events if type(e) is not ev.Step])
     return encoder.encode(message_of(batch.source, flat, batch.schema_version))
+
+
+def is_message(body: bytes) -> bool:
+    """Whether a body the exporter made is a columnar message (a msgpack map), not a JSON batch."""
+    return bool(body) and (0x80 <= body[0] <= 0x8F or body[0] in (0xDE, 0xDF))
+
+
+def as_json(body: bytes) -> bytes:
+    """A columnar message as the JSON batch of the same events."""
+    return ev.batch_encoder.encode(decode_to_batch(body))
 
 
 def decode_to_batch(body: bytes) -> ev.Batch:

@@ -102,11 +102,19 @@ class Exporter:
         # the spool folder, so a restart with the spool is the same producer.
         self._producer_key = spool.producer_key() if spool is not None else new_producer_key()
         seq_start = config.seq_start if config.seq_start is not None else time.time_ns() // 1000
-        self._encoder = Encoder(self._source, config.batch_size, seq_start, log_once, self._queue.record_drop)
+        transport = Transport(config, self._counters, log_once, producer_key=self._producer_key)
+        self._encoder = Encoder(
+            self._source,
+            config.batch_size,
+            seq_start,
+            log_once,
+            self._queue.record_drop,
+            columns=lambda: config.wire == "columns" and not transport.columns_refused,
+        )
         senders = Senders(
             count=config.max_in_flight,
             name=f"chunkledger-sender-{self._source.id}",
-            transport=Transport(config, self._counters, log_once, producer_key=self._producer_key),
+            transport=transport,
             counters=self._counters,
             record_drop=self._queue.record_drop,
             hand_over=self._commands,
@@ -293,6 +301,7 @@ class Exporter:
             dropped=self._queue.dropped(),
             commands=self._commands.handed if self._commands is not None else 0,
             last_success_ts=last_success_ts,
+            wire="columns" if self._encoder.columns() else "json",
         )
 
     # -- process life cycle -----------------------------------------------------------------------

@@ -8,12 +8,15 @@ current time in microseconds, so a restarted source continues above its previous
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
 
+from engine_hooks.columnar import encode_batch, is_message
 from engine_hooks.events import Batch, Dropped, Event, Source, batch_encoder
 from engine_hooks.exporter.logonce import LogOnce
 from engine_hooks.exporter.queue import MARKER, Layout
@@ -45,17 +48,20 @@ _raw_batch = msgspec.json.Decoder(_RawBatch)
 
 
 def merge_records(records: Sequence[SpoolRecord]) -> tuple[bytes, int, int]:
-    """One body from the longest prefix of ``records`` that shares its source and schema version.
+    """One body from the longest prefix of ``records`` that shares its source and schema version (JSON
+    batches; a columnar message is sent alone).
 
     Returns (body, records used, events). The events keep their seq order (the spool holds batches in
     seq order), so the ledger takes the merged batch as it would take the records one by one.
     """
-    if len(records) == 1:
+    if len(records) == 1 or is_message(records[0].payload):  # a columnar message is sent as it is
         return records[0].payload, 1, records[0].events
     first = _raw_batch.decode(records[0].payload)
     events = list(first.events)
     used, count = 1, records[0].events
     for record in records[1:]:
+        if is_message(record.payload):
+            break
         nxt = _raw_batch.decode(record.payload)
         if bytes(nxt.source) != bytes(first.source) or nxt.schema_version != first.schema_version:
             break
@@ -79,7 +85,8 @@ def merge_records(records: Sequence[SpoolRecord]) -> tuple[bytes, int, int]:
 
 
 class Encoder:
-    """Numbers, builds, validates and encodes events (worker thread only).
+    """Numbers, builds, validates and encodes events (worker thread only): JSON batches, or columnar
+    messages while ``columns()`` says so.
 
     ``next_seq`` is the number the next event gets; ``first_seq`` the first this source run gave.
     ``record_drop(reason, n)`` counts events that cannot be built or fail the contract's validation.
@@ -92,7 +99,9 @@ class Encoder:
         seq_start: int,
         log: LogOnce,
         record_drop: Callable[[str, int], None],
+        columns: Callable[[], bool] = lambda: False,
     ):
+        self.columns = columns  # whether to send the columnar message now (else JSON)
         self._source = source
         self._batch_size = batch_size
         self._log = log
@@ -163,6 +172,11 @@ class Encoder:
                 _batch_validator.decode(body)
             except msgspec.ValidationError:
                 return None
+            if self.columns():
+                # checked as JSON above (an invalid event is dropped alone), then sent as columns; a
+                # number a column cannot hold stays JSON, whose check names it
+                with contextlib.suppress(struct.error):
+                    body = encode_batch(Batch(source=self._source, events=chunk))
             first, last = chunk[0].seq, chunk[-1].seq
             markers_only = all(s in markers for s in range(first, last + 1)) if markers else False
             out.append(Prepared(body, len(chunk), first, last, markers_only))

@@ -32,6 +32,7 @@ class ExporterStats(msgspec.Struct, kw_only=True, frozen=True):
     dropped: dict[str, int]  # events dropped, by reason
     commands: int  # commands handed to the host callback
     last_success_ts: float | None  # wall time of the last acknowledged POST
+    wire: str = "json"  # what the next batch is sent as: "json", or "columns" (the columnar message)
 
 
 class Counters:

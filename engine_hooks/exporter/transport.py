@@ -11,6 +11,8 @@ wrong, not the batch: keep it), 409                                ``Retry-After
 ``fenced`` (another producer holds the id)
 another 4xx, a merged replay of several        ``SPLIT``           sends its records again one per POST
 spool records
+415 to a columnar message                      the JSON answer's   sends it again as JSON at once, and
+                                                                   JSON from then on
 another 4xx, one batch                         ``REJECTED``        drops it (counted, marker)
 =============================================  ==================  ======================================
 """
@@ -25,11 +27,13 @@ from typing import NamedTuple
 
 import httpx
 
+from engine_hooks.columnar import MEDIA_TYPE, as_json, is_message
 from engine_hooks.config import ExporterConfig
 from engine_hooks.events import PRODUCER_HEADER
 from engine_hooks.exporter.logonce import LogOnce
 from engine_hooks.exporter.stats import Counters
 
+_COLUMNS = {"content-type": MEDIA_TYPE}
 _RETRY_STATUSES = frozenset({401, 403, 404, 408, 429})  # 401/403/404: the ledger or our config is wrong,
 # not the batch: keep it (spool) so that it is delivered once that is fixed, instead of dropping it.
 
@@ -95,6 +99,7 @@ class Transport:
         self._config = config
         self._counters = counters
         self._log = log
+        self.columns_refused = False  # the ledger answered a columnar message with 415
         headers = {"content-type": "application/json", **request_headers(config.ingest_token, producer_key)}
         self._client = httpx.Client(
             headers=headers,
@@ -125,8 +130,11 @@ class Transport:
         counters = self._counters
         with counters.lock:
             counters.attempts += 1
+        columns = is_message(body)
         try:
-            response = self._client.post(self._config.events_url, content=body)
+            response = self._client.post(
+                self._config.events_url, content=body, headers=_COLUMNS if columns else None
+            )
         except httpx.HTTPError as exc:
             with counters.lock:
                 counters.send_failures += 1
@@ -142,6 +150,16 @@ class Transport:
         status = response.status_code
         if 200 <= status < 300:
             return SendResult(Outcome.ACKED, None, response.content)
+        if columns and status == 415:  # a ledger that does not read columns: JSON from now on
+            self.columns_refused = True
+            self._log(
+                logging.WARNING,
+                "columns_refused",
+                "chunkledger exporter: ledger at %s does not read the columnar message (HTTP 415); "
+                "sending JSON",
+                self._config.url,
+            )
+            return self.post(as_json(body), records)
         with counters.lock:
             counters.send_failures += 1
         if status >= 500 or status in _RETRY_STATUSES or (status == 409 and _reason(response) == "fenced"):

@@ -103,3 +103,25 @@ def test_a_batch_encoded_as_columns_decodes_back_to_the_same_events():
 def test_a_body_that_is_not_a_message_does_not_decode_back():
     with pytest.raises((msgspec.DecodeError, ValueError)):
         columnar.decode_to_batch(b"\x00garbage")
+
+
+def test_spooled_json_batches_merge_and_a_columnar_message_is_replayed_alone():
+    from engine_hooks.exporter import merge_records
+    from engine_hooks.spool import SpoolRecord
+
+    source = ev.Source(id="engine-0", kind="engine", model="m")
+
+    def batch(seq: int) -> ev.Batch:
+        return ev.Batch(
+            source=source, events=[ev.Queued(seq=seq, ts=1.0, request_id=f"r{seq}", prompt_tokens=1)]
+        )
+
+    as_json = [SpoolRecord(ev.batch_encoder.encode(batch(s)), 1) for s in (1, 2)]
+    as_columns = SpoolRecord(columnar.encode_batch(batch(3)), 1)
+    body, used, events = merge_records([*as_json, as_columns, *as_json])
+    assert (used, events) == (2, 2) and ev.batch_decoder.decode(body).events == [
+        *batch(1).events,
+        *batch(2).events,
+    ]
+    assert merge_records([as_columns, *as_json]) == (as_columns.payload, 1, 1)
+    assert columnar.is_message(as_columns.payload) and not columnar.is_message(as_json[0].payload)

@@ -125,6 +125,38 @@ def test_ledger_killed_and_restarted_mid_stream_loses_and_duplicates_nothing(
     assert exporter.stats().numbered == 120 * 250
 
 
+def test_an_exporter_on_columns_killed_ledger_and_spool_replay_store_every_step_once(ledger_server, tmp_path):
+    """The columnar wire through a kill -9 mid-stream: steps carrying their tokens (as the plugin's
+    ``step_tokens`` sends them) and queued events, spooled as columnar messages while the ledger is
+    down and replayed after; every event stored once, the request rows' tokens exact."""
+    exporter = _exporter(ledger_server, tmp_path / "spool", "engine-columns", wire="columns")
+    assert exporter.stats().wire == "columns"
+    queued = exporter.emitter(Queued, "ts", "request_id", "prompt_tokens")
+    step = exporter.emitter(
+        Step, "ts", "step", "duration_s", "running", "request_ids", "token_counts", "token_totals"
+    )
+    ids = [f"req-{i}" for i in range(64)]
+    for rid in ids:
+        queued(time.time(), rid, 100)
+    for n in range(150):
+        step(time.time(), n, 0.01, len(ids), ids, [1] * len(ids), [n + 1] * len(ids))
+        if n == 50:
+            ledger_server.stop(kill=True)
+        if n == 90:
+            ledger_server.start()
+        time.sleep(0.01)
+    assert exporter.force_flush(60)
+    stats = exporter.stats()
+    assert exporter.shutdown(10)
+    assert stats.spooled > 0 and stats.replayed == stats.spooled and stats.dropped == {}
+    assert stats.wire == "columns" and stats.numbered == len(ids) + 150
+    _assert_exactly_once(_stored(ledger_server)["engine-columns"], exporter)
+    path = ledger_server.db_url.removeprefix("duckdb:///")
+    with duckdb.connect(path, read_only=True) as con:
+        outputs = con.execute("SELECT DISTINCT output_tokens FROM requests").fetchall()
+    assert outputs == [(150,)]
+
+
 class _InThreadLedger:
     """The ledger app under uvicorn in this process, on a store whose next write can be stalled."""
 

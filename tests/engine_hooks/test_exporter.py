@@ -207,6 +207,28 @@ def test_ledger_error_status_spools_like_an_outage(make_exporter, fake_ledger):
     assert len(_seqs(fake_ledger)) == 1
 
 
+def test_on_columns_a_ledger_that_answers_415_gets_the_batch_as_json_and_json_from_then_on(
+    make_exporter, fake_ledger
+):
+    """The fake reads JSON only, as a ledger from before the columnar message: the refused message and
+    a columnar one spooled while the ledger was down are both delivered, as JSON."""
+    exporter = make_exporter(wire="columns")
+    step = exporter.emitter(Step, "ts", "step", "duration_s", "request_ids", "token_counts", "token_totals")
+    fake_ledger.status = 500
+    exporter.emit(Queued, request_id="a", prompt_tokens=1)
+    step(time.time(), 1, 0.01, ["a"], [1], [1])
+    assert not exporter.force_flush(0.3)
+    assert exporter.stats().spooled == 2 and exporter.stats().wire == "columns"
+    fake_ledger.status = None
+    assert exporter.force_flush(5)
+    exporter.emit(Finished, request_id="a", reason="stop", output_tokens=1)
+    assert exporter.force_flush(5)
+    stats = exporter.stats()
+    assert (stats.wire, stats.dropped, stats.sent) == ("json", {}, 3)
+    assert len(_seqs(fake_ledger)) == 3
+    assert fake_ledger.store.events[1].token_totals == [1]
+
+
 @pytest.mark.parametrize("status", [401, 403, 404])
 def test_auth_and_not_found_errors_keep_the_batch_instead_of_dropping_it(make_exporter, fake_ledger, status):
     exporter = make_exporter()

@@ -1,6 +1,7 @@
 """A small stand-in for the ledger's ingest endpoint, for exporter tests.
 
-It speaks the real wire contract (``POST /v1/events`` -> ``IngestResponse``), validates batches with
+It speaks the real wire contract in JSON only, as a ledger that predates the columnar message (another
+``Content-Type`` gets a 415) (``POST /v1/events`` -> ``IngestResponse``), validates batches with
 the contract's decoder and dedupes by (source id, seq). Stored rows are kept in arrival order, except
 that each source's events stay in seq order (the order the exporter numbered them in): a batch that
 arrives after a newer one of its source (the exporter keeps several in flight) is placed where its seqs
@@ -212,6 +213,9 @@ class FakeLedger:
                     return forced, b'{"detail":"forced by the test"}'
                 if ledger.token and self.headers.get("authorization") != f"Bearer {ledger.token}":
                     return 401, b'{"detail":"bad token"}'
+                media = (self.headers.get("content-type") or "").split(";")[0].strip()
+                if media not in ("", "application/json"):  # JSON only, as a ledger before the columns
+                    return 415, b'{"reason":"unsupported_media_type"}'
                 if batch is None:
                     try:
                         batch_decoder.decode(body)
