@@ -1,11 +1,12 @@
 """Where the ledger's CPU goes per output token, in process (no HTTP), for a GPU-shaped engine's stream.
 
-Takes ``bench.fleet_workload``'s stream in both forms (output tokens on the steps; ``tokens`` events)
-and times, per output token: decoding and validating the batches (``decode_batch``), the rule engine
-(``RuleEngine.observe`` with the default policy: token cap, loop detector on every id, timeouts),
-folding the batches into partial rows (``fold_into``), and storing them in DuckDB in groups of 4
-batches (``Store.write``, which folds again and appends). Best of ``--rounds`` (the least disturbed
-by the machine's other work); the two forms are measured alternately in one run.
+Takes ``bench.fleet_workload``'s stream in its forms (output tokens on the steps, as JSON and as the
+columnar message; ``tokens`` events) and times, per output token: decoding and validating the batches
+(``decode_batch``; ``decode_columns`` and ``Columns.batch()``), the rule engine (``RuleEngine.observe``
+with the default policy: token cap, loop detector on every id, timeouts), folding the batches into
+partial rows (``fold_into``), and storing them in DuckDB in groups of 4 batches (``Store.write``, which
+folds again and appends). Best of ``--rounds`` (the least disturbed by the machine's other work); the
+forms are measured alternately in one run.
 
     python -m bench.ingest_phases [--steps 800] [--rounds 3]
 """
@@ -19,6 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.fleet_workload import build_cycle, render
+from engine_hooks.columnar import encode_batch
+from ledger.columnar import decode_columns
 from ledger.fold import fold_into
 from ledger.rules.engine import RuleEngine
 from ledger.rules.policy import parse_policy
@@ -35,13 +38,20 @@ class _Hooks:
     def starving(self, *a: Any) -> None: ...
 
 
+FORMS = {"steps": "tokens on steps", "columns": "columnar message", "tokens": "tokens events"}
+
+
 def _phases(form: str, steps: int, workdir: str) -> dict[str, float]:
-    """Seconds per phase for one pass over ``steps`` steps of the stream, and the tokens it holds."""
-    cycle = build_cycle(form, steps=steps, steps_per_batch=8)
+    """Seconds per phase for one pass over ``steps`` steps of the stream, and the tokens it holds.
+    ``columns``: the ``steps`` stream sent as the columnar message (decoded and checked, then turned
+    into the contract's batch: ``Columns.batch()``)."""
+    cycle = build_cycle("tokens" if form == "tokens" else "steps", steps=steps, steps_per_batch=8)
     bodies, seq = [], 1
     for tpl, n in zip(cycle.batches, cycle.events, strict=True):
         bodies.append(render(tpl, "e0", "e0-c0", seq, n))
         seq += n
+    if form == "columns":
+        bodies = [encode_batch(decode_batch(b, max_events=1_000_000)) for b in bodies]
     out: dict[str, float] = {"tokens": float(sum(cycle.tokens))}
 
     def timed(name: str, fn: Callable[[], Any]) -> Any:
@@ -50,7 +60,10 @@ def _phases(form: str, steps: int, workdir: str) -> dict[str, float]:
         out[name] = time.perf_counter() - t0
         return result
 
-    batches = timed("decode", lambda: [decode_batch(b, max_events=1_000_000) for b in bodies])
+    if form == "columns":
+        batches = timed("decode", lambda: [decode_columns(b, max_events=1_000_000).batch() for b in bodies])
+    else:
+        batches = timed("decode", lambda: [decode_batch(b, max_events=1_000_000) for b in bodies])
     policy = parse_policy({})
     rules = RuleEngine(lambda: policy, _Hooks())
     timed("rules", lambda: [rules.observe(b.source, b.events) for b in batches])
@@ -74,7 +87,7 @@ def main() -> None:
     best: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="chunkledger-phases-") as tmp:
         for _ in range(args.rounds):
-            for form in ("steps", "tokens"):
+            for form in FORMS:
                 got = _phases(form, args.steps, tmp)
                 mine = best.setdefault(form, got)
                 for k, v in got.items():
@@ -86,11 +99,10 @@ def main() -> None:
         "store": "DuckDB write (fold + append + commit)",
     }
     print(f"ns per output token, best of {args.rounds} ({args.steps} steps of 256 requests per pass)")
-    print(f"  {'phase':40s}{'tokens on steps':>17}{'tokens events':>15}")
+    print(f"  {'phase':40s}" + "".join(f"{title:>18}" for title in FORMS.values()))
     for key, label in names.items():
-        a = best["steps"][key] / best["steps"]["tokens"] * 1e9
-        b = best["tokens"][key] / best["tokens"]["tokens"] * 1e9
-        print(f"  {label:40s}{a:>17.0f}{b:>15.0f}")
+        cells = (best[form][key] / best[form]["tokens"] * 1e9 for form in FORMS)
+        print(f"  {label:40s}" + "".join(f"{c:>18.0f}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -12,11 +12,13 @@ and the store its ``Columns.batch()``.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import chain, pairwise
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -98,6 +100,18 @@ class Steps:
         if n < 0 or len(data) < 48 * n:
             raise ValueError(f"{len(data)} bytes for {n} steps")
         return cls.view(Packed(n, steps.counts, data[: 24 * n], data[24 * n : 48 * n], data[48 * n :]))
+
+
+def steps_of(steps: list[ev.Step]) -> tuple[Steps, list[str]]:
+    """Step events (checked: a JSON batch's) as the columns a message carries, and the ids their keys
+    index: what ``ledger.fold.fold_columns`` folds."""
+    cols: dict[str, Sequence[Any]] = {name: [getattr(e, name) for e in steps] for name in wire.STEP_ORDER}
+    runners, stalled = (list(chain.from_iterable(cols[n])) for n in wire.ID_LISTS)
+    rkeys, skeys, ids = wire.assign_keys(runners, stalled)
+    packed = wire.pack_steps(
+        [e.seq for e in steps], cols, {"request_ids": rkeys, "stalled_request_ids": skeys}
+    )
+    return Steps.view(packed), ids
 
 
 def steps_ok(s: Steps) -> bool:
@@ -324,8 +338,9 @@ class Columns:
         data, off = self.id_data, self.id_offsets.tolist()
         return [data[off[k] : off[k + 1]].decode() for k in keys.tolist()]
 
-    @property
+    @functools.cached_property
     def ids(self) -> list[str]:
+        """The request ids key 0..k-1 stand for."""
         return self.names(np.arange(len(self.id_offsets) - 1))
 
     def batch(self) -> ev.Batch:

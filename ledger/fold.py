@@ -17,11 +17,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import pyarrow as pa
-import pyarrow.acero  # Table.group_by imports it on first use: paid at start-up instead
-import pyarrow.compute as pc
+import numpy as np
 
 from engine_hooks import events as ev
+from ledger.columnar import Steps, steps_of
 
 Op = Literal["min", "max", "sum"]
 ColType = Literal["float", "int", "str"]
@@ -298,118 +297,108 @@ def _fold_stalled(rows: dict[str, Row], step: ev.Step) -> None:
 
 
 # Below this many participants (runners plus stalled) in a group's steps, folding them one by one in
-# Python is cheaper than building Arrow arrays.
-ARROW_FOLD_MIN_PARTICIPANTS = 256
+# Python is cheaper than building columns.
+COLUMNS_FOLD_MIN_PARTICIPANTS = 256
+
+
+def _blocks_line_up(st: ev.Step) -> bool:
+    return not st.stalled_kv_blocks or len(st.stalled_kv_blocks) == len(st.stalled_request_ids)
 
 
 def fold_steps(rows: dict[str, Row], steps: list[ev.Step]) -> None:
     """Fold many ``step`` events at once; the same rows as ``fold_step`` on each, in any order.
 
     A step names every request it ran (32 and more per step in a busy engine): folding them one by one
-    was a third of the ledger's per-event CPU. Here the participants of all steps are flattened into
-    Arrow arrays and grouped by request in C++, and Python touches each request once per call.
+    was a third of the ledger's per-event CPU. Above ``COLUMNS_FOLD_MIN_PARTICIPANTS`` the steps become
+    columns (``ledger.columnar.steps_of``) and fold as a columnar message's do (``fold_columns``); a step
+    whose block counts do not line up with its stalled requests (the contract refuses it, ``fold_step``
+    takes the counts it has) folds one by one.
     """
-    n = 0
-    for st in steps:
-        n += len(st.request_ids) + len(st.stalled_request_ids)
-    if n < ARROW_FOLD_MIN_PARTICIPANTS:
-        for st in steps:
+    n = sum(len(st.request_ids) + len(st.stalled_request_ids) for st in steps)
+    columns = [st for st in steps if _blocks_line_up(st)] if n >= COLUMNS_FOLD_MIN_PARTICIPANTS else []
+    if columns:
+        fold_columns(rows, *steps_of(columns))
+    if len(columns) < len(steps):
+        for st in steps if not columns else (st for st in steps if not _blocks_line_up(st)):
             fold_step(rows, st)
+
+
+def fold_columns(rows: dict[str, Row], steps: Steps, ids: list[str]) -> None:
+    """Fold steps sent as columns (``ledger.columnar.Steps``, their request keys indexing ``ids``) into
+    ``rows``: the same rows as ``fold_step`` on each step. Grouped by key with ``np.bincount`` (and
+    ``ufunc.at`` for the minima and maxima), so Python touches each request once per call."""
+    n, k = steps.n, len(ids)
+    if not n or not k:
         return
-    durations = pa.array([st.duration_s for st in steps], pa.float64())
-    ends = pa.array([st.ts + st.duration_s for st in steps], pa.float64())
-    runners = pa.array([st.request_ids for st in steps], pa.list_(pa.string()))
-    parents = pc.list_parent_indices(runners)
-    end = pc.take(ends, parents)
-    values = {"d": pc.take(durations, parents), "end": end}
-    aggregations = [("d", "count"), ("d", "sum"), ("end", "max")]
-    with_tokens = any(st.token_counts for st in steps)
-    if with_tokens:
-        # The steps' output tokens (schema 2): each entry's end and total where it got a token, else
-        # null (ignored by min and max); a step without token columns counts as none.
-        counts = pa.array(
-            [st.token_counts or [0] * len(st.request_ids) for st in steps], pa.list_(pa.int64())
-        )
-        totals = pa.array(
-            [st.token_totals or [0] * len(st.request_ids) for st in steps], pa.list_(pa.int64())
-        )
-        got = pc.greater(pc.list_flatten(counts), 0)
-        values["tok_end"] = pc.if_else(got, end, pa.scalar(None, pa.float64()))
-        values["tok_total"] = pc.if_else(got, pc.list_flatten(totals), pa.scalar(None, pa.int64()))
-        aggregations += [("tok_end", "min"), ("tok_end", "max"), ("tok_total", "max")]
-    for rid, count, active, last, *tok in _by_request(runners, values, aggregations):
+    lens = np.diff(steps.offsets2d, axis=1)  # values of each list column, per step
+    dur = steps.scalar("duration_s")
+    end = steps.scalar("ts") + dur
+    keys = steps.values["request_keys"]
+    e = end[np.repeat(np.arange(n), lens[0])]
+    ran = np.bincount(keys, minlength=k)
+    active = np.bincount(keys, weights=dur[np.repeat(np.arange(n), lens[0])], minlength=k)
+    last = np.full(k, -np.inf)
+    np.maximum.at(last, keys, e)
+    counts = steps.values["token_counts"]
+    tok: list[list[Any]] | None = None
+    if len(counts):
+        carried = np.repeat(lens[3] > 0, lens[0])  # the rows of steps that carry token columns
+        got = counts > 0
+        gk, ge = keys[carried][got], e[carried][got]
+        totals = steps.values["token_totals"][got]
+        first_t, last_t = np.full(k, np.inf), np.full(k, -np.inf)
+        out_t = np.full(k, -1, totals.dtype)  # the same dtype: ufunc.at is 15x slower with a cast
+        np.minimum.at(first_t, gk, ge)
+        np.maximum.at(last_t, gk, ge)
+        np.maximum.at(out_t, gk, totals)
+        tok = [first_t.tolist(), last_t.tolist(), out_t.tolist()]
+    for i in np.flatnonzero(ran).tolist():
+        rid = ids[i]
         row = rows.get(rid)
         if row is None:
             row = rows[rid] = {}
-        row["step_count"] = row.get("step_count", 0) + count
-        row["active_s"] = row.get("active_s", 0.0) + active
+        row["step_count"] = row.get("step_count", 0) + int(ran[i])
+        row["active_s"] = row.get("active_s", 0.0) + float(active[i])
+        step_end = float(last[i])
         cur = row.get("last_step_ts")
-        if cur is None or last > cur:
-            row["last_step_ts"] = last
-        if tok and tok[0] is not None:  # _step_tokens, inlined (a busy engine's every request)
-            first, last, total = tok
-            cur = row.get("first_token_ts")
-            if cur is None or first < cur:
-                row["first_token_ts"] = first
-            cur = row.get("last_token_ts")
-            if cur is None or last > cur:
-                row["last_token_ts"] = last
-            cur = row.get("last_event_ts")
-            if cur is None or last > cur:
-                row["last_event_ts"] = last
-            cur = row.get("output_tokens")
-            if cur is None or total > cur:
-                row["output_tokens"] = total
-    # Stalled requests: in Arrow where each step lists one block count per stalled request (as the
-    # engine hooks send them), one by one otherwise.
-    aligned = []
-    for st in steps:
-        if st.stalled_request_ids:
-            if len(st.stalled_kv_blocks) == len(st.stalled_request_ids):
-                aligned.append(st)
-            else:
-                _fold_stalled(rows, st)
-    if not aligned:
+        if cur is None or step_end > cur:
+            row["last_step_ts"] = step_end
+        if tok is not None and tok[2][i] >= 0:
+            _step_tokens(row, tok[0][i], tok[1][i], tok[2][i])
+    _fold_stalled_columns(rows, steps, ids, lens, dur)
+
+
+def _fold_stalled_columns(
+    rows: dict[str, Row], steps: Steps, ids: list[str], lens: np.ndarray, dur: np.ndarray
+) -> None:
+    skeys = steps.values["stalled_keys"]
+    if not len(skeys):
         return
-    stalled = pa.array([st.stalled_request_ids for st in aligned], pa.list_(pa.string()))
-    d = pc.take(pa.array([st.duration_s for st in aligned], pa.float64()), pc.list_parent_indices(stalled))
-    blocks = pa.array([st.stalled_kv_blocks for st in aligned], pa.list_(pa.int64()))
-    idle = _by_request(
-        stalled,
-        {"d": d, "bd": pc.multiply(d, pc.cast(pc.list_flatten(blocks), pa.float64()))},
-        [("d", "count"), ("d", "sum"), ("bd", "sum")],
-    )
-    for rid, count, idle_s, block_s in idle:
+    k = len(ids)
+    sd = dur[np.repeat(np.arange(steps.n), lens[1])]
+    stalled = np.bincount(skeys, minlength=k)
+    idle = np.bincount(skeys, weights=sd, minlength=k)
+    known = np.repeat(lens[2] > 0, lens[1])  # rows of steps that said their blocks
+    blocks = steps.values["stalled_kv_blocks"]
+    block_s = np.bincount(skeys[known], weights=sd[known] * blocks, minlength=k)
+    block_known = np.bincount(skeys[known], minlength=k) > 0
+    for i in np.flatnonzero(stalled).tolist():
+        rid = ids[i]
         row = rows.get(rid)
         if row is None:
             row = rows[rid] = {}
-        row["stalled_steps"] = row.get("stalled_steps", 0) + count
-        row["kv_idle_s"] = row.get("kv_idle_s", 0.0) + idle_s
-        row["kv_idle_block_s"] = row.get("kv_idle_block_s", 0.0) + block_s
-
-
-def _by_request(
-    ids: pa.ListArray, values: dict[str, pa.Array], aggregations: list[tuple[str, str]]
-) -> Iterable[tuple[Any, ...]]:
-    """Group ``values`` (one entry per flattened id of ``ids``) by request id in Arrow.
-
-    Yields ``(request_id, aggregate, ...)`` per request, the aggregates in the order asked.
-    """
-    grouped = (
-        pa.table({"rid": pc.list_flatten(ids), **values})
-        .group_by("rid", use_threads=False)
-        .aggregate(aggregations)
-    )
-    columns = [f"{col}_{op}" for col, op in aggregations]
-    return zip(*(grouped[c].to_pylist() for c in ["rid", *columns]), strict=True)
+        row["stalled_steps"] = row.get("stalled_steps", 0) + int(stalled[i])
+        row["kv_idle_s"] = row.get("kv_idle_s", 0.0) + float(idle[i])
+        if block_known[i]:
+            row["kv_idle_block_s"] = row.get("kv_idle_block_s", 0.0) + float(block_s[i])
 
 
 def fold_tokens(rows: dict[str, Row], source: ev.Source, tokens: list[ev.Tokens]) -> None:
     """Fold ``tokens`` events of one source; the same rows as ``_tokens`` on each, inlined.
 
-    They are most of any stream (a group per request per flush). Grouping them in Arrow first, as
-    ``fold_steps`` does, measured slower (bench: 5.3 vs 4.4 us per event of prepare and fold): the
-    columns cost more to build than these dict updates.
+    They are most of any stream (a group per request per flush). Grouping them in Arrow first
+    measured slower (bench: 5.3 vs 4.4 us per event of prepare and fold): the columns cost more to
+    build than these dict updates.
     """
     sid, model = source.id, source.model
     for e in tokens:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_hooks import events as ev
+from ledger.columnar import Columns
 from ledger.store import Store, WriteResult
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,9 @@ class WriterUnavailable(RuntimeError):
     """The store could not take the batch (database down, writer stopped); the client should retry."""
 
 
-# A queued batch: the batch, its producer digest, the future its handler waits on, its size in bytes.
-_Item = tuple[ev.Batch, str | None, concurrent.futures.Future[WriteResult], int]  # and its body's bytes
+# A queued batch: the batch, its producer digest, the future its handler waits on, its size in bytes,
+# and its columns when it came as a columnar message.
+_Item = tuple[ev.Batch, str | None, concurrent.futures.Future[WriteResult], int, Columns | None]
 
 
 @dataclass
@@ -56,11 +58,19 @@ class _Piece:
     start: int
     end: int
 
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.end == len(self.job.item[0].events)
+
     def batch(self) -> ev.Batch:
         b = self.job.item[0]
-        if self.start == 0 and self.end == len(b.events):
+        if self.whole:
             return b
         return ev.Batch(source=b.source, events=b.events[self.start : self.end])
+
+    def columns(self) -> Columns | None:
+        """The columns of its batch when it is the whole of it (a slice folds from its events)."""
+        return self.job.item[4] if self.whole else None
 
 
 class IngestWriter:
@@ -103,13 +113,16 @@ class IngestWriter:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    async def submit(self, batch: ev.Batch, producer: str | None = None, nbytes: int = 0) -> WriteResult:
+    async def submit(
+        self, batch: ev.Batch, producer: str | None = None, nbytes: int = 0, columns: Columns | None = None
+    ) -> WriteResult:
         """Store ``batch`` (``producer``: the digest of the producer key it came with, or None;
-        ``nbytes``: the size of its body, which bounds the slices of a large batch)."""
+        ``nbytes``: the size of its body, which bounds the slices of a large batch; ``columns``: the
+        message it was decoded from, whose step columns the store folds as they are)."""
         if not self.alive:
             raise WriterUnavailable("the ledger is shutting down")
         fut: concurrent.futures.Future[WriteResult] = concurrent.futures.Future()
-        self._queue.put((batch, producer, fut, nbytes))
+        self._queue.put((batch, producer, fut, nbytes, columns))
         return await asyncio.wrap_future(fut)
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -210,7 +223,9 @@ class IngestWriter:
         t0 = time.perf_counter()
         batches = [p.batch() for p in pieces]
         try:
-            results = self.store.write(batches, [p.job.item[1] for p in pieces])
+            results = self.store.write(
+                batches, [p.job.item[1] for p in pieces], [p.columns() for p in pieces]
+            )
         except Exception as exc:
             if len(pieces) > 1:
                 # Do not let one batch fail its neighbours: store them one by one.
@@ -248,7 +263,7 @@ class IngestWriter:
             job.stored = piece.end
             if job.stored < len(job.item[0].events) or job.failed:
                 continue
-            batch, _, fut, _ = job.item
+            batch, _, fut, _, _ = job.item
             self.batches_committed += 1
             if self.on_commit is not None:
                 try:

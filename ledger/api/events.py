@@ -21,7 +21,7 @@ from ledger.api.answers import documents, encoded
 from ledger.api.deps import ProducersDep, SettingsDep, WriterDep, on_ingest_pool, require
 from ledger.api.gate import media_type
 from ledger.api.models import BatchRejected
-from ledger.columnar import decode_columns
+from ledger.columnar import Columns, decode_columns
 from ledger.ingest import WriterUnavailable
 from ledger.producers import ProducerReleased, digest
 from ledger.ratelimit import Refusal, SourceLimits, peek_source_id
@@ -126,13 +126,19 @@ def _not_owner(request: Request, source_id: str, result: WriteResult) -> Respons
     )
 
 
-def _columns(body: bytes, *, max_events: int) -> ev.Batch:
-    return decode_columns(body, max_events=max_events).batch()
+def _json(body: bytes, *, max_events: int) -> tuple[ev.Batch, None]:
+    return decode_batch(body, max_events=max_events), None
 
 
-def _decoder(content_type: str | None) -> Callable[..., ev.Batch]:
-    """The decoder of a body by its ``Content-Type`` (the gate refused the types neither reads)."""
-    return _columns if content_type and media_type(content_type) == MEDIA_TYPE else decode_batch
+def _columns(body: bytes, *, max_events: int) -> tuple[ev.Batch, Columns]:
+    columns = decode_columns(body, max_events=max_events)
+    return columns.batch(), columns
+
+
+def _decoder(content_type: str | None) -> Callable[..., tuple[ev.Batch, Columns | None]]:
+    """The decoder of a body by its ``Content-Type`` (the gate refused the types neither reads): the
+    batch, and its columns when it came as the columnar message."""
+    return _columns if content_type and media_type(content_type) == MEDIA_TYPE else _json
 
 
 # The body is decoded with msgspec (the wire contract), not by FastAPI: ``ledger.api.openapi`` names its
@@ -180,9 +186,9 @@ async def ingest_events(
         if len(body) > _DECODE_INLINE_BYTES:
             # A large body decodes on a worker thread: the event loop keeps answering other sources
             # meanwhile (the interpreter switches threads every few ms) instead of stopping for it.
-            batch = await on_ingest_pool(request, decode, body)
+            batch, columns = await on_ingest_pool(request, decode, body)
         else:
-            batch = decode(body)
+            batch, columns = decode(body)
     except BadBatch as exc:
         if runaway is not None:
             runaway.metrics.ingest_rejections.labels("invalid").inc()
@@ -229,7 +235,7 @@ async def ingest_events(
     # The rule engine sees the batch now, beside the store's write: cutoffs never wait for a commit.
     observed = runaway.observe_arrival(batch, received) if runaway is not None else None
     try:
-        result = await writer.submit(batch, producer, len(body))
+        result = await writer.submit(batch, producer, len(body), columns)
     except WriterUnavailable as exc:
         if runaway is not None:
             runaway.metrics.ingest_rejections.labels("unavailable").inc()

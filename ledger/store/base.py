@@ -30,7 +30,8 @@ import sqlalchemy as sa
 
 from engine_hooks import events as ev
 from ledger import schema
-from ledger.fold import AGGREGATES, SUM_COLUMNS, Row, fold_into, fold_steps
+from ledger.columnar import Columns
+from ledger.fold import AGGREGATES, SUM_COLUMNS, Row, fold_columns, fold_into, fold_steps
 from ledger.store.request_keys import KeyCache, keys_for
 from ledger.store.request_owners import Owners, foreign_ids, names_any
 from ledger.store.step_memory import MAX_STEP_GAP_S, _follows, _StepEnd, _StepMemory
@@ -74,18 +75,23 @@ class Prepared:
     events: dict[str, list[Any]] = field(default_factory=lambda: {c: [] for c in EVENT_COLUMNS})
     steps: dict[str, list[Any]] = field(default_factory=lambda: {c: [] for c in STEP_COLUMNS})
     requests: dict[str, Row] = field(default_factory=dict)
-    # Accepted steps naming requests, folded into ``requests`` for the whole group at once (``fold``).
+    # Accepted steps naming requests, folded into ``requests`` for the whole group at once (``fold``);
+    # the steps of a columnar message stored whole, folded from its columns.
     step_events: list[ev.Step] = field(default_factory=list)
+    step_columns: list[Columns] = field(default_factory=list)
     # Each row of ``steps``' request ids, turned into its ``request_keys`` once the group is in.
     step_ids: list[list[str]] = field(default_factory=list)
     # The keys the group's transaction resolved (remembered after the commit).
     new_keys: dict[str, int] = field(default_factory=dict)
 
     def fold(self) -> None:
-        """Fold the group's steps into the partial rows (in Arrow, cheaper the bigger the group)."""
+        """Fold the group's steps into the partial rows (as columns, cheaper the bigger the group)."""
         if self.step_events:
             fold_steps(self.requests, self.step_events)
             self.step_events = []
+        for c in self.step_columns:
+            fold_columns(self.requests, c.steps, c.ids)
+        self.step_columns = []
 
 
 _encode = msgspec.json.Encoder().encode
@@ -218,12 +224,17 @@ class Store:
 
     # -- write path ----------------------------------------------------------------------------
     def write(
-        self, batches: Sequence[ev.Batch], producers: Sequence[str | None] | None = None
+        self,
+        batches: Sequence[ev.Batch],
+        producers: Sequence[str | None] | None = None,
+        columns: Sequence[Columns | None] | None = None,
     ) -> list[WriteResult]:
         """Store ``batches`` in one transaction; per batch, how many events were new / duplicates.
 
         ``producers``: per batch, the digest of the producer key it came with (``ledger.producers``,
-        which decides who may send), stored as its source's ``producer``."""
+        which decides who may send), stored as its source's ``producer``. ``columns``: per batch, the
+        columnar message it was decoded from, or None; the steps of a batch stored whole are folded
+        from its columns (``ledger.fold.fold_columns``) instead of from its events."""
         now = time.time()
         sources = {b.source.id: b.source for b in batches}
         ids = sorted(sources)  # one lock order for every writer: no deadlocks between replicas
@@ -243,7 +254,9 @@ class Store:
             prepared = Prepared()
             foreign, owners = foreign_ids(self._owners, conn, batches, self._claim_owners)
             results = [
-                self._accept(conn, b, states[b.source.id], prepared, now, foreign[i])
+                self._accept(
+                    conn, b, states[b.source.id], prepared, now, foreign[i], columns[i] if columns else None
+                )
                 for i, b in enumerate(batches)
             ]
             prepared.fold()
@@ -288,6 +301,7 @@ class Store:
         prepared: Prepared,
         now: float,
         foreign: set[str],
+        columns: Columns | None = None,
     ) -> WriteResult:
         evs = batch.events
         if foreign:  # events about requests another source owns: refused
@@ -312,7 +326,8 @@ class Store:
         if accepted:
             state.new_last_seq = max(mark, accepted[-1].seq)
             state.accepted += len(accepted)
-            self._prepare(batch.source, accepted, prepared, now, state)
+            whole = columns if len(accepted) == len(batch.events) else None  # else its steps' events fold
+            self._prepare(batch.source, accepted, prepared, now, state, whole)
         return WriteResult(
             accepted=len(accepted),
             duplicates=len(evs) - len(accepted) - len(conflicts),
@@ -347,7 +362,13 @@ class Store:
         return bool(sent != had)
 
     def _prepare(
-        self, source: ev.Source, accepted: list[Any], prepared: Prepared, now: float, state: _SourceState
+        self,
+        source: ev.Source,
+        accepted: list[Any],
+        prepared: Prepared,
+        now: float,
+        state: _SourceState,
+        columns: Columns | None = None,
     ) -> None:
         """Append the accepted events of one batch to the group's columns and fold them.
 
@@ -377,7 +398,7 @@ class Store:
         ecols["ingested_ts"] += [now] * n
         steps = [e for e in accepted if type(e) is step_cls]
         if steps:
-            self._prepare_steps(sid, steps, prepared, state)
+            self._prepare_steps(sid, steps, prepared, state, columns)
         if len(steps) < n:
             others = [e for e in accepted if type(e) is not step_cls]
             for e in others:
@@ -385,7 +406,9 @@ class Store:
                     state.dropped += e.count
             fold_into(prepared.requests, source, others)
 
-    def _prepare_steps(self, sid: str, steps: list[ev.Step], prepared: Prepared, state: _SourceState) -> None:
+    def _prepare_steps(
+        self, sid: str, steps: list[ev.Step], prepared: Prepared, state: _SourceState, columns: Columns | None
+    ) -> None:
         s = prepared.steps
         first = len(s["seq"])
         for col in STEP_FIELDS:
@@ -394,7 +417,10 @@ class Store:
         s["interval_s"] += [None] * len(steps)  # set by _link_steps once the whole group is in
         prepared.step_ids += [e.request_ids for e in steps]
         state.step_rows += range(first, first + len(steps))
-        prepared.step_events += [e for e in steps if e.request_ids or e.stalled_request_ids]
+        if columns is not None:
+            prepared.step_columns.append(columns)
+        else:
+            prepared.step_events += [e for e in steps if e.request_ids or e.stalled_request_ids]
 
     def _link_steps(self, conn: Any, prepared: Prepared, states: dict[str, _SourceState]) -> None:
         """Set ``interval_s`` of the group's steps, and of stored steps whose predecessor is in the group.

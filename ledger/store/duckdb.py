@@ -213,15 +213,15 @@ class DuckDBStore(Store):
         )
         self._keys_new = True
 
-    def write(self, batches: Any, producers: Any = None) -> list[WriteResult]:
+    def write(self, batches: Any, producers: Any = None, columns: Any = None) -> list[WriteResult]:
         with self._lock:
             self._staged_parts = 0
             try:
-                return super().write(batches, producers)
+                return super().write(batches, producers, columns)
             except _KeyTaken:  # rolled back: an id the cache did not know was stored (a restart)
                 self._keys_new = False
                 try:
-                    return super().write(batches, producers)
+                    return super().write(batches, producers, columns)
                 finally:
                     self._keys_new = True
 

@@ -17,11 +17,12 @@ class NullStore(Store):
     def __init__(self) -> None:
         super().__init__(sa.create_engine("duckdb:///:memory:"))
 
-    def write(self, batches: Any, producers: Any = None) -> list[WriteResult]:
+    def write(self, batches: Any, producers: Any = None, columns: Any = None) -> list[WriteResult]:
         prepared = Prepared()
         out = []
-        for b in batches:
-            self._prepare(b.source, b.events, prepared, 0.0, _SourceState(b.source, -1, True))
+        for i, b in enumerate(batches):
+            state = _SourceState(b.source, -1, True)
+            self._prepare(b.source, b.events, prepared, 0.0, state, columns[i] if columns else None)
             out.append(WriteResult(accepted=len(b.events), duplicates=0))
         prepared.fold()
         return out

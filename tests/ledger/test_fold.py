@@ -192,7 +192,7 @@ def busy_steps(draw):
 
 @settings(max_examples=60, deadline=None)
 @given(busy_steps())
-def test_steps_folded_in_arrow_give_the_rows_of_folding_them_one_by_one(steps):
+def test_steps_folded_as_columns_give_the_rows_of_folding_them_one_by_one(steps):
     one_by_one: dict = {}
     for s in steps:
         fold_step(one_by_one, s)
@@ -206,8 +206,8 @@ def test_steps_folded_in_arrow_give_the_rows_of_folding_them_one_by_one(steps):
             assert got[k] == (pytest.approx(v) if isinstance(v, float) else v), (rid, k)
 
 
-def test_a_busy_groups_steps_take_the_arrow_path(monkeypatch):
-    """The grouped fold is used above the threshold (else the property test above tests nothing)."""
+def test_a_busy_groups_steps_take_the_columns_path(monkeypatch):
+    """The columns fold is used above the threshold (else the property test above tests nothing)."""
     import ledger.fold as fold_module
 
     calls = []
@@ -254,7 +254,7 @@ def test_tokens_carried_by_steps_fold_like_tokens_events_at_the_steps_ends():
             assert row["last_token_ts"] == pytest.approx(last) == row["last_event_ts"]
         assert "token_events" not in by_steps[rid]  # no event of its own
     grouped: dict = {}
-    fold_steps(grouped, steps * 100)  # the Arrow path: the same rows
+    fold_steps(grouped, steps * 100)  # the columns path: the same rows
     for rid in ("a", "b"):
         for k in ("first_token_ts", "last_token_ts", "output_tokens"):
             assert grouped[rid][k] == pytest.approx(by_steps[rid][k])

@@ -196,3 +196,27 @@ def test_a_media_type_with_parameters_and_another_case_is_read(db_url, app_clien
     media = columnar.MEDIA_TYPE.upper() + "; charset=binary"
     r = client.post("/v1/events", content=columnar.encode_batch(batches[0]), headers={"content-type": media})
     assert r.json()["accepted"] == len(batches[0].events)
+
+
+def test_a_message_stored_whole_folds_from_its_columns_and_a_partly_stored_one_from_its_events(
+    db_url, app_client, batches, monkeypatch
+):
+    from ledger.store import base
+
+    calls: list[str] = []
+    columns_fold, steps_fold = base.fold_columns, base.fold_steps
+    monkeypatch.setattr(base, "fold_columns", lambda *a: calls.append("columns") or columns_fold(*a))
+    monkeypatch.setattr(base, "fold_steps", lambda *a: calls.append("events") or steps_fold(*a))
+    client = app_client()
+    first, second = batches[0], batches[1]
+    assert _send(client, first, "columns").json()["accepted"] == len(first.events)
+    assert calls == ["columns"]
+    calls.clear()
+    # the first message again with the second's events after it: its new part folds from its events
+    both = ev.Batch(source=first.source, events=[*first.events, *second.events])
+    assert _send(client, both, "columns").json() == {
+        "accepted": len(second.events),
+        "duplicates": len(first.events),
+        "commands": [],
+    }
+    assert calls == ["events"]
