@@ -5,8 +5,8 @@ columnar message; ``tokens`` events) and times, per output token: decoding and v
 (``decode_batch``; ``decode_columns`` and ``Columns.batch()``), the rule engine (``RuleEngine.observe``
 with the default policy: token cap, loop detector on every id, timeouts), folding the batches into
 partial rows (``fold_into``), and storing them in DuckDB in groups of 4 batches (``Store.write``, which
-folds again and appends). Best of ``--rounds`` (the least disturbed by the machine's other work); the
-forms are measured alternately in one run.
+folds again, a message's steps from its columns, and appends). Best of ``--rounds`` (the least
+disturbed by the machine's other work); the forms are measured alternately in one run.
 
     python -m bench.ingest_phases [--steps 800] [--rounds 3]
 """
@@ -20,8 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.fleet_workload import build_cycle, render
+from engine_hooks import events as ev
 from engine_hooks.columnar import encode_batch
-from ledger.columnar import decode_columns
+from ledger.columnar import Columns, decode_columns
 from ledger.fold import fold_into
 from ledger.rules.engine import RuleEngine
 from ledger.rules.policy import parse_policy
@@ -60,8 +61,14 @@ def _phases(form: str, steps: int, workdir: str) -> dict[str, float]:
         out[name] = time.perf_counter() - t0
         return result
 
+    columns: list[Columns | None] = [None] * len(bodies)
     if form == "columns":
-        batches = timed("decode", lambda: [decode_columns(b, max_events=1_000_000).batch() for b in bodies])
+
+        def decode_all() -> list[ev.Batch]:
+            columns[:] = [decode_columns(b, max_events=1_000_000) for b in bodies]
+            return [c.batch() for c in columns if c is not None]
+
+        batches = timed("decode", decode_all)
     else:
         batches = timed("decode", lambda: [decode_batch(b, max_events=1_000_000) for b in bodies])
     policy = parse_policy({})
@@ -74,7 +81,8 @@ def _phases(form: str, steps: int, workdir: str) -> dict[str, float]:
 
     timed("fold", fold_all)
     store = open_store(f"duckdb:///{workdir}/{form}-{time.monotonic_ns()}.duckdb")
-    timed("store", lambda: [store.write(batches[i : i + 4]) for i in range(0, len(batches), 4)])
+    groups = range(0, len(batches), 4)
+    timed("store", lambda: [store.write(batches[i : i + 4], None, columns[i : i + 4]) for i in groups])
     store.close()
     return out
 

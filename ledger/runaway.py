@@ -40,6 +40,7 @@ import sqlalchemy as sa
 
 from engine_hooks import events as ev
 from ledger.alerts import Alert, CutoffAlert, DataLossAlert, StarvationAlert
+from ledger.columnar import Columns
 from ledger.rules import rules as R
 from ledger.rules.commands import CommandBook, Pending
 from ledger.rules.engine import Decision, RuleEngine
@@ -96,8 +97,12 @@ class RunawayService:
         self.engine = engine
         self.slo = SloMonitor()
         self._marks: dict[str, int] = {}  # per source, the highest seq the rule engine has seen
+        # (batch, its late events or None, the future of its answer, when received, its columns)
         self._intake: queue.Queue[
-            tuple[ev.Batch, list[Any] | None, concurrent.futures.Future[list[Any]], float | None] | None
+            tuple[
+                ev.Batch, list[Any] | None, concurrent.futures.Future[list[Any]], float | None, Columns | None
+            ]
+            | None
         ] = queue.Queue()
         self._intake_thread: threading.Thread | None = None
         # The database writes the intake's hooks ask for (``_beside_intake``), run in order on a thread
@@ -184,19 +189,20 @@ class RunawayService:
 
     # -- ingest hooks -------------------------------------------------------------------------------------
     def observe_arrival(
-        self, batch: ev.Batch, received: float | None = None
+        self, batch: ev.Batch, received: float | None = None, columns: Columns | None = None
     ) -> concurrent.futures.Future[list[Any]]:
         """Queue a decoded batch for the rule engine; the future gives the events it skipped as at or
         below the source's mark (for ``observe_late`` once the store has said whether they were new).
-        ``received``: when the batch was read (``time.monotonic()``), for ``rule_intake_seconds``."""
+        ``received``: when the batch was read (``time.monotonic()``), for ``rule_intake_seconds``;
+        ``columns``: the columnar message it came as."""
         fut: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
-        self._intake.put((batch, None, fut, received))
+        self._intake.put((batch, None, fut, received, columns))
         return fut
 
     def observe_late(self, batch: ev.Batch, events: list[Any]) -> concurrent.futures.Future[list[Any]]:
         """Observe events that arrived at or below the mark and that the store accepted as new."""
         fut: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
-        self._intake.put((batch, events, fut, None))
+        self._intake.put((batch, events, fut, None, None))
         return fut
 
     def _run_intake(self) -> None:
@@ -204,12 +210,12 @@ class RunawayService:
             item = self._intake.get()
             if item is None:
                 return
-            batch, late, fut, received = item
+            batch, late, fut, received, columns = item
             skipped: list[Any] = []
             self._decisions_stored = None
             try:
                 if late is None:
-                    skipped = self._arrived(batch)
+                    skipped = self._arrived(batch, columns)
                 elif late:
                     self.rules.observe(batch.source, late, self.clock())
             except Exception:
@@ -236,7 +242,7 @@ class RunawayService:
             finally:
                 done.set_result(None)
 
-    def _arrived(self, batch: ev.Batch) -> list[Any]:
+    def _arrived(self, batch: ev.Batch, columns: Columns | None = None) -> list[Any]:
         source, events = batch.source, batch.events
         if not events:
             return []
@@ -246,9 +252,10 @@ class RunawayService:
         else:
             new = [e for e in events if e.seq > mark]
             old = [e for e in events if e.seq <= mark]
+            columns = None  # the rules see part of it: its steps' tokens group from their events
         if new:
             self._marks[source.id] = new[-1].seq
-            self.rules.observe(source, new, self.clock())
+            self.rules.observe(source, new, self.clock(), columns)
         return old
 
     def on_commit(self, batch: ev.Batch, accepted: int, duplicates: int) -> None:

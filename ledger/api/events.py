@@ -233,7 +233,7 @@ async def ingest_events(
                 headers={"Retry-After": str(math.ceil(left))},
             )
     # The rule engine sees the batch now, beside the store's write: cutoffs never wait for a commit.
-    observed = runaway.observe_arrival(batch, received) if runaway is not None else None
+    observed = runaway.observe_arrival(batch, received, columns) if runaway is not None else None
     try:
         result = await writer.submit(batch, producer, len(body), columns)
     except WriterUnavailable as exc:

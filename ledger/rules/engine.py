@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine_hooks import events as ev
+from ledger.columnar import Columns
 from ledger.rules import rules as R
 from ledger.rules import step_tokens
 from ledger.rules.loop import exact_detector, extend_many, near_detector
@@ -110,9 +111,15 @@ class RuleEngine:
 
     # -- events ------------------------------------------------------------------------------------
     def observe(
-        self, source: ev.Source, events: Sequence[Any], recv_ts: float | None = None
+        self,
+        source: ev.Source,
+        events: Sequence[Any],
+        recv_ts: float | None = None,
+        columns: Columns | None = None,
     ) -> list[Decision]:
-        """Fold newly accepted events of one batch into the live state; decide counter rules."""
+        """Fold newly accepted events of one batch into the live state; decide counter rules.
+        ``columns``: the columnar message ``events`` are the whole of, whose steps' tokens are grouped
+        from its columns."""
         if not events:
             return []
         now = self._clock() if recv_ts is None else recv_ts
@@ -147,7 +154,12 @@ class RuleEngine:
                     else:
                         pending += ids
             if stepped:
-                self._step_tokens(source, stepped, now, touched, token_ids, mono)
+                groups = (
+                    step_tokens.group(stepped)
+                    if columns is None
+                    else step_tokens.group_columns(columns.steps, columns.ids)
+                )
+                self._step_tokens(source, groups, now, touched, token_ids, mono)
             self._detect(token_ids, touched)
             decisions = self._decide(touched.values(), R.EVENT_RULES, now)
             self._bound()
@@ -170,21 +182,21 @@ class RuleEngine:
     def _step_tokens(
         self,
         source: ev.Source,
-        stepped: list[ev.Step],
+        groups: list[step_tokens.Group],
         now: float,
         touched: dict[str, R.LiveRequest],
         token_ids: dict[R.LiveRequest, list[int]],
         mono: float,
     ) -> None:
-        """The output tokens the batch's steps carried, once per request (after the batch's other
-        events: a request that finished in the batch is not made live again): what its ``tokens``
-        events would have done. Such a request is checked by the counter rules only when its total is
-        above the token cap (or, see ``_detect``, its loop detector fired): nothing else a token
-        changes can make them decide, and a busy engine's steps touch every running request."""
+        """The output tokens the batch's steps carried (``groups``), once per request (after the batch's
+        other events: a request that finished in the batch is not made live again): what its
+        ``tokens`` events would have done. Such a request is checked by the counter rules only when its
+        total is above the token cap (or, see ``_detect``, its loop detector fired): nothing else a
+        token changes can make them decide, and a busy engine's steps touch every running request."""
         touch = self._touch
         cap = self.rules_for(source.model).max_output_tokens if source.model else None
         quiet: dict[str, R.LiveRequest] = {}  # touched, but nothing for the counter rules to check
-        for rid, total, ids in step_tokens.group(stepped):
+        for rid, total, ids in groups:
             r = touch(rid, source, quiet, mono)
             if r is None:
                 continue

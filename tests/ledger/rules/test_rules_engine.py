@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine_hooks import events as ev
+from engine_hooks.columnar import encode_batch
+from ledger.columnar import decode_columns
 from ledger.rules.engine import RuleEngine
 from ledger.rules.policy import Policy, parse_policy
 
@@ -262,7 +266,9 @@ def _step(k: int, groups: dict[str, list[int]], totals: dict[str, int]) -> ev.St
     )
 
 
-def test_tokens_carried_by_steps_feed_the_loop_detector_per_request_and_the_token_cap():
+@pytest.mark.parametrize("wire", ["events", "columns"])
+def test_tokens_carried_by_steps_feed_the_loop_detector_per_request_and_the_token_cap(wire):
+    """From the steps' events, and from the columnar message they came in (grouped from its columns)."""
     eng, hooks, _ = make({"rules": {"max_output_tokens": 170}})
     loop = [101, 2023, 318] * 60
     rnd = [(i * 7919) % 5003 for i in range(180)]  # not periodic within the detector's window
@@ -272,7 +278,13 @@ def test_tokens_carried_by_steps_feed_the_loop_detector_per_request_and_the_toke
         if k < 160:  # under the cap: only the loop can cut it
             groups["looping"] = [loop[k]]
         steps.append(_step(k, groups, {"looping": k + 1, "text": k + 1, "idle": 0}))
-    eng.observe(ENGINE, seqs(steps), T0)
+    events = seqs(steps)
+    columns = None
+    if wire == "columns":
+        body = encode_batch(ev.Batch(source=ENGINE, events=events))
+        columns = decode_columns(body, max_events=10**6)
+        assert columns.batch().events == events
+    eng.observe(ENGINE, events, T0, columns)
     decided = {(d.request_id, d.rule) for d in hooks.decisions}
     assert ("looping", "loop") in decided and ("text", "token_cap") in decided
     assert not any(rid == "text" and rule == "loop" for rid, rule in decided)

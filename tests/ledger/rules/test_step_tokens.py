@@ -1,4 +1,5 @@
-"""Grouping a batch's step token columns by request: numpy and entry by entry agree."""
+"""Grouping a batch's step token columns by request: numpy, the columnar message's columns and entry by
+entry agree."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_hooks import events as ev
+from engine_hooks.columnar import encode_batch
+from ledger.columnar import decode_columns
 from ledger.rules import step_tokens
 
 T0 = 1_800_000_000.0
+ENGINE = ev.Source(id="engine-0", kind="engine", model="m")
 
 
 @st.composite
@@ -34,7 +38,7 @@ def batches(draw):
 
 @settings(max_examples=150, deadline=None)
 @given(batches())
-def test_numpy_grouping_gives_the_groups_of_going_entry_by_entry(steps):
+def test_numpy_and_columns_grouping_give_the_groups_of_going_entry_by_entry(steps):
     small = step_tokens.group_small([s for s in steps if s.token_counts])
     old = step_tokens.NUMPY_MIN_ENTRIES
     step_tokens.NUMPY_MIN_ENTRIES = 0  # force the numpy path whatever the size
@@ -43,6 +47,8 @@ def test_numpy_grouping_gives_the_groups_of_going_entry_by_entry(steps):
     finally:
         step_tokens.NUMPY_MIN_ENTRIES = old
     assert grouped == small
+    message = decode_columns(encode_batch(ev.Batch(source=ENGINE, events=steps)), max_events=10**6)
+    assert step_tokens.group_columns(message.steps, message.ids) == small
 
 
 def test_a_request_gets_its_highest_total_and_its_ids_in_emit_order():
