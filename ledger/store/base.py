@@ -79,8 +79,9 @@ class Prepared:
     # the steps of a columnar message stored whole, folded from its columns.
     step_events: list[ev.Step] = field(default_factory=list)
     step_columns: list[Columns] = field(default_factory=list)
-    # Each row of ``steps``' request ids, turned into its ``request_keys`` once the group is in.
-    step_ids: list[list[str]] = field(default_factory=list)
+    # Each row of ``steps``' request ids, turned into its ``request_keys`` once the group is in; a
+    # columnar message stored whole stands for the rows of all its steps.
+    step_ids: list[list[str] | Columns] = field(default_factory=list)
     # The keys the group's transaction resolved (remembered after the commit).
     new_keys: dict[str, int] = field(default_factory=dict)
 
@@ -415,11 +416,12 @@ class Store:
             s[col] += [getattr(e, col) for e in steps]
         s["source_id"] += [sid] * len(steps)
         s["interval_s"] += [None] * len(steps)  # set by _link_steps once the whole group is in
-        prepared.step_ids += [e.request_ids for e in steps]
         state.step_rows += range(first, first + len(steps))
-        if columns is not None:
+        if columns is not None:  # all of its steps, in seq order: ``steps``
+            prepared.step_ids.append(columns)
             prepared.step_columns.append(columns)
         else:
+            prepared.step_ids += [e.request_ids for e in steps]
             prepared.step_events += [e for e in steps if e.request_ids or e.stalled_request_ids]
 
     def _link_steps(self, conn: Any, prepared: Prepared, states: dict[str, _SourceState]) -> None:

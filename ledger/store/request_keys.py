@@ -13,7 +13,12 @@ not hold.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from itertools import pairwise
 from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from ledger.columnar import Columns
 
 # ids -> their keys, for the ids a transaction resolves; a backend's insert or lookup
 Resolver = Callable[[Any, list[str]], dict[str, int]]
@@ -66,13 +71,22 @@ class KeyCache(Generic[V]):
 def keys_for(
     cache: KeyCache[int],
     conn: Any,
-    id_lists: Sequence[list[str]],
+    id_lists: Sequence[list[str] | Columns],
     insert: Resolver,
     lookup: Resolver,
 ) -> tuple[list[list[int]], dict[str, int]]:
-    """Each list of ids as keys, and the keys resolved in ``conn`` (for ``KeyCache.learn`` after the
-    commit). ``insert`` draws keys for the ids not stored yet; ``lookup`` finds the others'."""
-    wanted = set().union(*id_lists)
+    """Each list of ids as keys (a columnar message stands for the lists of all its steps: its ids are
+    looked up once each and its steps' keys gathered with numpy), and the keys resolved in ``conn``
+    (for ``KeyCache.learn`` after the commit). ``insert`` draws keys for the ids not stored yet;
+    ``lookup`` finds the others'."""
+    wanted: set[str] = set()
+    lists: list[list[str]] = []
+    for part in id_lists:
+        if isinstance(part, Columns):
+            wanted.update(part.ids)
+        else:
+            lists.append(part)
+    wanted = wanted.union(*lists)
     table, missing = cache.known(wanted)
     resolved: dict[str, int] = {}
     if missing:
@@ -87,4 +101,12 @@ def keys_for(
             raise RuntimeError(f"no request key for {len(absent)} ids, e.g. {absent[0]!r}")
         table.update(resolved)
     get = table.__getitem__
-    return [list(map(get, ids)) for ids in id_lists], resolved
+    out: list[list[int]] = []
+    for part in id_lists:
+        if isinstance(part, Columns):
+            key_of = np.fromiter(map(get, part.ids), np.int64, len(part.ids))
+            keys = key_of[part.steps.values["request_keys"]].tolist()
+            out += [keys[a:b] for a, b in pairwise(part.steps.offsets("request_keys").tolist())]
+        else:
+            out.append(list(map(get, part)))
+    return out, resolved
