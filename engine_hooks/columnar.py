@@ -60,6 +60,7 @@ COLUMNS = tuple(COLUMN[n] for n in LISTS)  # the list columns' names on the wire
 FIELD = {v: k for k, v in COLUMN.items()}  # column -> the Step field it carries (for errors)
 ID_LISTS = ("request_ids", "stalled_request_ids")
 STEP_ORDER = (*SCALARS, *LISTS)  # a step's values as the encoder takes them from a queue entry
+STEP_COLUMN_ORDER = ("seq", *STEP_ORDER)  # a message's step columns as ``assemble`` takes them
 
 Entry = tuple[Any, Any]  # an exporter queue entry: (Layout, values), engine_hooks/exporter/queue.py
 
@@ -288,8 +289,16 @@ def decode_to_batch(body: bytes) -> ev.Batch:
         if name in ID_LISTS:
             values = [ids[k] for k in values]
         cols[name] = [list(values[a:b]) for a, b in pairwise(off)]
-    names = ("seq", *SCALARS, *LISTS)
-    rows = zip(i64[:n], *(cols[name] for name in names[1:]), strict=True)
-    steps: list[ev.Event] = [ev.Step(**dict(zip(names, row, strict=True))) for row in rows]
-    events = sorted([*steps, *msg.events], key=operator.attrgetter("seq"))
-    return ev.Batch(source=msg.source, events=events, schema_version=msg.schema_version)
+    cols["seq"] = i64[:n]
+    return assemble(msg.source, msg.schema_version, [cols[name] for name in STEP_COLUMN_ORDER], msg.events)
+
+
+def assemble(
+    source: ev.Source, schema_version: int, columns: Sequence[Sequence[Any]], events: list[ev.Event]
+) -> ev.Batch:
+    """The contract's batch from a message's steps as columns (in ``STEP_COLUMN_ORDER``, one value a
+    step; each list column a list a step, the id lists as ids) and its other events, in seq order."""
+    rows = zip(*columns, strict=True)
+    steps: list[ev.Event] = [ev.Step(**dict(zip(STEP_COLUMN_ORDER, row, strict=True))) for row in rows]
+    merged = sorted([*steps, *events], key=operator.attrgetter("seq")) if events else steps
+    return ev.Batch(source=source, events=merged, schema_version=schema_version)

@@ -13,7 +13,6 @@ and the store its ``Columns.batch()``.
 from __future__ import annotations
 
 import functools
-import heapq
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -345,23 +344,17 @@ class Columns:
 
     def batch(self) -> ev.Batch:
         """The message as the contract's batch, its events in seq order (the order the exporter queued
-        them in): what the rule engine and the store take, so every ingest guarantee holds on this
-        wire as on JSON. One Struct a step, its lists sliced from the columns (ids by key)."""
+        them in): what the store and the rules take where they do not read the columns, so every ingest
+        guarantee holds on this wire as on JSON. One Struct a step, its lists sliced from the columns
+        (ids by key)."""
         s, ids = self.steps, self.ids
-        cols: list[list[object]] = [s.seq.tolist(), *(s.scalar(name).tolist() for name in wire.SCALARS)]
+        cols: list[list[Any]] = [s.seq.tolist(), *(s.scalar(name).tolist() for name in wire.SCALARS)]
         for name, column in zip(LISTS, COLUMNS, strict=True):
             off, values = s.offsets(column).tolist(), s.values[column].tolist()
             if name in wire.ID_LISTS:
                 values = list(map(ids.__getitem__, values))
             cols.append([values[a:b] for a, b in pairwise(off)])
-        names = ("seq", *wire.SCALARS, *LISTS)
-        step = ev.Step
-        steps: list[ev.Event] = [
-            step(**dict(zip(names, row, strict=True))) for row in zip(*cols, strict=True)
-        ]
-        seq = operator.attrgetter("seq")
-        events = list(heapq.merge(steps, self.events, key=seq)) if self.events else steps
-        return ev.Batch(source=self.source, events=events, schema_version=self.schema_version)
+        return wire.assemble(self.source, self.schema_version, cols, self.events)
 
 
 class _Seq(msgspec.Struct):
