@@ -13,7 +13,9 @@ A simulated decode step with 256 running requests records one ``tokens`` event p
 * columnar:   what it does with ``step_tokens``: the 256 counts, totals and ids gathered into three
               lists that ride on the step event (schema 2), one event per step;
 * worker:     what the worker thread later spends per event (numbering, building the Struct,
-              encoding, validating) -- off the engine thread, but it shares the GIL.
+              encoding, validating) -- off the engine thread, but it shares the GIL; per output
+              token for the plugin's forms, the columnar one also sent as the columnar message
+              (``wire = "columns"``).
 
 The worker is kept out of the engine-thread figures (the queue is emptied between steps, as the raw
 deque is), so they measure only what the engine thread pays. Run: ``python -m bench.exporter``.
@@ -188,7 +190,8 @@ def main() -> None:
     print(f"  {'worker thread (off the engine)':34s} {worker_ns:7.0f} ns/event")
     # The worker per output token, for the two plugin forms (50 steps each).
     worker_tok = {}
-    for name in ("coalesced", "columnar"):
+    for name in ("coalesced", "columnar", "columnar, columns wire"):
+        exporter._encoder.columns = (lambda: True) if name.endswith("wire") else (lambda: False)
         best = float("inf")
         for _ in range(args.rounds):
             ts = time.time()
@@ -203,7 +206,9 @@ def main() -> None:
                     for rid in rids:
                         pending[rid] = []
                 cols = (
-                    ([1] * RUNNING, [7] * RUNNING, [1234] * RUNNING) if name == "columnar" else ([], [], [])
+                    ([1] * RUNNING, [7] * RUNNING, [1234] * RUNNING)
+                    if name.startswith("columnar")
+                    else ([], [], [])
                 )
                 full_step(ts, k, 0.01, RUNNING, list(rids), *cols)
             taken = queue.take(10_000_000)
@@ -230,6 +235,7 @@ def main() -> None:
                 "columnar_us_per_step": round(results["columnar"], 2),
                 "worker_ns_per_token_coalesced": round(worker_tok["coalesced"], 1),
                 "worker_ns_per_token_columnar": round(worker_tok["columnar"], 1),
+                "worker_ns_per_token_columns_wire": round(worker_tok["columnar, columns wire"], 1),
             }
         )
     )
