@@ -214,6 +214,7 @@ async def ingest_events(
         )
         metrics = request.app.state.metrics
         metrics.ingest_future_timestamps.labels(metrics.sources(batch.source.id)).inc(ahead)
+        columns = None  # the events now hold the clamped times, the columns those sent: fold the events
     # Only the source's own producer may send as it (ledger.producers): checked before the rule engine
     # sees anything of the batch.
     producer = digest(request.headers.get(ev.PRODUCER_HEADER))

@@ -220,3 +220,22 @@ def test_a_message_stored_whole_folds_from_its_columns_and_a_partly_stored_one_f
         "commands": [],
     }
     assert calls == ["events"]
+
+
+def test_a_step_stamped_far_ahead_is_stored_with_the_receive_time_on_the_columns_wire_too(
+    db_url, app_client, batches
+):
+    """The clamp changes the events, not the message's columns: the store folds the clamped events."""
+    import time
+
+    client = app_client()
+    first = batches[0]
+    i, step = next((i, e) for i, e in enumerate(first.events) if type(e) is ev.Step and e.request_ids)
+    events = list(first.events)
+    events[i] = msgspec.structs.replace(step, ts=time.time() + 3600)
+    assert _send(client, ev.Batch(source=first.source, events=events), "columns").status_code == 200
+    engine = sa.create_engine(db_url)
+    with engine.connect() as conn:
+        latest = conn.exec_driver_sql("SELECT max(last_step_ts), max(last_token_ts) FROM requests").one()
+    engine.dispose()
+    assert all(t is not None and t < time.time() + 60 for t in latest), latest
