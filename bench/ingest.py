@@ -64,6 +64,7 @@ FLEET_STEPS = 2400  # one pass over a fleet engine's stream: 72 s of engine time
 class FleetOptions:
     loops: bool = False  # one request in 50 loops (bench.fleet_workload.LOOP_EVERY)
     steps_per_batch: int = 8  # a fleet engine's batch: 8 steps (240 ms) with their lifecycle events
+    in_flight: int = 1  # fleet-steps/-columns/-tokens: batches an engine keeps in flight
 
 
 PG_ADMIN = os.environ.get("CHUNKLEDGER_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -135,7 +136,7 @@ def _client_proc(
     workload: str,
     fleet: FleetOptions | None = None,
 ) -> None:
-    """One client process running one thread per source (an engine's exporter: one batch in flight),
+    """One client process running one thread per source (an engine's exporter),
     each sending to its ledger (``urls``, aligned with ``source_ids``: sources pinned to replicas)."""
     fleet = fleet or FleetOptions()
     if workload == "mix":
@@ -158,7 +159,10 @@ def _client_proc(
             loops=fleet.loops,
         )
         threads = [
-            threading.Thread(target=_fleet_client, args=(url, sid, cycle, duration, start_at, out, columns))
+            threading.Thread(
+                target=_fleet_client,
+                args=(url, sid, cycle, duration, start_at, out, columns, fleet.in_flight),
+            )
             for url, sid in zip(urls, source_ids, strict=True)
         ]
     for t in threads:
@@ -219,45 +223,63 @@ def _fleet_client(
     start_at: float,
     out: mp.Queue,
     columns: bool = False,
+    in_flight: int = 1,
 ) -> None:
-    """One GPU-shaped engine (``bench.fleet_workload``), sending its batches back to back; ``columns``:
-    as columnar messages, the first pass over its cycle encoded before the load starts (as the
-    templates are rendered: the load generator's cost stays out of the ledger's share), later passes
-    while it runs."""
-    lat: list[float] = []
-    acked = tokens = steps = loops = 0
-    seq = 1
-    k = 0
+    """One GPU-shaped engine (``bench.fleet_workload``), sending its batches back to back, ``in_flight``
+    at a time (as the exporter's ``max_in_flight``: the ledger orders them by seq); ``columns``: as
+    columnar messages, the first pass over its cycle encoded before the load starts (as the templates
+    are rendered: the load generator's cost stays out of the ledger's share), later passes while it
+    runs."""
     media = columnar.MEDIA_TYPE if columns else "application/json"
+    n_batches = len(cycle.batches)
+    first_seq = [1]
+    for n in cycle.events:
+        first_seq.append(first_seq[-1] + n)
+    per_pass = first_seq[-1] - 1
 
-    def body_of(k: int, seq: int) -> bytes:
-        i = k % len(cycle.batches)
-        body = render(
-            cycle.batches[i], source_id, f"{source_id}-c{k // len(cycle.batches)}", seq, cycle.events[i]
-        )
+    def seq_of(k: int) -> int:
+        return (k // n_batches) * per_pass + first_seq[k % n_batches]
+
+    def body_of(k: int) -> bytes:
+        i = k % n_batches
+        rid = f"{source_id}-c{k // n_batches}"
+        body = render(cycle.batches[i], source_id, rid, seq_of(k), cycle.events[i])
         return columnar.encode_batch(ev.batch_decoder.decode(body)) if columns else body
 
-    ready: list[bytes] = []
-    if columns:
-        first = 1
-        for j in range(len(cycle.batches)):
-            ready.append(body_of(j, first))
-            first += cycle.events[j]
-    with httpx.Client(base_url=url, timeout=30.0) as http:
-        while time.time() < start_at:
-            time.sleep(0.001)
-        deadline = time.perf_counter() + duration
-        while time.perf_counter() < deadline:
-            i = k % len(cycle.batches)
-            n = cycle.events[i]
-            body = ready[k] if k < len(ready) else body_of(k, seq)
-            acked += _send(http, body, lat, media)
-            tokens += cycle.tokens[i]
-            loops += cycle.loops[i]
-            steps += cycle.steps // len(cycle.batches)
-            seq += n
-            k += 1
-    out.put({"acked": acked, "lat": lat, "tokens": tokens, "steps": steps, "loops": loops})
+    ready = [body_of(k) for k in range(n_batches)] if columns else []
+    lock = threading.Lock()
+    next_k = [0]
+    lat: list[float] = []
+    totals = {"acked": 0, "tokens": 0, "steps": 0, "loops": 0}
+
+    def sender(deadline: float) -> None:
+        mine = {"acked": 0, "tokens": 0, "steps": 0, "loops": 0}
+        times: list[float] = []
+        with httpx.Client(base_url=url, timeout=30.0) as http:
+            while time.perf_counter() < deadline:
+                with lock:
+                    k = next_k[0]
+                    next_k[0] += 1
+                i = k % n_batches
+                body = ready[k] if k < len(ready) else body_of(k)
+                mine["acked"] += _send(http, body, times, media)
+                mine["tokens"] += cycle.tokens[i]
+                mine["loops"] += cycle.loops[i]
+                mine["steps"] += cycle.steps // n_batches
+        with lock:
+            lat.extend(times)
+            for key, v in mine.items():
+                totals[key] += v
+
+    while time.time() < start_at:
+        time.sleep(0.001)
+    deadline = time.perf_counter() + duration
+    senders = [threading.Thread(target=sender, args=(deadline,)) for _ in range(in_flight)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join()
+    out.put({**totals, "lat": lat})
 
 
 def _paced_client(
@@ -489,7 +511,7 @@ def main() -> None:
         "--clients",
         type=int,
         default=16,
-        help="concurrent sources, each with one batch in flight like an exporter (2 processes)",
+        help="concurrent sources (engines), each with --in-flight batches in flight (2 processes)",
     )
     ap.add_argument(
         "--backends",
@@ -515,6 +537,13 @@ def main() -> None:
         "ledger answers slowly sends larger batches, up to its batch_size)",
     )
     ap.add_argument(
+        "--in-flight",
+        type=int,
+        default=1,
+        help="fleet-steps, fleet-columns, fleet-tokens: batches each engine keeps in flight (the "
+        "exporter's max_in_flight is 4)",
+    )
+    ap.add_argument(
         "--loops",
         action="store_true",
         help="fleet workloads: one request in 50 falls into a loop (the rules cut it; the clients do not "
@@ -531,7 +560,7 @@ def main() -> None:
     print(
         f"\ningest: {args.clients} clients, {args.duration:.0f} s per backend and workload, "
         f"{os.cpu_count()} cores (mix: batches of {BATCH} events; "
-        f"fleet: {args.steps_per_batch} steps of 256 requests per batch)"
+        f"fleet: {args.steps_per_batch} steps of 256 requests per batch, {args.in_flight} in flight)"
     )
     print(
         f"{'workload':<14}{'backend':<20}{'tokens/s':>11}{'steps/s':>9}{'durable ev/s':>14}{'p50 ms':>8}"
@@ -572,7 +601,7 @@ def _run_spec(spec: str, workload: str, args: argparse.Namespace, workdir: Path)
         clients=args.clients,
         workdir=workdir,
         workload=workload,
-        fleet=FleetOptions(loops=args.loops, steps_per_batch=args.steps_per_batch),
+        fleet=FleetOptions(loops=args.loops, steps_per_batch=args.steps_per_batch, in_flight=args.in_flight),
     )
     if name == "null":
         return run(label, "null://", server_root=root_arg)
