@@ -332,13 +332,14 @@ def test_storage_failure_is_a_retryable_503_and_keeps_what_was_accepted(client, 
     assert _post(client, body(ENGINE, ok)).status_code == 200
     store = client.app.state.store
 
-    def broken(batches):
+    def broken(batches, *rest):
         raise OSError("database unreachable")
 
     monkeypatch.setattr(store, "write", broken)
     later = numbered([ev.Queued(seq=0, ts=6.0, request_id="later", prompt_tokens=3)], start=2)
     r = _post(client, body(ENGINE, later))
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert "database unreachable" in r.json()["detail"]  # the store's own failure, not a call error
     monkeypatch.undo()
     assert client.get("/v1/requests/kept", headers=RD).status_code == 200
     assert _post(client, body(ENGINE, later)).json()["accepted"] == 1

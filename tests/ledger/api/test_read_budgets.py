@@ -363,7 +363,7 @@ def test_readyz_is_not_ready_while_every_batch_gets_no_space(db_url, tmp_path):
     store = open_store(db_url)
     real = store.write
 
-    def full(batches, producers=None):  # type: ignore[no-untyped-def]
+    def full(batches, producers=None, columns=None):  # type: ignore[no-untyped-def]
         raise OSError(28, "No space left on device")
 
     try:
