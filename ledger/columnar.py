@@ -65,6 +65,11 @@ class Steps:
     def offsets(self, column: str) -> np.ndarray:
         return self.offsets2d[COLUMNS.index(column)]
 
+    @functools.cached_property
+    def lengths(self) -> np.ndarray:
+        """6 x n: each list column's values per step, in ``LISTS`` order."""
+        return np.diff(self.offsets2d, axis=1)
+
     @classmethod
     def view(cls, p: Packed) -> Steps:
         """Views over packed blocks; raises ValueError when their sizes do not add up."""

@@ -330,13 +330,13 @@ def fold_columns(rows: dict[str, Row], steps: Steps, ids: list[str]) -> None:
     n, k = steps.n, len(ids)
     if not n or not k:
         return
-    lens = np.diff(steps.offsets2d, axis=1)  # values of each list column, per step
+    lens = steps.lengths
     dur = steps.scalar("duration_s")
-    end = steps.scalar("ts") + dur
+    step_of = np.repeat(np.arange(n), lens[0])  # each runner's step
+    e = (steps.scalar("ts") + dur)[step_of]
     keys = steps.values["request_keys"]
-    e = end[np.repeat(np.arange(n), lens[0])]
     ran = np.bincount(keys, minlength=k)
-    active = np.bincount(keys, weights=dur[np.repeat(np.arange(n), lens[0])], minlength=k)
+    active = np.bincount(keys, weights=dur[step_of], minlength=k)
     last = np.full(k, -np.inf)
     np.maximum.at(last, keys, e)
     counts = steps.values["token_counts"]
@@ -365,16 +365,14 @@ def fold_columns(rows: dict[str, Row], steps: Steps, ids: list[str]) -> None:
             row["last_step_ts"] = step_end
         if tok is not None and tok[2][i] >= 0:
             _step_tokens(row, tok[0][i], tok[1][i], tok[2][i])
-    _fold_stalled_columns(rows, steps, ids, lens, dur)
+    _fold_stalled_columns(rows, steps, ids, dur)
 
 
-def _fold_stalled_columns(
-    rows: dict[str, Row], steps: Steps, ids: list[str], lens: np.ndarray, dur: np.ndarray
-) -> None:
+def _fold_stalled_columns(rows: dict[str, Row], steps: Steps, ids: list[str], dur: np.ndarray) -> None:
     skeys = steps.values["stalled_keys"]
     if not len(skeys):
         return
-    k = len(ids)
+    k, lens = len(ids), steps.lengths
     sd = dur[np.repeat(np.arange(steps.n), lens[1])]
     stalled = np.bincount(skeys, minlength=k)
     idle = np.bincount(skeys, weights=sd, minlength=k)

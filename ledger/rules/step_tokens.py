@@ -87,7 +87,7 @@ def group_columns(steps: Steps, ids: list[str]) -> list[Group]:
     counts = steps.values["token_counts"]
     if not len(counts):
         return []
-    lens = np.diff(steps.offsets2d, axis=1)
+    lens = steps.lengths
     carried = np.repeat(lens[3] > 0, lens[0])  # entries of steps with token columns
     got = counts > 0
     keys = steps.values["request_keys"][carried][got]

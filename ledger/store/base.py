@@ -75,12 +75,11 @@ class Prepared:
     events: dict[str, list[Any]] = field(default_factory=lambda: {c: [] for c in EVENT_COLUMNS})
     steps: dict[str, list[Any]] = field(default_factory=lambda: {c: [] for c in STEP_COLUMNS})
     requests: dict[str, Row] = field(default_factory=dict)
-    # Accepted steps naming requests, folded into ``requests`` for the whole group at once (``fold``);
-    # the steps of a columnar message stored whole, folded from its columns.
+    # Accepted steps naming requests, folded into ``requests`` for the whole group at once (``fold``).
     step_events: list[ev.Step] = field(default_factory=list)
-    step_columns: list[Columns] = field(default_factory=list)
     # Each row of ``steps``' request ids, turned into its ``request_keys`` once the group is in; a
-    # columnar message stored whole stands for the rows of all its steps.
+    # columnar message stored whole stands for the rows of all its steps (and its steps fold from its
+    # columns, not from ``step_events``).
     step_ids: list[list[str] | Columns] = field(default_factory=list)
     # The keys the group's transaction resolved (remembered after the commit).
     new_keys: dict[str, int] = field(default_factory=dict)
@@ -90,9 +89,9 @@ class Prepared:
         if self.step_events:
             fold_steps(self.requests, self.step_events)
             self.step_events = []
-        for c in self.step_columns:
-            fold_columns(self.requests, c.steps, c.ids)
-        self.step_columns = []
+        for part in self.step_ids:
+            if isinstance(part, Columns):
+                fold_columns(self.requests, part.steps, part.ids)
 
 
 _encode = msgspec.json.Encoder().encode
@@ -419,7 +418,6 @@ class Store:
         state.step_rows += range(first, first + len(steps))
         if columns is not None:  # all of its steps, in seq order: ``steps``
             prepared.step_ids.append(columns)
-            prepared.step_columns.append(columns)
         else:
             prepared.step_ids += [e.request_ids for e in steps]
             prepared.step_events += [e for e in steps if e.request_ids or e.stalled_request_ids]
