@@ -99,31 +99,33 @@ _TAGS: dict[type, str] = {cls: kind for kind, cls in ev.EVENT_TYPES.items()}
 _NO_REQUEST_ID = frozenset({ev.Step, ev.Dropped})
 
 
-def merge_sql(table: str, staging: str, *, wide_int: str) -> str:
-    """INSERT ... ON CONFLICT DO UPDATE that merges staged partial rows into ``request_rows``.
+def merge_sets(table: str, other: str, *, wide_int: str) -> list[tuple[str, str]]:
+    """Each aggregate column of ``table`` and the expression that merges ``other``'s partial row into it.
 
-    The same statement runs on DuckDB and PostgreSQL; LEAST/GREATEST ignore NULLs on both. Integer
-    sums are added in ``wide_int`` (HUGEINT on DuckDB, NUMERIC on PostgreSQL) and saturate at 2^63 - 1,
-    so no row can fail the merge (or, on DuckDB, every later compaction).
-    """
-    cols = ["request_id", *AGGREGATES]
+    LEAST/GREATEST ignore NULLs on DuckDB and PostgreSQL alike. Integer sums are added in ``wide_int``
+    (HUGEINT on DuckDB, NUMERIC on PostgreSQL) and saturate at 2^63 - 1, so no row can fail the merge
+    (or, on DuckDB, every later compaction)."""
     sets = []
     for col, agg in AGGREGATES.items():
         if agg.op == "sum" and agg.type == "int":
-            expr = (
-                f"CAST(LEAST(CAST({table}.{col} AS {wide_int}) + excluded.{col}, {ev.INT64_MAX}) AS BIGINT)"
-            )
+            expr = f"CAST(LEAST(CAST({table}.{col} AS {wide_int}) + {other}.{col}, {ev.INT64_MAX}) AS BIGINT)"
         elif agg.op == "sum":
-            expr = f"{table}.{col} + excluded.{col}"
+            expr = f"{table}.{col} + {other}.{col}"
         elif agg.op == "min":
-            expr = f"LEAST({table}.{col}, excluded.{col})"
+            expr = f"LEAST({table}.{col}, {other}.{col})"
         else:
-            expr = f"GREATEST({table}.{col}, excluded.{col})"
-        sets.append(f"{col} = {expr}")
-    col_list = ", ".join(cols)
+            expr = f"GREATEST({table}.{col}, {other}.{col})"
+        sets.append((col, expr))
+    return sets
+
+
+def merge_sql(table: str, staging: str, *, wide_int: str) -> str:
+    """INSERT ... ON CONFLICT DO UPDATE merging staged partial rows into ``request_rows`` (``merge_sets``)."""
+    col_list = ", ".join(["request_id", *AGGREGATES])
+    sets = ", ".join(f"{col} = {expr}" for col, expr in merge_sets(table, "excluded", wide_int=wide_int))
     return (
         f"INSERT INTO {table} ({col_list}) SELECT {col_list} FROM {staging} "
-        f"ON CONFLICT (request_id) DO UPDATE SET {', '.join(sets)}"
+        f"ON CONFLICT (request_id) DO UPDATE SET {sets}"
     )
 
 
