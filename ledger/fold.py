@@ -323,72 +323,137 @@ def fold_steps(rows: dict[str, Row], steps: list[ev.Step]) -> None:
             fold_step(rows, st)
 
 
+@dataclass
+class StepFold:
+    """Steps folded per request, as columns: the requests (``ids``) and, per column the steps set, one
+    array aligned with them (``fold_step``'s columns: where a request's steps set nothing, sums are 0,
+    or NaN for ``kv_idle_block_s`` when no step said its blocks, and minima and maxima NaN, or -1 for
+    ``output_tokens``)."""
+
+    ids: list[str]
+    columns: dict[str, np.ndarray]
+
+    def into(self, rows: dict[str, Row]) -> None:
+        """Merge into partial rows (a Python loop per request: for few of them, or a JSON batch). A
+        request gets the columns ``fold_step`` would give it: those of running if it ran, of sitting
+        out if it did, the block-seconds if a step said its blocks."""
+        cols = {c: v.tolist() for c, v in self.columns.items()}
+        ran, sat = cols.get("step_count"), cols.get("stalled_steps")
+        sums = [
+            (c, cols[c], ran if c in ("step_count", "active_s") else sat) for c in _STEP_SUMS if c in cols
+        ]
+        extremes = [
+            (c, cols[c], _min if AGGREGATES[c].op == "min" else _max, -1 if c == "output_tokens" else None)
+            for c in cols
+            if c not in _STEP_SUMS
+        ]
+        for i, rid in enumerate(self.ids):
+            row = rows.get(rid)
+            if row is None:
+                row = rows[rid] = {}
+            for c, v, took_part in sums:
+                x = v[i]
+                if took_part is not None and took_part[i] and x == x:  # NaN: blocks not said
+                    row[c] = row.get(c, 0) + x
+            for c, v, merge, unset in extremes:
+                x = v[i]
+                if x == x and x != unset:  # NaN: a time no step set; -1: no output tokens
+                    merge(row, c, x)
+
+
+# Sums a step fold sets (the rest are minima and maxima).
+_STEP_SUMS = ("step_count", "active_s", "stalled_steps", "kv_idle_s", "kv_idle_block_s")
+
+
 def fold_columns(rows: dict[str, Row], steps: Steps, ids: list[str]) -> None:
     """Fold steps sent as columns (``ledger.columnar.Steps``, their request keys indexing ``ids``) into
-    ``rows``: the same rows as ``fold_step`` on each step. Grouped by key with ``np.bincount`` (and
-    ``ufunc.at`` for the minima and maxima), so Python touches each request once per call."""
-    n, k = steps.n, len(ids)
-    if not n or not k:
-        return
-    lens = steps.lengths
-    dur = steps.scalar("duration_s")
-    step_of = np.repeat(np.arange(n), lens[0])  # each runner's step
-    e = (steps.scalar("ts") + dur)[step_of]
-    keys = steps.values["request_keys"]
-    ran = np.bincount(keys, minlength=k)
-    active = np.bincount(keys, weights=dur[step_of], minlength=k)
-    last = np.full(k, -np.inf)
-    np.maximum.at(last, keys, e)
-    counts = steps.values["token_counts"]
-    tok: list[list[Any]] | None = None
-    if len(counts):
-        carried = np.repeat(lens[3] > 0, lens[0])  # the rows of steps that carry token columns
-        got = counts > 0
-        gk, ge = keys[carried][got], e[carried][got]
-        totals = steps.values["token_totals"][got]
+    ``rows``: the same rows as ``fold_step`` on each step."""
+    fold_step_columns([(steps, ids, np.arange(len(ids)))]).into(rows)
+
+
+def fold_step_columns(parts: list[tuple[Steps, list[str], np.ndarray]]) -> StepFold:
+    """Fold the steps of several columnar messages at once: per message its steps, its ids and an
+    integer per id that names the request across the messages (the store's request keys). The same
+    rows as ``fold_step`` on every step, grouped with ``np.unique`` and ``np.bincount`` (``ufunc.at`` for
+    the minima and maxima): no Python per request or per entry."""
+    run_codes, run_names, run_dur, run_end = [], [], [], []
+    tok_codes, tok_end, tok_total = [], [], []
+    st_codes, st_names, st_dur, st_block_s, st_known = [], [], [], [], []
+    names: list[np.ndarray] = []
+    base = 0
+    for steps, ids, codes in parts:
+        if not steps.n or not ids:
+            continue
+        names.append(np.asarray(ids, dtype=object))
+        lens = steps.lengths
+        dur = steps.scalar("duration_s")
+        step_of = np.repeat(np.arange(steps.n), lens[0])  # each runner's step
+        end = (steps.scalar("ts") + dur)[step_of]
+        keys = steps.values["request_keys"]
+        run_codes.append(codes[keys])
+        run_names.append(keys + base)
+        run_dur.append(dur[step_of])
+        run_end.append(end)
+        counts = steps.values["token_counts"]
+        if len(counts):
+            carried = np.repeat(lens[3] > 0, lens[0])  # the rows of steps that carry token columns
+            got = counts > 0
+            tok_codes.append(codes[keys[carried][got]])
+            tok_end.append(end[carried][got])
+            tok_total.append(steps.values["token_totals"][got].astype(np.int64))
+        skeys = steps.values["stalled_keys"]
+        if len(skeys):
+            sd = dur[np.repeat(np.arange(steps.n), lens[1])]
+            known = np.repeat(lens[2] > 0, lens[1])  # rows of steps that said their blocks
+            block_s = np.zeros(len(skeys))
+            block_s[known] = sd[known] * steps.values["stalled_kv_blocks"]
+            st_codes.append(codes[skeys])
+            st_names.append(skeys + base)
+            st_dur.append(sd)
+            st_block_s.append(block_s)
+            st_known.append(known)
+        base += len(ids)
+    if not names:
+        return StepFold([], {})
+    every = np.concatenate(run_codes + st_codes)
+    uniq, first, inverse = np.unique(every, return_index=True, return_inverse=True)
+    k = len(uniq)
+    name_of = np.concatenate(run_names + st_names)[first]
+    ids_out: list[str] = np.concatenate(names)[name_of].tolist()
+    n_run = sum(len(c) for c in run_codes)
+    run, stalled = inverse[:n_run], inverse[n_run:]
+    cols: dict[str, np.ndarray] = {}
+    if n_run:
+        cols["step_count"] = np.bincount(run, minlength=k)
+        cols["active_s"] = np.bincount(run, weights=np.concatenate(run_dur), minlength=k)
+        last = np.full(k, -np.inf)
+        np.maximum.at(last, run, np.concatenate(run_end))
+        last[cols["step_count"] == 0] = np.nan
+        cols["last_step_ts"] = last
+    if tok_codes:
+        tk = np.searchsorted(uniq, np.concatenate(tok_codes))
+        te = np.concatenate(tok_end)
         first_t, last_t = np.full(k, np.inf), np.full(k, -np.inf)
-        out_t = np.full(k, -1, totals.dtype)  # the same dtype: ufunc.at is 15x slower with a cast
-        np.minimum.at(first_t, gk, ge)
-        np.maximum.at(last_t, gk, ge)
-        np.maximum.at(out_t, gk, totals)
-        tok = [first_t.tolist(), last_t.tolist(), out_t.tolist()]
-    for i in np.flatnonzero(ran).tolist():
-        rid = ids[i]
-        row = rows.get(rid)
-        if row is None:
-            row = rows[rid] = {}
-        row["step_count"] = row.get("step_count", 0) + int(ran[i])
-        row["active_s"] = row.get("active_s", 0.0) + float(active[i])
-        step_end = float(last[i])
-        cur = row.get("last_step_ts")
-        if cur is None or step_end > cur:
-            row["last_step_ts"] = step_end
-        if tok is not None and tok[2][i] >= 0:
-            _step_tokens(row, tok[0][i], tok[1][i], tok[2][i])
-    _fold_stalled_columns(rows, steps, ids, dur)
-
-
-def _fold_stalled_columns(rows: dict[str, Row], steps: Steps, ids: list[str], dur: np.ndarray) -> None:
-    skeys = steps.values["stalled_keys"]
-    if not len(skeys):
-        return
-    k, lens = len(ids), steps.lengths
-    sd = dur[np.repeat(np.arange(steps.n), lens[1])]
-    stalled = np.bincount(skeys, minlength=k)
-    idle = np.bincount(skeys, weights=sd, minlength=k)
-    known = np.repeat(lens[2] > 0, lens[1])  # rows of steps that said their blocks
-    blocks = steps.values["stalled_kv_blocks"]
-    block_s = np.bincount(skeys[known], weights=sd[known] * blocks, minlength=k)
-    block_known = np.bincount(skeys[known], minlength=k) > 0
-    for i in np.flatnonzero(stalled).tolist():
-        rid = ids[i]
-        row = rows.get(rid)
-        if row is None:
-            row = rows[rid] = {}
-        row["stalled_steps"] = row.get("stalled_steps", 0) + int(stalled[i])
-        row["kv_idle_s"] = row.get("kv_idle_s", 0.0) + float(idle[i])
-        if block_known[i]:
-            row["kv_idle_block_s"] = row.get("kv_idle_block_s", 0.0) + float(block_s[i])
+        out_t = np.full(k, -1, np.int64)
+        np.minimum.at(first_t, tk, te)
+        np.maximum.at(last_t, tk, te)
+        np.maximum.at(out_t, tk, np.concatenate(tok_total))
+        none = out_t < 0
+        first_t[none] = last_t[none] = np.nan
+        cols["first_token_ts"], cols["last_token_ts"], cols["output_tokens"] = first_t, last_t, out_t
+        cols["last_event_ts"] = last_t
+    if len(stalled):
+        sd_all = np.concatenate(st_dur)
+        cols["stalled_steps"] = np.bincount(stalled, minlength=k)
+        cols["kv_idle_s"] = np.bincount(stalled, weights=sd_all, minlength=k)
+        known_all = np.concatenate(st_known)
+        if known_all.any():
+            block_s = np.bincount(
+                stalled[known_all], weights=np.concatenate(st_block_s)[known_all], minlength=k
+            )
+            block_s[np.bincount(stalled[known_all], minlength=k) == 0] = np.nan
+            cols["kv_idle_block_s"] = block_s
+    return StepFold(ids_out, cols)
 
 
 def fold_tokens(rows: dict[str, Row], source: ev.Source, tokens: list[ev.Tokens]) -> None:

@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
+import numpy as np
+import pyarrow as pa
 import sqlalchemy as sa
 
 from engine_hooks import events as ev
 from ledger import schema
 from ledger.columnar import Columns
-from ledger.fold import AGGREGATES, SUM_COLUMNS, Row, fold_columns, fold_into, fold_steps
+from ledger.fold import AGGREGATES, SUM_COLUMNS, Row, StepFold, fold_into, fold_step_columns, fold_steps
 from ledger.store.request_keys import KeyCache, keys_for
 from ledger.store.request_owners import Owners, foreign_ids, names_any
 from ledger.store.step_memory import MAX_STEP_GAP_S, _follows, _StepEnd, _StepMemory
@@ -40,6 +42,11 @@ EVENT_COLUMNS = [c.name for c in schema.events.columns]
 STEP_COLUMNS = [c.name for c in schema.steps.columns]
 # Copied from the Step as is (``request_keys`` are its ``request_ids`` as keys, resolved per group).
 STEP_FIELDS = [c for c in STEP_COLUMNS if c not in ("source_id", "interval_s", "request_keys")]
+_ARROW = {"float": pa.float64(), "int": pa.int64(), "str": pa.string()}
+# Partial request rows as the bulk paths stage them (request_rows' columns).
+REQUESTS_SCHEMA = pa.schema(
+    [("request_id", pa.string())] + [(c, _ARROW[a.type]) for c, a in AGGREGATES.items()]
+)
 
 
 @dataclass
@@ -83,15 +90,44 @@ class Prepared:
     step_ids: list[list[str] | Columns] = field(default_factory=list)
     # The keys the group's transaction resolved (remembered after the commit).
     new_keys: dict[str, int] = field(default_factory=dict)
+    # The steps of the columnar messages, folded per request for the whole group at once.
+    step_fold: StepFold | None = None
 
-    def fold(self) -> None:
-        """Fold the group's steps into the partial rows (as columns, cheaper the bigger the group)."""
+    def fold(self, codes: list[np.ndarray]) -> None:
+        """Fold the group's steps into partial rows: JSON steps into ``requests`` (as columns above a
+        few hundred participants), the columnar messages' steps into ``step_fold`` from their columns,
+        ``codes`` naming each message's requests across the group (its ids' request keys)."""
         if self.step_events:
             fold_steps(self.requests, self.step_events)
             self.step_events = []
-        for part in self.step_ids:
-            if isinstance(part, Columns):
-                fold_columns(self.requests, part.steps, part.ids)
+        parts = [p for p in self.step_ids if isinstance(p, Columns)]
+        if parts:
+            self.step_fold = fold_step_columns(
+                [(p.steps, p.ids, c) for p, c in zip(parts, codes, strict=True)]
+            )
+
+    def request_table(self) -> pa.Table:
+        """The group's partial request rows: those of its events and those of its columnar steps (a
+        request may have one of each; the backends merge them)."""
+        table = pa.table(request_columns(self.requests), schema=REQUESTS_SCHEMA)
+        fold = self.step_fold
+        if fold is None or not fold.ids:
+            return table
+        n = len(fold.ids)
+        arrays = []
+        for f in REQUESTS_SCHEMA:
+            if f.name == "request_id":
+                arrays.append(pa.array(fold.ids, pa.string()))
+                continue
+            v = fold.columns.get(f.name)
+            if f.name in SUM_COLUMNS:
+                arrays.append(pa.array(np.nan_to_num(v) if v is not None else np.zeros(n), f.type))
+            elif v is None:
+                arrays.append(pa.nulls(n, f.type))
+            else:  # minima and maxima a request's steps did not set: NULL
+                unset = v < 0 if f.name == "output_tokens" else np.isnan(v)
+                arrays.append(pa.array(v, f.type, mask=unset))
+        return pa.concat_tables([table, pa.Table.from_arrays(arrays, schema=REQUESTS_SCHEMA)])
 
 
 _encode = msgspec.json.Encoder().encode
@@ -117,6 +153,21 @@ def merge_sets(table: str, other: str, *, wide_int: str) -> list[tuple[str, str]
             expr = f"GREATEST({table}.{col}, {other}.{col})"
         sets.append((col, expr))
     return sets
+
+
+def aggregate_sql(col: str) -> str:
+    """The aggregate that merges a column over partial rows (GROUP BY request_id), in the column's type:
+    an integer sum is widened by the database (HUGEINT, NUMERIC) and saturates at 2^63 - 1."""
+    agg = AGGREGATES[col]
+    if agg.op == "sum" and agg.type == "int":
+        return f"CAST(LEAST(sum({col}), {ev.INT64_MAX}) AS BIGINT)"
+    return f"{agg.op}({col})"
+
+
+def grouped(table: str) -> str:
+    """``table``'s partial rows merged into one per request, as a subquery."""
+    aggs = ", ".join(f"{aggregate_sql(c)} AS {c}" for c in AGGREGATES)
+    return f"(SELECT request_id, {aggs} FROM {table} GROUP BY request_id) AS _grouped"
 
 
 def merge_sql(table: str, staging: str, *, wide_int: str) -> str:
@@ -235,8 +286,9 @@ class Store:
 
         ``producers``: per batch, the digest of the producer key it came with (``ledger.producers``,
         which decides who may send), stored as its source's ``producer``. ``columns``: per batch, the
-        columnar message it was decoded from, or None; the steps of a batch stored whole are folded
-        from its columns (``ledger.fold.fold_columns``) instead of from its events."""
+        columnar message it was decoded from, or None; the steps of the batches stored whole are
+        folded from their columns, all at once (``ledger.fold.fold_step_columns``), not from their
+        events."""
         now = time.time()
         sources = {b.source.id: b.source for b in batches}
         ids = sorted(sources)  # one lock order for every writer: no deadlocks between replicas
@@ -261,12 +313,13 @@ class Store:
                 )
                 for i, b in enumerate(batches)
             ]
-            prepared.fold()
+            codes: list[np.ndarray] = []
             if prepared.steps["seq"]:
-                prepared.steps["request_keys"], prepared.new_keys = keys_for(
+                prepared.steps["request_keys"], prepared.new_keys, codes = keys_for(
                     self._keys, conn, prepared.step_ids, self._insert_keys, self._lookup_keys
                 )
                 self._link_steps(conn, prepared, states)
+            prepared.fold(codes)
             t2 = clock()
             if any(r.accepted for r in results):
                 self._append(conn, prepared)

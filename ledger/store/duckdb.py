@@ -17,17 +17,17 @@ from engine_hooks import events as ev
 from ledger.fold import AGGREGATES
 from ledger.store.base import (
     EVENT_COLUMNS,
+    REQUESTS_SCHEMA,
     STEP_COLUMNS,
     Prepared,
     Store,
     WriteResult,
     _SourceState,
+    aggregate_sql,
     merge_sets,
-    request_columns,
 )
 from ledger.store.request_owners import Owners
 
-_ARROW = {"float": pa.float64(), "int": pa.int64(), "str": pa.string()}
 EVENTS_SCHEMA = pa.schema(
     [
         ("source_id", pa.string()),
@@ -49,9 +49,6 @@ _STEP_TYPES = {
     "request_keys": pa.list_(pa.int64()),
 }
 STEPS_SCHEMA = pa.schema([(c, _STEP_TYPES.get(c, pa.int64())) for c in STEP_COLUMNS])
-REQUESTS_SCHEMA = pa.schema(
-    [("request_id", pa.string())] + [(c, _ARROW[a.type]) for c, a in AGGREGATES.items()]
-)
 assert EVENTS_SCHEMA.names == EVENT_COLUMNS and STEPS_SCHEMA.names == STEP_COLUMNS
 
 log = logging.getLogger(__name__)
@@ -91,21 +88,13 @@ _FILL_OWNERS = (
 )
 
 
-def _aggregate(col: str) -> str:
-    agg = AGGREGATES[col]
-    if agg.op == "sum" and agg.type == "int":
-        # sum(BIGINT) is a HUGEINT in DuckDB: back to the column's type, saturating (migration 0005).
-        return f"CAST(LEAST(sum({col}), {ev.INT64_MAX}) AS BIGINT)"
-    return f"{agg.op}({col})"
-
-
 # Compaction: one merged row per request of request_parts, staged; the requests stored already get it
 # added by an UPDATE, the others inserted; then every part is deleted. DuckDB's ON CONFLICT DO UPDATE
 # cost 11 us per row merged (160 ms for 14k requests) where the UPDATE and INSERT take 3 and 3, and a
 # DELETE with no WHERE 1 ms where one keeping rows took 100 (``bench/compaction.py``).
 _COMPACT_STAGE = (
     "CREATE OR REPLACE TEMP TABLE _compact AS SELECT request_id, "
-    + ", ".join(f"{_aggregate(c)} AS {c}" for c in AGGREGATES)
+    + ", ".join(f"{aggregate_sql(c)} AS {c}" for c in AGGREGATES)
     + " FROM request_parts GROUP BY request_id"
 )
 _COMPACT_UPDATE = (
@@ -294,11 +283,11 @@ class DuckDBStore(Store):
         if prepared.steps["seq"]:
             with self._staged("_step_stage", pa.table(prepared.steps, schema=STEPS_SCHEMA)) as duck:
                 duck.execute(_APPEND_STEPS)
-        if prepared.requests:
-            table = pa.table(request_columns(prepared.requests), schema=REQUESTS_SCHEMA)
+        if prepared.requests or prepared.step_fold is not None:
+            table = prepared.request_table()
             with self._staged("_req_stage", table) as duck:
                 duck.execute(_APPEND_PARTS)
-            self._staged_parts = len(prepared.requests)
+            self._staged_parts = table.num_rows
 
     def _insert_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:
         first = self._next_key

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import sqlalchemy as sa
 
+from ledger.columnar import Columns
 from ledger.store.base import Prepared, Store, WriteResult, _SourceState
 
 
@@ -24,7 +26,15 @@ class NullStore(Store):
             state = _SourceState(b.source, -1, True)
             self._prepare(b.source, b.events, prepared, 0.0, state, columns[i] if columns else None)
             out.append(WriteResult(accepted=len(b.events), duplicates=0))
-        prepared.fold()
+        # the keys the real store would look up: each id's index in the group
+        index: dict[str, int] = {}
+        codes = [
+            np.fromiter((index.setdefault(rid, len(index)) for rid in p.ids), np.int64, len(p.ids))
+            for p in prepared.step_ids
+            if isinstance(p, Columns)
+        ]
+        prepared.fold(codes)
+        prepared.request_table()
         return out
 
     def _claim_owners(self, conn: Any, claims: dict[str, Any]) -> dict[str, Any]:

@@ -12,12 +12,14 @@ from ledger.store.base import (
     Prepared,
     Store,
     _SourceState,
+    grouped,
     merge_sql,
-    request_columns,
 )
 from ledger.store.request_owners import Owners
 
-_MERGE = merge_sql("request_rows", "_req_stage", wide_int="NUMERIC")
+# The staged partial rows (a request may have one from its events and one from its columnar steps)
+# merged into one per request, then into request_rows.
+_MERGE = merge_sql("request_rows", grouped("_req_stage"), wide_int="NUMERIC")
 _REQ_COLS = ["request_id", *AGGREGATES]
 _INSERT_KEYS = (
     "INSERT INTO request_keys (request_id) SELECT unnest(%s::text[]) ON CONFLICT DO NOTHING "
@@ -117,12 +119,12 @@ class PostgresStore(Store):
             steps["stalled_request_ids"] = [text_array(v) for v in steps["stalled_request_ids"]]
             steps["request_keys"] = [int_array(v) for v in steps["request_keys"]]
             _copy(pg, "steps", STEP_COLUMNS, steps)
-        if prepared.requests:
+        if prepared.requests or prepared.step_fold is not None:
             pg.execute(
                 "CREATE TEMP TABLE IF NOT EXISTS _req_stage (LIKE request_rows INCLUDING DEFAULTS) "
                 "ON COMMIT DELETE ROWS"
             )
-            _copy(pg, "_req_stage", _REQ_COLS, request_columns(prepared.requests))
+            _copy(pg, "_req_stage", _REQ_COLS, prepared.request_table().to_pydict())
             pg.execute(_MERGE)
 
     def _insert_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:

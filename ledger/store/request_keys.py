@@ -74,10 +74,11 @@ def keys_for(
     id_lists: Sequence[list[str] | Columns],
     insert: Resolver,
     lookup: Resolver,
-) -> tuple[list[list[int]], dict[str, int]]:
+) -> tuple[list[list[int]], dict[str, int], list[np.ndarray]]:
     """Each list of ids as keys (a columnar message stands for the lists of all its steps: its ids are
-    looked up once each and its steps' keys gathered with numpy), and the keys resolved in ``conn``
-    (for ``KeyCache.learn`` after the commit). ``insert`` draws keys for the ids not stored yet;
+    looked up once each and its steps' keys gathered with numpy), the keys resolved in ``conn``
+    (for ``KeyCache.learn`` after the commit), and per columnar message the keys of its ids (what
+    names its requests across the group's fold). ``insert`` draws keys for the ids not stored yet;
     ``lookup`` finds the others'."""
     wanted: set[str] = set()
     lists: list[list[str]] = []
@@ -102,11 +103,13 @@ def keys_for(
         table.update(resolved)
     get = table.__getitem__
     out: list[list[int]] = []
+    codes: list[np.ndarray] = []
     for part in id_lists:
         if isinstance(part, Columns):
             key_of = np.fromiter(map(get, part.ids), np.int64, len(part.ids))
+            codes.append(key_of)
             keys = key_of[part.steps.values["request_keys"]].tolist()
             out += [keys[a:b] for a, b in pairwise(part.steps.offsets("request_keys").tolist())]
         else:
             out.append(list(map(get, part)))
-    return out, resolved
+    return out, resolved, codes

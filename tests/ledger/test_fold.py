@@ -206,6 +206,42 @@ def test_steps_folded_as_columns_give_the_rows_of_folding_them_one_by_one(steps)
             assert got[k] == (pytest.approx(v) if isinstance(v, float) else v), (rid, k)
 
 
+@settings(max_examples=60, deadline=None)
+@given(busy_steps(), st.data())
+def test_a_groups_messages_folded_at_once_give_the_rows_of_folding_their_steps_one_by_one(steps, data):
+    """The store folds every columnar message of a group in one pass, the requests named across the
+    messages by their keys (any integers, shared by an id in every message that names it)."""
+    import numpy as np
+
+    from ledger.columnar import steps_of
+    from ledger.fold import fold_step_columns
+
+    steps = [
+        s for s in steps if not s.stalled_kv_blocks or len(s.stalled_kv_blocks) == len(s.stalled_request_ids)
+    ]
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(steps)), max_size=4)))
+    pieces = [steps[a:b] for a, b in zip([0, *cuts], [*cuts, len(steps)], strict=True)]
+    key = {f"r{i}": data.draw(st.integers(0, 10**9), label="key") for i in range(60)}
+    if len(set(key.values())) < len(key):
+        return
+    parts = []
+    for piece in pieces:
+        if piece:
+            cols, ids = steps_of(piece)
+            parts.append((cols, ids, np.array([key[rid] for rid in ids], np.int64)))
+    one_by_one: dict = {}
+    for s in steps:
+        fold_step(one_by_one, s)
+    folded: dict = {}
+    fold_step_columns(parts).into(folded)
+    assert folded.keys() == one_by_one.keys()
+    for rid, want in one_by_one.items():
+        got = folded[rid]
+        assert got.keys() == want.keys(), rid
+        for k, v in want.items():
+            assert got[k] == (pytest.approx(v) if isinstance(v, float) else v), (rid, k)
+
+
 def test_a_busy_groups_steps_take_the_columns_path(monkeypatch):
     """The columns fold is used above the threshold (else the property test above tests nothing)."""
     import ledger.fold as fold_module

@@ -204,8 +204,8 @@ def test_a_message_stored_whole_folds_from_its_columns_and_a_partly_stored_one_f
     from ledger.store import base
 
     calls: list[str] = []
-    columns_fold, steps_fold = base.fold_columns, base.fold_steps
-    monkeypatch.setattr(base, "fold_columns", lambda *a: calls.append("columns") or columns_fold(*a))
+    columns_fold, steps_fold = base.fold_step_columns, base.fold_steps
+    monkeypatch.setattr(base, "fold_step_columns", lambda *a: calls.append("columns") or columns_fold(*a))
     monkeypatch.setattr(base, "fold_steps", lambda *a: calls.append("events") or steps_fold(*a))
     client = app_client()
     first, second = batches[0], batches[1]

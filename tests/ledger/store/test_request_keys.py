@@ -186,7 +186,7 @@ def test_new_ids_are_drawn_in_one_order_whatever_the_order_named():
     names = [f"id-{i:02d}" for i in range(20)]
     cache = KeyCache()
     cache.learn({"id-07": 7})
-    keys, new = keys_for(cache, None, [names[::-1], names[5:12]], insert, lambda conn, ids: {})
+    keys, new, _ = keys_for(cache, None, [names[::-1], names[5:12]], insert, lambda conn, ids: {})
     assert seen == [sorted(set(names) - {"id-07"})]
     assert keys[0][::-1][7] == 7 and len(new) == 19
     assert keys[1] == [new.get(r, 7) for r in names[5:12]]
