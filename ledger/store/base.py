@@ -109,10 +109,11 @@ class Prepared:
     def request_table(self) -> pa.Table:
         """The group's partial request rows: those of its events and those of its columnar steps (a
         request may have one of each; the backends merge them)."""
-        table = pa.table(request_columns(self.requests), schema=REQUESTS_SCHEMA)
+        # (an empty table from Python lists costs 0.2 ms: 100 ns a token of a message)
+        table = pa.table(request_columns(self.requests), schema=REQUESTS_SCHEMA) if self.requests else None
         fold = self.step_fold
         if fold is None or not fold.ids:
-            return table
+            return table if table is not None else REQUESTS_SCHEMA.empty_table()
         n = len(fold.ids)
         arrays = []
         for f in REQUESTS_SCHEMA:
@@ -121,13 +122,18 @@ class Prepared:
                 continue
             v = fold.columns.get(f.name)
             if f.name in SUM_COLUMNS:
-                arrays.append(pa.array(np.nan_to_num(v) if v is not None else np.zeros(n), f.type))
+                if v is None:
+                    v = np.zeros(n, np.int64 if f.type == pa.int64() else np.float64)
+                elif f.name == "kv_idle_block_s":  # NaN where no step said its blocks
+                    v = np.nan_to_num(v)
+                arrays.append(pa.array(v, f.type))
             elif v is None:
                 arrays.append(pa.nulls(n, f.type))
             else:  # minima and maxima a request's steps did not set: NULL
                 unset = v < 0 if f.name == "output_tokens" else np.isnan(v)
                 arrays.append(pa.array(v, f.type, mask=unset))
-        return pa.concat_tables([table, pa.Table.from_arrays(arrays, schema=REQUESTS_SCHEMA)])
+        steps = pa.Table.from_arrays(arrays, schema=REQUESTS_SCHEMA)
+        return pa.concat_tables([table, steps]) if table is not None else steps
 
 
 _encode = msgspec.json.Encoder().encode
