@@ -18,9 +18,10 @@ process for a fixed time, then stops the server and counts what the store holds.
 
 Prints one table (tokens/s, steps/s, events/s, ack latency, the rule engine's intake p99, server CPU
 per 1k output tokens, the load generator's CPU per 1k output tokens (``client``), the cores busy on
-the whole machine over the load (``busy``), peak RSS, and whether the store holds exactly what was
-acknowledged); ``--json`` adds a JSON line per run. The intake p99 is arrival -> observed by the rule
-engine, its counter rules decided (a cutoff a batch calls for is decided by then): the bucket of
+the whole machine over the load (``busy``), the share of the time the writer thread spent storing
+groups (``writer``: near 1, storage is the bound) and the events a group held, peak RSS, and
+whether the store holds exactly what was acknowledged); ``--json`` adds a JSON line per run. The
+intake p99 is arrival -> observed by the rule engine, its counter rules decided (a cutoff a batch calls for is decided by then): the bucket of
 ``chunkledger_rule_intake_seconds`` that holds it, an upper bound.
 
     python -m bench.ingest --duration 10 --clients 16 --workloads fleet-steps,fleet-tokens
@@ -364,6 +365,14 @@ def _histogram_p99(fam: Metric | None) -> float:
     return next((le for le, n in buckets if total and n >= 0.99 * total), float("inf"))
 
 
+def _histogram_sum(fam: Metric | None) -> float:
+    return sum(s.value for s in fam.samples if s.name.endswith("_sum")) if fam is not None else 0.0
+
+
+def _histogram_count(fam: Metric | None) -> float:
+    return sum(s.value for s in fam.samples if s.name.endswith("_count")) if fam is not None else 0.0
+
+
 def _machine_busy() -> tuple[int, int]:
     """(busy, total) jiffies of all cores since boot (``/proc/stat``)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -449,6 +458,10 @@ def run_backend(
             for url in urls
         ]
         intake_p99 = max(_histogram_p99(m.get("chunkledger_rule_intake_seconds")) for m in scraped)
+        # the writer thread: its share of the load's wall time in group commits, and events a group
+        group_s = sum(_histogram_sum(m.get("chunkledger_ingest_group_seconds")) for m in scraped)
+        groups = sum(_histogram_count(m.get("chunkledger_ingest_group_events")) for m in scraped)
+        group_events = sum(_histogram_sum(m.get("chunkledger_ingest_group_events")) for m in scraped)
         by_rule: dict[str, int] = {}
         for m in scraped:
             for smp in m["chunkledger_cutoffs"].samples if "chunkledger_cutoffs" in m else ():
@@ -483,6 +496,10 @@ def run_backend(
         # Arrival -> observed by the rule engine (a cutoff a batch calls for is decided by then): the
         # histogram bucket that holds the 99th percentile, as an upper bound.
         "rule_intake_p99_ms": intake_p99 * 1e3,
+        # the writer thread busy storing groups (per replica: over 1 it cannot keep up alone), and the
+        # events of a group (since start: the warm-up sends nothing)
+        "writer_busy": group_s / duration / replicas,
+        "events_per_group": group_events / max(groups, 1),
         "loops_sent": sum(r.get("loops", 0) for r in results),  # fleet workloads with --loops
         # fleet-paced: how far the engine furthest behind was at the end (seconds of its steps not
         # sent yet: about 0 when the ledger keeps up), and the steps per batch its exporters sent
@@ -564,8 +581,8 @@ def main() -> None:
     )
     print(
         f"{'workload':<14}{'backend':<20}{'tokens/s':>11}{'steps/s':>9}{'durable ev/s':>14}{'p50 ms':>8}"
-        f"{'p99 ms':>8}{'rules p99':>10}{'CPU ms/1k tok':>15}{'client':>8}{'busy':>6}{'RSS MB':>8}"
-        f"{'stored=acked':>14}"
+        f"{'p99 ms':>8}{'rules p99':>10}{'CPU ms/1k tok':>15}{'client':>8}{'busy':>6}{'writer':>7}"
+        f"{'ev/group':>9}{'RSS MB':>8}{'stored=acked':>14}"
     )
     for r in rows:
         print(
@@ -573,8 +590,8 @@ def main() -> None:
             f"{r['events_per_s']:>14,.0f}{r['p50_ms']:>8.1f}{r['p99_ms']:>8.1f}"
             f"{'<=' + format(r['rule_intake_p99_ms'], '.0f'):>10}"
             f"{r['cpu_ms_per_1k_tokens']:>15.2f}{r['client_cpu_ms_per_1k_tokens']:>8.2f}"
-            f"{r['cores_busy']:>6.2f}{r['server_rss_peak_mb']:>8.0f}"
-            f"{r['stored'] == r['acked']!s:>14}"
+            f"{r['cores_busy']:>6.2f}{r['writer_busy']:>7.2f}{r['events_per_group']:>9,.0f}"
+            f"{r['server_rss_peak_mb']:>8.0f}{r['stored'] == r['acked']!s:>14}"
         )
         if r["workload"] == "fleet-paced":
             offered = args.clients / STEP_S * r["tokens_per_s"] / max(r["steps_per_s"], 1e-9)
