@@ -21,8 +21,9 @@ per 1k output tokens, the load generator's CPU per 1k output tokens (``client``)
 the whole machine over the load (``busy``), the share of the time the writer thread spent storing
 groups (``writer``: near 1, storage is the bound) and the events a group held, peak RSS, and
 whether the store holds exactly what was acknowledged); ``--json`` adds a JSON line per run. The
-intake p99 is arrival -> observed by the rule engine, its counter rules decided (a cutoff a batch calls for is decided by then): the bucket of
-``chunkledger_rule_intake_seconds`` that holds it, an upper bound.
+intake p99 is arrival -> observed by the rule engine, its counter rules decided (a cutoff a batch
+calls for is decided by then): the bucket of ``chunkledger_rule_intake_seconds`` that holds it, an
+upper bound.
 
     python -m bench.ingest --duration 10 --clients 16 --workloads fleet-steps,fleet-tokens
 """
