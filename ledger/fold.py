@@ -448,11 +448,11 @@ def fold_step_columns(parts: list[tuple[Steps, list[str], np.ndarray]]) -> StepF
         cols["kv_idle_s"] = np.bincount(stalled, weights=sd_all, minlength=k)
         known_all = np.concatenate(st_known)
         if known_all.any():
-            block_s = np.bincount(
+            idle_blocks = np.bincount(
                 stalled[known_all], weights=np.concatenate(st_block_s)[known_all], minlength=k
             )
-            block_s[np.bincount(stalled[known_all], minlength=k) == 0] = np.nan
-            cols["kv_idle_block_s"] = block_s
+            idle_blocks[np.bincount(stalled[known_all], minlength=k) == 0] = np.nan
+            cols["kv_idle_block_s"] = idle_blocks
     return StepFold(ids_out, cols)
 
 
