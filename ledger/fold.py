@@ -361,8 +361,15 @@ class StepFold:
                     merge(row, c, x)
 
 
-# Sums a step fold sets (the rest are minima and maxima).
+# Sums a step fold sets (the rest are minima and maxima), and every column it sets, in table order
+# (``request_step_parts``, migration 0010).
 _STEP_SUMS = ("step_count", "active_s", "stalled_steps", "kv_idle_s", "kv_idle_block_s")
+STEP_FOLD_COLUMNS = tuple(
+    c
+    for c in AGGREGATES
+    if c in _STEP_SUMS
+    or c in ("last_step_ts", "first_token_ts", "last_token_ts", "last_event_ts", "output_tokens")
+)
 
 
 def fold_columns(rows: dict[str, Row], steps: Steps, ids: list[str]) -> None:

@@ -17,7 +17,9 @@
 * ``request_parts`` partial request rows not merged into ``request_rows`` yet: the DuckDB write path
   appends a group's partial rows here (an append costs a quarter of the upsert) and compacts them into
   ``request_rows`` every few seconds; PostgreSQL merges directly and leaves it empty (migration 0004).
-* ``requests`` a VIEW: ``request_rows`` with ``request_parts`` merged in, plus the four-layer attribution
+* ``request_step_parts`` the same for the partial rows a group's steps fold into, in the ten columns
+  steps set (migration 0010: appended to ``request_parts``, their NULLs were most of DuckDB's WAL).
+* ``requests`` a VIEW: ``request_rows`` with both parts tables merged in, plus the four-layer attribution
   derived from the columns (``ATTRIBUTION``; the view's SQL lives in migrations 0006 and 0004). Every read
   and every user query uses it, so a read sees every committed event whether compacted or not.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from ledger.fold import AGGREGATES
+from ledger.fold import AGGREGATES, STEP_FOLD_COLUMNS
 
 metadata = sa.MetaData()
 
@@ -111,7 +113,9 @@ def step_request_ids_sql(steps: str = "steps") -> str:
     )
 
 
-def _aggregate_columns(*, comments: bool = True) -> list[sa.Column[object]]:
+def _aggregate_columns(
+    *, comments: bool = True, only: tuple[str, ...] | None = None
+) -> list[sa.Column[object]]:
     return [
         sa.Column(
             name,
@@ -121,6 +125,7 @@ def _aggregate_columns(*, comments: bool = True) -> list[sa.Column[object]]:
             comment=agg.doc if comments else None,
         )
         for name, agg in AGGREGATES.items()
+        if only is None or name in only
     ]
 
 
@@ -137,6 +142,15 @@ request_parts = sa.Table(
     metadata,
     sa.Column("request_id", sa.Text, nullable=False),
     *_aggregate_columns(comments=False),
+)
+
+# No key either: a group's steps folded, one row per request (``ledger.fold.StepFold``), in only the
+# columns steps set (migration 0010).
+request_step_parts = sa.Table(
+    "request_step_parts",
+    metadata,
+    sa.Column("request_id", sa.Text, nullable=False),
+    *_aggregate_columns(comments=False, only=STEP_FOLD_COLUMNS),
 )
 
 # The four-layer attribution, seconds, derived by the view from the merged row (its SQL: migration

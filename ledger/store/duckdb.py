@@ -14,17 +14,19 @@ import pyarrow as pa
 import sqlalchemy as sa
 
 from engine_hooks import events as ev
-from ledger.fold import AGGREGATES
+from ledger.fold import AGGREGATES, SUM_COLUMNS
 from ledger.store.base import (
     EVENT_COLUMNS,
     REQUESTS_SCHEMA,
     STEP_COLUMNS,
+    STEP_PARTS_SCHEMA,
     Prepared,
     Store,
     WriteResult,
     _SourceState,
     aggregate_sql,
     merge_sets,
+    request_columns,
 )
 from ledger.store.request_owners import Owners
 
@@ -55,6 +57,10 @@ log = logging.getLogger(__name__)
 
 _REQUEST_COLUMNS = ", ".join(REQUESTS_SCHEMA.names)
 _APPEND_PARTS = f"INSERT INTO request_parts ({_REQUEST_COLUMNS}) SELECT {_REQUEST_COLUMNS} FROM _req_stage"
+_STEP_PART_COLUMNS = ", ".join(STEP_PARTS_SCHEMA.names)
+_APPEND_STEP_PARTS = (
+    f"INSERT INTO request_step_parts ({_STEP_PART_COLUMNS}) SELECT {_STEP_PART_COLUMNS} FROM _step_part_stage"
+)
 _STEP_COLUMNS = ", ".join(STEP_COLUMNS)
 _APPEND_STEPS = f"INSERT INTO steps ({_STEP_COLUMNS}) SELECT {_STEP_COLUMNS} FROM _step_stage"
 _KEY_STAGE = pa.schema([("request_id", pa.string()), ("request_key", pa.int64())])
@@ -88,14 +94,20 @@ _FILL_OWNERS = (
 )
 
 
-# Compaction: one merged row per request of request_parts, staged; the requests stored already get it
-# added by an UPDATE, the others inserted; then every part is deleted. DuckDB's ON CONFLICT DO UPDATE
-# cost 11 us per row merged (160 ms for 14k requests) where the UPDATE and INSERT take 3 and 3, and a
-# DELETE with no WHERE 1 ms where one keeping rows took 100 (``bench/compaction.py``).
+# Compaction: one merged row per request of both parts tables (the step parts padded with a sum's 0
+# and NULL), staged; the requests stored already get it added by an UPDATE, the others inserted; then
+# every part is deleted. DuckDB's ON CONFLICT DO UPDATE cost 11 us per row merged (160 ms for 14k
+# requests) where the UPDATE and INSERT take 3 and 3, and a DELETE with no WHERE 1 ms where one keeping
+# rows took 100 (``bench/compaction.py``).
+_PADDED = ", ".join(
+    c if c in STEP_PARTS_SCHEMA.names else f"{'0' if c in SUM_COLUMNS else 'NULL'} AS {c}"
+    for c in REQUESTS_SCHEMA.names
+)
 _COMPACT_STAGE = (
     "CREATE OR REPLACE TEMP TABLE _compact AS SELECT request_id, "
     + ", ".join(f"{aggregate_sql(c)} AS {c}" for c in AGGREGATES)
-    + " FROM request_parts GROUP BY request_id"
+    + f" FROM (SELECT {_REQUEST_COLUMNS} FROM request_parts "
+    + f"UNION ALL SELECT {_PADDED} FROM request_step_parts) GROUP BY request_id"
 )
 _COMPACT_UPDATE = (
     "UPDATE request_rows SET "
@@ -205,7 +217,11 @@ class DuckDBStore(Store):
         self._duck.register("_warmup", pa.table({"x": [1]}))
         self._duck.unregister("_warmup")
         # Partial rows committed and not compacted yet, and since when the oldest waits.
-        self._parts = int(self._duck.execute("SELECT count(*) FROM request_parts").fetchall()[0][0])
+        self._parts = int(
+            self._duck.execute(
+                "SELECT (SELECT count(*) FROM request_parts) + (SELECT count(*) FROM request_step_parts)"
+            ).fetchall()[0][0]
+        )
         self._parts_since: float | None = time.monotonic() if self._parts else None
         self._staged_parts = 0
         # The next request key to draw, and whether ids the key cache does not know are taken as new.
@@ -247,6 +263,7 @@ class DuckDBStore(Store):
                 tx.execute(_COMPACT_UPDATE)
                 tx.execute(_COMPACT_INSERT)
                 tx.execute("DELETE FROM request_parts")
+                tx.execute("DELETE FROM request_step_parts")
                 tx.execute("DROP TABLE _compact")
                 tx.commit()
             except BaseException:
@@ -283,11 +300,16 @@ class DuckDBStore(Store):
         if prepared.steps["seq"]:
             with self._staged("_step_stage", pa.table(prepared.steps, schema=STEPS_SCHEMA)) as duck:
                 duck.execute(_APPEND_STEPS)
-        if prepared.requests or prepared.step_fold is not None:
-            table = prepared.request_table()
+        if prepared.requests:
+            table = pa.table(request_columns(prepared.requests), schema=REQUESTS_SCHEMA)
             with self._staged("_req_stage", table) as duck:
                 duck.execute(_APPEND_PARTS)
-            self._staged_parts = table.num_rows
+            self._staged_parts += table.num_rows
+        steps = prepared.step_table()
+        if steps is not None:
+            with self._staged("_step_part_stage", steps) as duck:
+                duck.execute(_APPEND_STEP_PARTS)
+            self._staged_parts += steps.num_rows
 
     def _insert_keys(self, conn: Any, ids: list[str]) -> dict[str, int]:
         first = self._next_key

@@ -271,3 +271,68 @@ def test_integer_sums_saturate_instead_of_breaking_the_view_the_merge_or_compact
     store.compact(force=True)
     assert store.get_request("sat")["cached_tokens"] == ev.INT64_MAX
     assert store.count("request_parts") == 0
+
+
+def _columnar_groups(store, n_groups=3):
+    """A small run with every kind in it, as columnar messages, stored a few messages a group."""
+    from engine_hooks import columnar
+    from ledger.columnar import decode_columns
+    from tests.ledger.api.test_ingest_wires import _batches
+
+    messages = [decode_columns(columnar.encode_batch(b), max_events=10_000) for b in _batches()]
+    size = -(-len(messages) // n_groups)
+    for i in range(0, len(messages), size):
+        group = messages[i : i + size]
+        store.write([m.batch() for m in group], None, group)
+    return [m.batch() for m in messages]
+
+
+def _all_rows(store_or_engine):
+    engine = getattr(store_or_engine, "engine", store_or_engine)
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT * FROM requests ORDER BY request_id").mappings().all()
+    return [{k: v for k, v in r.items() if k in AGGREGATES or k == "request_id"} for r in rows]
+
+
+def test_duckdb_appends_a_groups_steps_to_the_narrow_step_parts_and_the_view_and_compaction_merge_them(
+    tmp_path,
+):
+    """Steps set ten columns: their partial rows go to request_step_parts (the rest of request_rows'
+    53 columns, NULLs and zeros, were most of DuckDB's WAL); the rows read the same as the fold."""
+    store = open_store(f"duckdb:///{tmp_path / 'l.duckdb'}")
+    try:
+        sent = _columnar_groups(store)
+        assert store.count("request_step_parts") > 0
+        with store.engine.connect() as conn:
+            cols = [
+                c[0]
+                for c in conn.exec_driver_sql("SELECT * FROM request_step_parts LIMIT 0").cursor.description
+            ]
+        assert len(cols) == 11
+        before = _all_rows(store)
+        expected = fold([(b.source, e) for b in sent for e in b.events])
+        _assert_matches_fold({r["request_id"]: r for r in before}, expected)
+        merged = store.compact(force=True)
+        assert merged > 0 and store.count("request_step_parts") == store.count("request_parts") == 0
+        assert _all_rows(store) == before
+    finally:
+        store.close()
+
+
+def test_downgrade_below_step_parts_moves_them_to_request_parts(tmp_path):
+    url = f"duckdb:///{tmp_path / 'l.duckdb'}"
+    store = open_store(url)
+    _columnar_groups(store)
+    before = _all_rows(store)
+    assert store.count("request_step_parts") > 0
+    store.close(compact=False)
+    engine = make_engine(url)
+    try:
+        migrate.downgrade(engine, "0009")
+        with engine.connect() as conn:
+            assert "request_step_parts" not in set(sa.inspect(conn).get_table_names())
+        assert _all_rows(engine) == before
+        migrate.upgrade(engine)
+        assert _all_rows(engine) == before
+    finally:
+        engine.dispose()
