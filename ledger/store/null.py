@@ -26,15 +26,10 @@ class NullStore(Store):
             state = _SourceState(b.source, -1, True)
             self._prepare(b.source, b.events, prepared, 0.0, state, columns[i] if columns else None)
             out.append(WriteResult(accepted=len(b.events), duplicates=0))
-        # the keys the real store would look up: each id's index in the group
-        index: dict[str, int] = {}
-        codes = [
-            np.fromiter((index.setdefault(rid, len(index)) for rid in p.ids), np.int64, len(p.ids))
-            for p in prepared.step_ids
-            if isinstance(p, Columns)
-        ]
-        prepared.fold(codes)
-        prepared.request_table()
+        # the fold, its messages' requests named as the real store names them (``keys_for``)
+        parts = [p for p in prepared.step_ids if isinstance(p, Columns)]
+        index = {rid: i for i, rid in enumerate(set().union(*(p.ids for p in parts)))}
+        prepared.fold([np.fromiter(map(index.__getitem__, p.ids), np.int64, len(p.ids)) for p in parts])
         return out
 
     def _claim_owners(self, conn: Any, claims: dict[str, Any]) -> dict[str, Any]:
