@@ -111,3 +111,53 @@ class KvStalls(Record, kw_only=True):
 
     now: float
     requests: list[KvStall]
+
+
+RANK_BY = ("kv_usage", "waiting", "step_s")
+
+
+class EngineNow(Record, kw_only=True):
+    """One engine as its newest bucket of the window saw it, and where it ranks (1: the worst)."""
+
+    source_id: str
+    model: str | None
+    rank: Annotated[int, msgspec.Meta(description="1 = the worst engine by rank_by")]
+    shown: Annotated[bool, msgspec.Meta(description="drawn on its own (top N, or asked for by source_id)")]
+    bucket_ts: Annotated[float, msgspec.Meta(description="start of its newest bucket in the window")]
+    last_step_ts: float
+    kv_usage: Annotated[float, msgspec.Meta(description="share of its KV cache in use, max in that bucket")]
+    waiting: Annotated[int, msgspec.Meta(description="requests waiting, max in that bucket")]
+    running: Annotated[int, msgspec.Meta(description="requests running, max in that bucket")]
+    step_s: Annotated[float, msgspec.Meta(description="mean step duration in that bucket (s)")]
+
+
+class EnginePoint(Record, kw_only=True):
+    """One time bucket of one series: a model's engines (``kind`` model), one engine shown on its own
+    (engine), or a model's engines not shown on their own (rest)."""
+
+    bucket_ts: float
+    series: Annotated[str, msgspec.Meta(description="the model (model, rest) or the source id (engine)")]
+    kind: Literal["model", "engine", "rest"]
+    model: str | None
+    engines: Annotated[int, msgspec.Meta(description="engines with steps in the bucket")]
+    steps: int
+    kv_usage_max: float
+    kv_usage_mean: Annotated[float, msgspec.Meta(description="over the series' steps")]
+    waiting_max: int
+    waiting_mean: Annotated[float, msgspec.Meta(description="over its engines of each one's max waiting")]
+    running_max: int
+    step_s_mean: float
+    step_s_max: float
+
+
+class EngineLoad(Record, kw_only=True):
+    """``GET /v1/engines``: the fleet over time by model, the engines that are worst right now on their
+    own (the rest of each model as one series), and every engine ranked worst first."""
+
+    since: float | None
+    until: float | None
+    bucket_s: float
+    rank_by: Literal["kv_usage", "waiting", "step_s"]
+    top: int
+    engines: list[EngineNow]
+    points: list[EnginePoint]

@@ -10,13 +10,16 @@ tails (p50, p90, p99, max) with the count; a mean is only ever shown next to the
 * ``decode_itl``   inter-token latency tails over a window, from ``steps``;
 * ``request_itl``  one request's inter-token gaps, rebuilt from the steps it took part in;
 * ``why``          what delayed one request, biggest first;
-* ``kv_stalls``    live requests ranked by how long their KV has sat without a new token.
+* ``kv_stalls``    live requests ranked by how long their KV has sat without a new token;
+* ``engine_load``  the engines over a window: by model, the worst right now on their own, the rest
+  per model.
 
-The queries live one concept per module (``tails``, ``itl``, ``why``, ``stalls``, and ``common``
+The queries live one concept per module (``tails``, ``itl``, ``why``, ``stalls``, ``fleet``, and ``common``
 for what they share); this module names them for the API, the CLI, the dashboard and the tests.
 """
 
 from ledger.analytics.common import MAX_PAGE, QUANTILES, QueryError
+from ledger.analytics.fleet import TOP_DEFAULT, TOP_MAX, engine_load
 from ledger.analytics.itl import decode_itl, request_itl
 from ledger.analytics.stalls import kv_stalls
 from ledger.analytics.tails import GROUPS, METRICS, SORTABLE, attribution, list_requests
@@ -29,11 +32,14 @@ __all__ = [
     "METRICS",
     "QUANTILES",
     "SORTABLE",
+    "TOP_DEFAULT",
+    "TOP_MAX",
     "QueryError",
     "Why",
     "WhyQuery",
     "attribution",
     "decode_itl",
+    "engine_load",
     "kv_stalls",
     "list_requests",
     "request_itl",

@@ -1,4 +1,4 @@
-"""Read-only analytics endpoints (read token): attribution, request lists, ITL, why, KV stalls.
+"""Read-only analytics endpoints (read token): attribution, request lists, ITL, why, KV stalls, engines.
 
 Every handler is a thin wrapper over a named query in ``ledger.analytics.queries``; parameter errors
 answer 422 naming the field, like the ingest endpoint. Each answer is a record (``ledger.analytics.answers``,
@@ -16,7 +16,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Path, Query, Response, status
 
 from ledger.analytics import queries as q
-from ledger.analytics.answers import Attribution, Itl, KvStalls, RequestItl
+from ledger.analytics.answers import RANK_BY, Attribution, EngineLoad, Itl, KvStalls, RequestItl
 from ledger.analytics.why_answer import TOP_DEFAULT
 from ledger.analytics.window import BadTime, Window
 from ledger.api import errors
@@ -155,3 +155,35 @@ def kv_stalls(
     return encoded(
         KvStalls(now=now, requests=_read(reads, q.kv_stalls, now, limit=limit, horizon_s=horizon_s))
     )
+
+
+@router.get("/engines", **documents(EngineLoad, 422))
+def engines(
+    reads: ReadsDep,
+    settings: SettingsDep,
+    since: Since = None,
+    until: Until = None,
+    bucket_s: Annotated[float, Query(gt=0, description="time bucket of the series (s)")] = 60.0,
+    top: Annotated[
+        int, Query(ge=0, le=q.TOP_MAX, description="the worst engines right now drawn on their own")
+    ] = q.TOP_DEFAULT,
+    rank_by: Annotated[
+        str, Query(pattern="^(" + "|".join(RANK_BY) + ")$", description="what makes an engine worse")
+    ] = "kv_usage",
+    source_id: Annotated[list[str] | None, Query(description="engines drawn on their own as well")] = None,
+) -> Response:
+    """The engines' steps per time bucket: by model, the ``top`` worst engines right now on their own
+    (ranked by their newest bucket), the rest of each model as one series; every engine ranked."""
+    w = _window(since, until)
+    most = settings.attribution_max_buckets
+    out = _read(
+        reads,
+        q.engine_load,
+        w,
+        bucket_s=bucket_s,
+        top=top,
+        rank_by=rank_by,
+        source_ids=source_id or [],
+        max_buckets=most,
+    )
+    return encoded(out)

@@ -124,6 +124,12 @@ CASES: dict[tuple[str, str], list[Case]] = {
         ("/v1/kv/stalls", {"headers": RD}, 200),
         ("/v1/kv/stalls", {"params": {"horizon_s": -1}, "headers": RD}, 422),
     ],
+    ("GET", "/v1/engines"): [
+        ("/v1/engines", {"headers": RD}, 200),
+        ("/v1/engines", {"params": {"top": 1, "rank_by": "waiting", "source_id": SIM}, "headers": RD}, 200),
+        ("/v1/engines", {"params": {"rank_by": "hot"}, "headers": RD}, 422),
+        ("/v1/engines", {"params": {"bucket_s": 1e-6}, "headers": RD}, 422),
+    ],
     ("GET", "/v1/advice/chunk-size"): [
         ("/v1/advice/chunk-size", {"params": {"itl_target_ms": 80, "model": SIM}, "headers": RD}, 200),
         ("/v1/advice/chunk-size", {"params": {"itl_target_ms": 1, "model": SIM}, "headers": RD}, 409),
@@ -349,6 +355,7 @@ def _add_unknown_field(answer: Any) -> bool:
         f"/v1/advice/chunk-size?itl_target_ms=80&model={SIM}",
         "/v1/attribution?group_by=model",
         "/v1/kv/stalls",
+        "/v1/engines?top=1",
         "/v1/requests?limit=5",
         "/v1/requests/{rid}/itl",
         "/v1/requests/{preempted}",
@@ -376,6 +383,8 @@ def test_the_answers_checked_hold_rows_not_empty_lists(client, names):
     assert get("/v1/cutoffs")["cutoffs"]
     assert client.get("/v1/webhooks/deliveries", headers=ADM).json()["deliveries"]
     assert get("/v1/kv/stalls")["requests"]
+    engines = get("/v1/engines", top=1)
+    assert engines["engines"] and {p["kind"] for p in engines["points"]} >= {"model", "engine"}
     assert {s["kind"] for s in get("/v1/sources")["sources"]} == {"engine", "gateway"}
     why = get(f"/v1/requests/{names['preempted']}/why", top=50)
     assert {i["kind"] for i in why["items"]} >= {"preempted"}

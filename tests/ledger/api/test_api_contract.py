@@ -123,6 +123,7 @@ def test_large_answers_are_documented_but_not_validated_per_request(client):
         ("GET", "/v1/requests/{request_id}/itl"),
         ("GET", "/v1/requests/{request_id}/why"),
         ("GET", "/v1/kv/stalls"),
+        ("GET", "/v1/engines"),
         ("GET", "/v1/cutoffs"),
         ("GET", "/v1/commands"),
         ("GET", "/v1/webhooks/deliveries"),
@@ -150,6 +151,7 @@ BAD = [
     ("GET", "/v1/attribution", {"params": {"since": "yesterday-ish"}, "headers": RD}, 422, "invalid"),
     ("GET", "/v1/itl", {"params": {"by_model": "maybe"}, "headers": RD}, 422, "invalid"),
     ("GET", "/v1/kv/stalls", {"params": {"horizon_s": -1}, "headers": RD}, 422, "invalid"),
+    ("GET", "/v1/engines", {"params": {"top": 500}, "headers": RD}, 422, "invalid"),
     ("GET", "/v1/requests/r1/why", {"params": {"top": 99}, "headers": RD}, 422, "invalid"),
     ("GET", "/v1/cutoffs", {"params": {"state": "bogus"}, "headers": RD}, 422, "invalid"),
     ("GET", "/v1/commands", {"params": {"wait_s": 0}, "headers": ING}, 422, "invalid"),  # no source_id
