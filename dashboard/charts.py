@@ -260,7 +260,8 @@ def bars(df: pd.DataFrame, x: str, y: str, x_title: str, y_title: str, color: st
         .mark_bar()
         .encode(
             x=alt.X(f"{x}:Q", title=x_title),
-            y=alt.Y(f"{y}:N", title=y_title, sort="-x"),
+            # request ids as vLLM makes them (cmpl- and 32 hex digits) whole, not cut to "cmpl-0f3c…"
+            y=alt.Y(f"{y}:N", title=y_title, sort="-x", axis=alt.Axis(labelLimit=360)),
             tooltip=list(df.columns),
             color=alt.Color(f"{color}:N") if color else alt.Undefined,
         )
@@ -313,4 +314,62 @@ def residuals(points: pd.DataFrame) -> alt.Chart:
         ),
         320,
         "step time: observed vs predicted",
+    )
+
+
+# The dash of a fleet series: a model's mean over its engines solid, their max dashed; an engine drawn on
+# its own solid, the rest of a model dotted. Said in the titles: a second legend beside the colours ran
+# past the chart's edge.
+FLEET_DASH = alt.Scale(domain=["mean", "max", "engine", "rest"], range=[[1, 0], [4, 3], [1, 0], [2, 2]])
+
+
+def by_model(df: pd.DataFrame, mean: str, top: str, y_title: str, title: str) -> Any:
+    """Each model's engines over time: their mean (solid) and max (dashed) of one measure; one legend
+    entry per model, whatever the number of engines."""
+    long = df[df["kind"] == "model"].melt(
+        id_vars=["time", "label", "engines"], value_vars=[mean, top], var_name="stat", value_name="value"
+    )
+    long["stat"] = long["stat"].map({mean: "mean", top: "max"})
+    return sized(
+        alt.Chart(long)
+        .mark_line(point=True)
+        .encode(
+            x=TIME_AXIS,
+            y=alt.Y("value:Q", title=y_title),
+            color=alt.Color("label:N", title="model", legend=alt.Legend(orient="bottom", columns=3)),
+            strokeDash=alt.StrokeDash("stat:N", scale=FLEET_DASH, legend=None),
+            tooltip=[
+                alt.Tooltip("time:T", format="%H:%M:%S"),
+                alt.Tooltip("label:N", title="model"),
+                "stat:N",
+                alt.Tooltip("value:Q", format=",.1f"),
+                alt.Tooltip("engines:Q", title="engines"),
+            ],
+        ),
+        200,
+        f"{title}: mean (solid), max (dashed)",
+    )
+
+
+def worst_engines(df: pd.DataFrame, field: str, y_title: str, title: str) -> Any:
+    """The engines drawn on their own (solid) and the rest of each model (dotted, its max) over time:
+    one legend entry per line, a few whatever the fleet's size."""
+    shown = df[df["kind"].isin(["engine", "rest"])]
+    return sized(
+        alt.Chart(shown)
+        .mark_line(point=True)
+        .encode(
+            x=TIME_AXIS,
+            y=alt.Y(f"{field}:Q", title=y_title),
+            color=alt.Color("label:N", title="engine", legend=alt.Legend(orient="bottom", columns=2)),
+            strokeDash=alt.StrokeDash("kind:N", scale=FLEET_DASH, legend=None),
+            tooltip=[
+                alt.Tooltip("time:T", format="%H:%M:%S"),
+                alt.Tooltip("label:N", title="engine"),
+                alt.Tooltip(f"{field}:Q", format=",.1f"),
+                alt.Tooltip("engines:Q", title="engines"),
+            ],
+        ),
+        220,
+        f"{title}, the rest dotted",
     )

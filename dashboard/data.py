@@ -26,7 +26,7 @@ import msgspec
 import pandas as pd
 
 from ledger.advice.answer import ChunkSizeAdvice
-from ledger.analytics.answers import Attribution, Itl, KvStalls, ModelTails, RequestItl
+from ledger.analytics.answers import Attribution, EngineLoad, Itl, KvStalls, ModelTails, RequestItl
 from ledger.analytics.why_answer import TOP_DEFAULT, Why
 from ledger.client import DEFAULT_LEDGER_URL, LedgerClient, LedgerError
 from ledger.records import Record
@@ -199,6 +199,26 @@ class LedgerData:
 
     def kv_stalls(self, limit: int = 200) -> KvStalls:
         return self.read(KvStalls, "/v1/kv/stalls", limit=limit)
+
+    def engines(
+        self,
+        since: str | None,
+        *,
+        bucket_s: float,
+        top: int,
+        rank_by: str = "kv_usage",
+        source_ids: Iterable[str] = (),
+    ) -> EngineLoad:
+        """The engines by model and the worst right now (``GET /v1/engines``)."""
+        return self.read(
+            EngineLoad,
+            "/v1/engines",
+            since=since,
+            bucket_s=bucket_s,
+            top=top,
+            rank_by=rank_by,
+            source_id=sorted(source_ids) or None,
+        )
 
     def sources(self) -> list[dict[str, Any]]:
         return list(self.get("/v1/sources").get("sources", []))

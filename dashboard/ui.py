@@ -6,10 +6,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import streamlit as st
 
+from dashboard import queries
 from dashboard.data import WINDOWS, LedgerData, NotFound, Refused, Settings, Unavailable
 from ledger.analytics.window import BadTime, parse_time
 from ledger.client import LedgerError
@@ -119,6 +119,4 @@ def query_float(name: str) -> float | None:
         return None
 
 
-def sql_literal(value: Any) -> str:
-    """A SQL string literal (for ids the dashboard puts in read-only queries)."""
-    return "'" + str(value).replace("'", "''") + "'"
+sql_literal = queries.sql_literal

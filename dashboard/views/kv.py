@@ -1,4 +1,5 @@
-"""KV & preemption: live stall ranking, KV idle block-seconds, preemptions over time, escape-valve actions."""
+"""KV & preemption: live stall ranking, KV idle block-seconds, preemptions over time, the engines by
+model and the worst right now, escape-valve actions."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, ui
+from dashboard import charts, fleet, ui
 from dashboard.data import Unavailable
 from dashboard.frames import bucket_domain, bucket_for, data_span, throughput
 from ledger.client import LedgerError
@@ -131,53 +132,66 @@ def preemptions(ctx: ui.Context) -> None:
             )
 
 
-def kv_usage(ctx: ui.Context) -> None:
-    st.subheader("KV usage, running and waiting per engine")
-    where = f"WHERE ts >= {ctx.since_s:.3f}" if ctx.since_s else ""
-    try:
-        df = ctx.data.sql(
-            "SELECT source_id, floor(ts / 5) * 5 AS t, max(kv_usage) AS kv_usage_max, "
-            "max(running) AS running, max(waiting) AS waiting "
-            f"FROM steps {where} GROUP BY 1, 2 ORDER BY 2 LIMIT 5000"
-        )
-    except Unavailable:
-        st.info("KV usage over time: not available in this ledger (no /v1/sql yet).")
-        return
-    except (LedgerError, Exception) as exc:
-        st.info(f"KV usage over time: not available in this ledger ({exc}).")
-        return
-    if df.empty:
-        st.caption("no engine steps in this window")
-        return
-    df["time"] = pd.to_datetime(df["t"].astype(float), unit="s", utc=True)
-    df["kv_usage_pct"] = df["kv_usage_max"].astype(float) * 100
-    left, right = st.columns(2)
-    left.altair_chart(
-        charts.sized(
-            alt.Chart(df)
-            .mark_line(point=True)
-            .encode(
-                x=charts.TIME_AXIS,
-                y=alt.Y("kv_usage_pct:Q", title="KV in use (%)", scale=alt.Scale(domain=[0, 100])),
-                color=alt.Color("source_id:N", title="engine", legend=alt.Legend(orient="bottom")),
-            ),
-            220,
-            "KV cache in use, max per 5 s",
-        )
+def fleet_controls(ctx: ui.Context) -> tuple[str, int, list[str]]:
+    """What makes an engine worse, how many of the worst to draw, and engines the user adds to them."""
+    c = st.columns([1, 1, 3])
+    rank_by = c[0].selectbox(
+        "worst by", list(fleet.RANK_BY), format_func=fleet.RANK_BY.__getitem__, key="fleet_rank_by"
     )
-    right.altair_chart(
-        charts.sized(
-            alt.Chart(df)
-            .mark_line(point=True)
-            .encode(
-                x=charts.TIME_AXIS,
-                y=alt.Y("waiting:Q", title="waiting (requests)"),
-                color=alt.Color("source_id:N", title="engine", legend=alt.Legend(orient="bottom")),
-            ),
-            220,
-            "waiting requests, max per 5 s",
-        )
+    top = int(c[1].number_input("worst engines drawn", 0, 20, fleet.TOP, key="fleet_top"))
+    engines = sorted(s["source_id"] for s in ctx.data.sources() if s.get("kind") == "engine")
+    picked = c[2].multiselect(
+        "and these engines",
+        engines,
+        key="fleet_engines",
+        max_selections=fleet.MAX_PICKED,
+        placeholder=f"pick up to {fleet.MAX_PICKED} of {len(engines)} engines",
     )
+    return rank_by, top, picked
+
+
+def engines(ctx: ui.Context) -> None:
+    """The fleet by model, and the engines worst right now on their own (the rest of each model as one
+    line): a legend entry per model or per line drawn, never one per engine."""
+    st.subheader("Engines: by model, and the worst right now")
+    with ui.ledger_errors("engines"):
+        rank_by, top, picked = fleet_controls(ctx)
+        bucket_s = bucket_for(fleet.span_s(ctx.data, ctx.since_s, time.time()))
+        load = ctx.data.engines(ctx.since, bucket_s=bucket_s, top=top, rank_by=rank_by, source_ids=picked)
+        df = fleet.points(load)
+        if df.empty:
+            st.caption("no engine steps in this window")
+            return
+        n_models = df.loc[df["kind"] == "model", "series"].nunique()
+        st.caption(
+            f"{len(load.engines):,} engines of {n_models} models, per {int(bucket_s)} s; the worst "
+            f"{top} by {fleet.RANK_BY[rank_by].lower()} in their newest {int(bucket_s)} s drawn on "
+            "their own, the other engines of each model as one dotted line (their max)"
+        )
+        left, right = st.columns(2)
+        left.altair_chart(
+            charts.by_model(df, "kv_pct_mean", "kv_pct_max", "KV in use (%)", "KV cache in use, by model")
+        )
+        right.altair_chart(
+            charts.by_model(df, "waiting_mean", "waiting_max", "waiting (requests)", "waiting, by model")
+        )
+        left, right = st.columns(2)
+        left.altair_chart(
+            charts.worst_engines(df, "kv_pct_max", "KV in use (%)", "KV in use: the worst engines")
+        )
+        right.altair_chart(
+            charts.worst_engines(df, "waiting_max", "waiting (requests)", "waiting: the worst engines")
+        )
+        st.dataframe(
+            fleet.ranking(load),
+            hide_index=True,
+            height=300,
+            key="engine_ranking",
+            column_config={
+                "KV in use (%)": st.column_config.NumberColumn(format="%.1f"),
+                "step (ms)": st.column_config.NumberColumn(format="%.1f"),
+            },
+        )
 
 
 def escape_valve(ctx: ui.Context) -> None:
@@ -207,7 +221,7 @@ def body() -> None:
     stall_ranking(ctx)
     idle_block_seconds(ctx)
     preemptions(ctx)
-    kv_usage(ctx)
+    engines(ctx)
     escape_valve(ctx)
 
 

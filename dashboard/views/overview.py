@@ -1,4 +1,5 @@
-"""Overview: latency tails over time, layer attribution, throughput, live queue, cutoffs in the window.
+"""Overview: latency tails over time, layer attribution, throughput, live queue, the engines by model
+(and the worst now), cutoffs in the window.
 
 A click on any p99 point opens the Requests page on the requests that finished in that bucket, sorted
 by that latency, slowest first.
@@ -11,7 +12,7 @@ import time
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, ui
+from dashboard import charts, fleet, ui
 from dashboard.data import LedgerData
 from dashboard.frames import (
     LATENCIES,
@@ -105,6 +106,30 @@ def live(ctx: ui.Context) -> None:
         c[3].page_link("views/kv.py", label="KV stall ranking →")
         if len(rows) >= 1000:
             st.caption("counts capped at 1,000 live requests")
+
+
+def engines(ctx: ui.Context) -> None:
+    """Each model's engines as their newest bucket saw them, and the worst engines now."""
+    st.subheader("Engines")
+    with ui.ledger_errors("engines"):
+        bucket_s = bucket_for(fleet.span_s(ctx.data, ctx.since_s, time.time()))
+        load = ctx.data.engines(ctx.since, bucket_s=bucket_s, top=3)
+        if not load.engines:
+            st.caption("no engine steps in this window")
+            return
+        left, right = st.columns([3, 2])
+        left.dataframe(
+            fleet.models_now(load),
+            hide_index=True,
+            column_config={
+                c: st.column_config.NumberColumn(format="%.1f")
+                for c in ("KV in use, mean (%)", "KV in use, max (%)", "step (ms)")
+            },
+        )
+        worst = ", ".join(f"{e.source_id} ({e.kv_usage:.0%})" for e in load.engines[:3])
+        right.metric("KV cache in use, the worst engine", f"{load.engines[0].kv_usage:.0%}")
+        right.caption(f"worst now: {worst}")
+        right.page_link("views/kv.py", label="engines by model and the worst now →")
 
 
 def cutoffs(ctx: ui.Context) -> None:
@@ -231,6 +256,7 @@ def body() -> None:
     with ui.ledger_errors("attribution"):
         attribution(ctx, time.time())
     live(ctx)
+    engines(ctx)
     cutoffs(ctx)
 
 

@@ -11,6 +11,7 @@ import streamlit as st
 from dashboard import charts, ui
 from dashboard.data import LedgerData, NotFound, Unavailable
 from dashboard.frames import LAYER_NAMES, LAYERS, arrival, timeline
+from dashboard.queries import step_bars_sql
 from ledger.analytics.why_answer import Why
 from ledger.client import LedgerError
 from ledger.records import as_json
@@ -18,21 +19,11 @@ from ledger.records import as_json
 
 def step_bars(data: LedgerData, request: dict[str, Any], t0: float) -> pd.DataFrame | None:
     """The engine steps the request ran in or sat out, as Gantt bars (needs ``/v1/sql``; None without)."""
-    src, lo = request.get("engine_source_id"), request.get("first_scheduled_ts")
-    hi = request.get("last_step_ts") or request.get("end_ts") or request.get("last_event_ts")
-    if not src or lo is None or hi is None:
+    query = step_bars_sql(request)
+    if query is None:
         return None
-    rid = ui.sql_literal(request["request_id"])
-    key = f"(SELECT request_key FROM request_keys WHERE request_id = {rid})"
-    ran = f"coalesce({key} = ANY(request_keys), false)"
     try:
-        df = data.sql(
-            "SELECT step, ts, duration_s, prefill_tokens, num_decode_reqs, "
-            f"{ran} AS ran FROM steps WHERE source_id = {ui.sql_literal(src)} "
-            f"AND ts >= {lo - 1e-6!r} AND ts <= {hi!r} "
-            f"AND ({ran} OR {rid} = ANY(stalled_request_ids)) ORDER BY step",
-            max_rows=5000,
-        )
+        df = data.sql(query, max_rows=5000)
     except (Unavailable, LedgerError, Exception):
         return None
     if df.empty:

@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -122,6 +123,12 @@ PAGE_STATE_JS = r"""
           cut.push({...t, why: 'longer than its axis', plot: [plot.width, plot.height]});
       }
     }
+    // every distinct text drawn in the chart (titles, axis and legend labels), for the legend checks
+    const labels = new Set();
+    for (const cv of c.querySelectorAll('canvas'))
+      for (const t of (window.__chunkledgerTexts && window.__chunkledgerTexts.get(cv)) || [])
+        labels.add(t.text);
+    for (const el of c.querySelectorAll('svg.marks text')) labels.add(el.textContent || '');
     const texts = Array.from(c.querySelectorAll('canvas')).reduce(
       (n, cv) => n + ((window.__chunkledgerTexts && window.__chunkledgerTexts.get(cv)) || []).length, 0)
       + c.querySelectorAll('svg.marks text').length;
@@ -132,7 +139,8 @@ PAGE_STATE_JS = r"""
     // the plot's height (SVG): a plot squeezed by its titles and axes draws nothing readable
     const frame = c.querySelector('svg.marks .role-frame.root > g > path.background');
     const plot_h = frame ? frame.getBoundingClientRect().height : null;
-    return {coloured, marks, plot_h, w: c.clientWidth, h: c.clientHeight, cut, texts};
+    return {coloured, marks, plot_h, w: c.clientWidth, h: c.clientHeight, cut, texts,
+            labels: Array.from(labels).slice(0, 5000)};
   });
   return {
     ready: !!document.querySelector('[data-testid="stMain"] [data-testid="stElementContainer"]') && !running,
@@ -172,6 +180,12 @@ class PageState:
             if (c["coloured"] <= 20 and c["marks"] == 0)
             or (c.get("plot_h") is not None and c["plot_h"] < MIN_PLOT_PX)
         ]
+
+    def labels_matching(self, pattern: str) -> list[int]:
+        """Per chart, how many distinct texts it drew match ``pattern`` (a regular expression matched
+        in full), e.g. how many engine ids its legend names."""
+        rx = re.compile(pattern)
+        return [sum(1 for t in c.get("labels", []) if rx.fullmatch(t)) for c in self.charts]
 
     @property
     def cut_texts(self) -> list[tuple[int, str, str]]:

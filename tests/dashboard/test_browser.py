@@ -22,7 +22,9 @@ from urllib.parse import parse_qs, urlencode, urlparse
 
 import pytest
 
+from bench.fleet_db import Fleet, build
 from bench.toolkit import free_port
+from dashboard import fleet
 from tests.dashboard.dash_browser import Browser, PageState, find_chromium
 from tests.support import ROOT
 from tests.support.servers import LedgerServer, stop_group, wait_serving
@@ -126,6 +128,27 @@ def vllm_dashboard_url(vllm_ledger: LedgerServer, tmp_path_factory: pytest.TempP
     stop_group(proc)
 
 
+# A fleet small in time but not in engines: 236 engines of 3 models, 8 requests each at once, 4 minutes
+# ending now (bench.fleet_db: the read bench's hour, cut short), seen through the 15-minute window.
+FLEET_WINDOW = "window=15%20min"
+ENGINE_ID = r"engine-\d{3}"
+
+
+@pytest.fixture(scope="module")
+def fleet_dashboard_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("fleet")
+    shape = Fleet(engines=236, slots=8, seconds=240, min_steps=600, max_steps=2400, end_ts=time.time())
+    build(str(tmp / "fleet.duckdb"), shape)
+    ledger = LedgerServer(f"duckdb:///{tmp / 'fleet.duckdb'}", tmp / "ledger.log")
+    ledger.start(timeout=120)
+    try:
+        url, proc = _dashboard(ledger.url, tmp / "dashboard.log")
+        yield url
+        stop_group(proc)
+    finally:
+        ledger.stop()
+
+
 @pytest.fixture(scope="module")
 def browser(chromium: str) -> Iterator[Browser]:
     b = Browser(chromium)
@@ -183,6 +206,27 @@ def test_every_page_renders_over_a_run_recorded_from_real_vllm(
     assert not [m for m in menu if m.startswith(DEVELOPER_MENU_ITEMS)], menu
 
 
+def test_a_fleet_of_236_engines_is_drawn_by_model_and_by_its_worst_engines(
+    fleet_dashboard_url: str, browser: Browser, shots: Path
+) -> None:
+    """No chart names more engines than the worst ones drawn on their own: the KV page draws each model
+    (its legend: the models), and the worst engines with the rest of each model as one line; the
+    overview lists the models. (Before, the KV page had a legend entry per engine.)"""
+    state = browser.load(f"{fleet_dashboard_url}/kv?{FLEET_WINDOW}", min_charts=5)
+    browser.screenshot(shots / "fleet-kv.png")
+    check_page(state, "kv", 5)
+    named = state.labels_matching(ENGINE_ID)
+    assert max(named) <= fleet.TOP, f"a chart names {max(named)} engines: {named}"
+    assert named.count(fleet.TOP) == 2, named  # the KV and waiting charts of the worst engines
+    assert sum(n > 0 for n in state.labels_matching(r".+: the other \d+")) == 2  # the rest, per model
+    assert "236 engines of 3 models" in state.text
+    state = browser.load(f"{fleet_dashboard_url}/?{FLEET_WINDOW}", min_charts=PAGES[""])
+    browser.screenshot(shots / "fleet-overview.png")
+    check_page(state, "", PAGES[""])
+    assert max(state.labels_matching(ENGINE_ID)) == 0
+    assert "Engines" in state.text and "worst now: engine-" in state.text
+
+
 P99_POINTS_JS = """(() => {
   const chart = document.querySelectorAll('[data-testid="stVegaLiteChart"]')[0];
   return Array.from(chart.querySelectorAll('.mark-symbol path')).map(p => {
@@ -231,6 +275,10 @@ def test_the_page_check_catches_exceptions_empty_charts_cut_titles_and_the_devel
         "long = alt.Y('y:Q', title='a deliberately far too long axis title for this chart (count)')\n"
         "st.altair_chart(charts.sized(line.encode(x='x:Q', y=long), 150))\n"
         "st.altair_chart(line.encode(x='x:Q', y=long).properties(height=150, title='default sizing'))\n"
+        "fleet = pd.DataFrame([{'x': x, 'y': (e * 7 + x) % 10, 'source_id': f'engine-{e:03d}'}\n"
+        "                      for e in range(236) for x in range(3)])\n"
+        "st.altair_chart(charts.sized(alt.Chart(fleet).mark_line().encode(\n"
+        "    x='x:Q', y='y:Q', color=alt.Color('source_id:N', legend=alt.Legend(orient='bottom'))), 150))\n"
         "raise RuntimeError('boom')\n"
     )
     port = free_port()
@@ -246,16 +294,18 @@ def test_the_page_check_catches_exceptions_empty_charts_cut_titles_and_the_devel
     )
     try:
         wait_serving(proc, f"http://127.0.0.1:{port}/_stcore/health", tmp_path / "st.log")
-        state = browser.load(f"http://127.0.0.1:{port}/", min_charts=4)
+        state = browser.load(f"http://127.0.0.1:{port}/", min_charts=5)
         menu = browser.main_menu()
     finally:
         stop_group(proc)
     assert any("boom" in e for e in state.exceptions)
-    assert len(state.charts) == 4
+    assert len(state.charts) == 5
     assert state.empty_charts == [1, 3]  # no data; a plot squeezed to nothing
     cut = {(i, why) for i, _, why in state.cut_texts}
     assert (2, "longer than its axis") in cut
     assert 3 in {i for i, _ in cut}
     assert 0 not in {i for i, _ in cut}  # the short title fits
+    assert state.labels_matching(ENGINE_ID)[4] > 3 * fleet.TOP  # a legend entry per engine is caught
+    assert state.labels_matching(ENGINE_ID)[:4] == [0, 0, 0, 0]
     assert state.deploy
     assert [m for m in menu if m.startswith(DEVELOPER_MENU_ITEMS)]

@@ -217,7 +217,12 @@ def test_kv_page_ranks_preemptions_and_idle_kv(recorded_ledger, run_page, api) -
     # The simulator schedules every running request each step, so the recording holds no idle KV.
     assert not idle["kv_idle_block_s"]
     assert "no request held KV blocks idle in this window" in texts(at)
-    assert len(charts(at)) >= 3  # preemptions over time, KV usage and waiting per engine
+    # preemptions over time; KV in use and waiting by model, and of the worst engines
+    assert len(charts(at)) >= 5
+    ranking = next(df.value for df in at.dataframe if "drawn" in df.value.columns)
+    engines = [s for s in api.get("/v1/sources")["sources"] if s["kind"] == "engine"]
+    assert sorted(ranking["engine"]) == sorted(s["source_id"] for s in engines)
+    assert list(ranking["rank"]) == list(range(1, len(engines) + 1))
 
 
 def test_cutoffs_page_counts_decisions_by_rule(recorded_ledger, run_page, api) -> None:
