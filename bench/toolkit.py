@@ -106,7 +106,13 @@ class Proc:
     """A child in its own process group (vLLM forks its engine core): stopped as a group."""
 
     def __init__(
-        self, name: str, cmd: list[str], logfile: Path, env: dict[str, str], stdin: int | None = None
+        self,
+        name: str,
+        cmd: list[str],
+        logfile: Path,
+        env: dict[str, str],
+        stdin: int | None = None,
+        cwd: Path | str = ROOT,
     ):
         self.name, self.cmd, self.logfile = name, cmd, logfile
         self._log = open(logfile, "ab")  # noqa: SIM115 - closed in stop()
@@ -116,7 +122,7 @@ class Proc:
             stderr=subprocess.STDOUT,
             stdin=stdin,
             env=env,
-            cwd=ROOT,
+            cwd=cwd,
             start_new_session=True,
         )
 
