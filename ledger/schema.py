@@ -106,7 +106,8 @@ request_sources = sa.Table(
 def step_request_ids_sql(steps: str = "steps") -> str:
     """SQL (DuckDB and PostgreSQL) for the ids of the requests a row of ``steps`` (a table name or
     alias) ran, in order: its ``request_keys`` named. For one request, compare keys instead:
-    ``(SELECT request_key FROM request_keys WHERE request_id = '...') = ANY(request_keys)``."""
+    ``array_position(request_keys, (SELECT request_key FROM request_keys WHERE request_id = '...'))
+    IS NOT NULL`` (``ledger.analytics.common.ran_in_step``: ``= ANY`` is 4x slower on DuckDB)."""
     return (
         f"ARRAY(SELECT k.request_id FROM unnest({steps}.request_keys) WITH ORDINALITY AS u(key, n) "
         "JOIN request_keys k ON k.request_key = u.key ORDER BY u.n)"

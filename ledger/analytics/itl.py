@@ -16,8 +16,9 @@ from ledger.analytics.common import (
     event_data,
     in_window,
     percentile,
-    request_key_of,
+    ran_in_step,
     request_row,
+    started_by,
 )
 from ledger.analytics.window import Window
 from ledger.records import UNSET
@@ -157,13 +158,17 @@ def request_itl(conn: sa.Connection, request_id: str) -> RequestItl | None:
     silent, first_step = _silent_chunk_steps(
         event_data(conn, request_id, ["chunk", "resumed", "tokens"]), src, row.prompt_tokens
     )
+    # Every step it ran starts at or after its first scheduling (as ``why`` reads them); a range on ts
+    # itself, so that DuckDB's zone maps skip the rest of the table.
+    lo = row.first_scheduled_ts - 1e-9 if row.first_scheduled_ts is not None else started_by(conn, src, first)
     steps = conn.execute(
         sa.select(S.c.step, (S.c.ts + S.c.duration_s).label("end"))
         .where(
             S.c.source_id == src,
+            S.c.ts >= min(lo, first),
             S.c.ts + S.c.duration_s > first + 1e-6,
             S.c.ts <= last,
-            request_key_of(request_id) == sa.any_(S.c.request_keys),
+            ran_in_step(request_id),
         )
         .order_by(S.c.step)
     ).all()

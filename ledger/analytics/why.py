@@ -29,7 +29,9 @@ from ledger.analytics.common import (
     engine_steps,
     event_data,
     percentile,
+    ran_in_step,
     request_row,
+    started_by,
     steps_with_ids,
 )
 from ledger.analytics.why_answer import Culprit, Why, WhyItem, WhyLayers, WhyQuery
@@ -135,11 +137,14 @@ def engine_wait_items(
 
 
 def load_steps(conn: sa.Connection, row: RequestRow) -> list[Any]:
-    """The engine's steps from the request's first scheduling to its last step (empty: it never ran)."""
+    """The engine's steps from the request's first scheduling to its last step (empty: it never ran),
+    each with whether the request ran in it (``ran``) rather than the ids of every request it ran: a
+    busy engine's steps name hundreds, and turning a long request's 3M keys into ids took seconds."""
     src = row.engine_source_id
     if src is None or row.first_scheduled_ts is None:
         return []
     hi = row.last_step_ts or row.end_ts or row.last_event_ts
+    ran = ran_in_step(row.request_id).label("ran")
     return engine_steps(
         conn,
         src,
@@ -149,8 +154,8 @@ def load_steps(conn: sa.Connection, row: RequestRow) -> list[Any]:
         S.c.ts,
         S.c.duration_s,
         S.c.prefill_tokens,
-        S.c.request_keys,
         S.c.stalled_request_ids,
+        ran,
     )
 
 
@@ -194,7 +199,7 @@ def step_items(
 def _slow_decode_item(conn: sa.Connection, row: RequestRow, steps: list[Any], top: int) -> WhyItem | None:
     """Its decode steps that shared the step with a prefill and ran over 1.5x its typical step."""
     request_id, first_tok = row.request_id, row.first_token_ts
-    decode = [s for s in steps if first_tok is not None and s.ts >= first_tok and request_id in s.request_ids]
+    decode = [s for s in steps if first_tok is not None and s.ts >= first_tok and s.ran]
     if not decode:
         return None
     typical = percentile(sorted(s.duration_s for s in decode), 0.5)
@@ -234,7 +239,7 @@ def _shared_prefill(
     other requests' chunks, and the time those others took in them (duration split by tokens)."""
     seconds, shared, others = 0.0, [], 0
     for s in steps:
-        if s.step not in own or request_id not in s.request_ids or not s.prefill_tokens:
+        if s.step not in own or not s.ran or not s.prefill_tokens:
             continue
         if first_tok is not None and s.ts >= first_tok:
             continue
@@ -270,7 +275,12 @@ def _engine_holders(
     steps = steps_with_ids(
         conn,
         sa.select(S.c.step, S.c.ts, S.c.duration_s, S.c.prefill_tokens, S.c.request_keys)
-        .where(S.c.source_id == source_id, S.c.ts < hi, S.c.ts + S.c.duration_s > lo + 1e-9)
+        .where(
+            S.c.source_id == source_id,
+            S.c.ts >= started_by(conn, source_id, lo),
+            S.c.ts < hi,
+            S.c.ts + S.c.duration_s > lo + 1e-9,
+        )
         .order_by(S.c.step),
     )
     if not steps:
