@@ -128,7 +128,11 @@ def read_steps(
             q = q.where(st.c.ts >= window.since)
         if window.until is not None:
             q = q.where(st.c.ts < window.until)
-        rows = conn.execute(q.order_by(st.c.ts.desc()).limit(max_steps + 1)).all()
+        newest = q.order_by(st.c.ts.desc()).limit(max_steps + 1)
+        bound = None if previous_prefills else _newest_bound(conn, ids, window, max_steps + 1)
+        rows = conn.execute(newest.where(st.c.ts >= bound)).all() if bound is not None else []
+        if len(rows) <= max_steps:  # no bound, or it reached back less far than the steps asked for
+            rows = conn.execute(newest).all()
     truncated = len(rows) > max_steps
     rows = rows[:max_steps]
     data = StepData.from_rows([r[: len(COLUMNS)] for r in rows])
@@ -144,3 +148,36 @@ def read_steps(
         truncated=truncated,
         prev_prefill_reqs=prev_prefills,
     )
+
+
+# How far back the newest steps are looked for first: the rate of the last minute's steps, with room.
+_RATE_PROBE_S = 60.0
+_BOUND_ROOM = 1.5
+
+
+def _newest_bound(conn: sa.Connection, ids: list[str], window: Window, wanted: int) -> float | None:
+    """A ``ts`` from which the sources' newest ``wanted`` steps in the window most likely all start, from
+    the rate of their steps in the last minute of it; None when there is none to gain.
+
+    ``ORDER BY ts DESC LIMIT n`` reads every step of the window (DuckDB's zone maps cannot prune a
+    top-N): 0.34 s for 100k of 4.7M steps of 79 engines. Bounded, it reads the row groups after the
+    bound only (0.17 s). The answer is the same: when the bound reaches back far enough, every step
+    outside it is older than every step inside; when it does not, the caller reads the whole window."""
+    st = schema.steps
+    mine = sa.select(sa.func.max(st.c.ts)).where(st.c.source_id.in_(ids))
+    if window.since is not None:
+        mine = mine.where(st.c.ts >= window.since)
+    if window.until is not None:
+        mine = mine.where(st.c.ts < window.until)
+    top = conn.execute(mine).scalar()
+    if top is None:
+        return None
+    recent = conn.execute(
+        sa.select(sa.func.count()).where(
+            st.c.source_id.in_(ids), st.c.ts >= top - _RATE_PROBE_S, st.c.ts <= top
+        )
+    ).scalar_one()
+    if not recent:
+        return None
+    bound = top - wanted / (recent / _RATE_PROBE_S) * _BOUND_ROOM - 1.0
+    return bound if window.since is None or bound > window.since else None

@@ -15,6 +15,7 @@ from engine_hooks import events as ev
 from ledger.advice.advisor import AdviceError, Advisor
 from ledger.advice.answer import AdviceQuery
 from ledger.advice.fit import FitError, fit_step_time
+from ledger.advice.query import read_steps
 from ledger.advice.service import chunk_size_advice
 from ledger.advice.terms import StepData
 from ledger.records import as_json
@@ -330,6 +331,24 @@ def test_advice_window_reads_only_steps_since_and_the_newest_max_steps(ledger_st
     with pytest.raises(AdviceError) as err:
         _chunk_size_advice(ledger_store.engine, itl_target_ms=50, since=steps[-50].ts)
     assert err.value.reason == "too_little_data" and err.value.status == 409
+
+
+@pytest.mark.parametrize("late_burst", [False, True])
+def test_the_newest_max_steps_are_read_whatever_the_rate_of_the_last_minute(ledger_store, late_burst):
+    """``read_steps`` first looks back as far as the last minute's rate says the newest steps reach:
+    the same steps as reading the whole window, also when the last minute ran much faster than the rest
+    (the look-back falls short and the whole window is read)."""
+    steps = worked_steps()
+    t0 = steps[0].ts
+    # 3,000 steps over an hour, or 2,900 of them over its first 59 minutes and 100 in the last one
+    gaps = [1.2] * 3000 if not late_burst else [59 * 60 / 2900] * 2900 + [0.6] * 100
+    ts = list(np.cumsum(gaps) + t0)
+    steps = [msgspec.structs.replace(s, ts=float(t)) for s, t in zip(steps, ts, strict=True)]
+    write_steps(ledger_store, WORKED_SOURCE, steps)
+    window = read_steps(ledger_store.engine, model="worked-example", max_steps=400)
+    newest = sorted(s.ts for s in steps)[-400:]
+    assert window.truncated and window.first_ts == pytest.approx(newest[0])
+    assert sorted(window.data.duration_s) == pytest.approx(sorted(s.duration_s for s in steps[-400:]))
 
 
 def test_advice_refuses_a_depth_outside_the_data_with_422(ledger_store):
