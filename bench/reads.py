@@ -33,7 +33,7 @@ import httpx
 from bench.fleet_db import Fleet, build
 from bench.toolkit import ROOT, Proc, free_port, percentile, say
 from dashboard import fleet as dash_fleet
-from dashboard.queries import step_bars_sql
+from dashboard.queries import sql_literal, step_bars_sql
 
 GOAL_S = 1.0
 
@@ -67,6 +67,31 @@ def old_kv_usage_sql(since: float | None) -> str:
     return (
         "SELECT source_id, floor(ts / 5) * 5 AS t, max(kv_usage) AS kv_usage_max, max(running) AS running, "
         f"max(waiting) AS waiting FROM steps {where}GROUP BY 1, 2 ORDER BY 2 LIMIT 5000"
+    )
+
+
+SQL_DOC_EXAMPLES = (
+    "SELECT model, count(*), quantile_cont(e2e_s, 0.99) AS e2e_p99 FROM requests GROUP BY 1",
+    "SELECT * FROM requests WHERE request_id = $rid",
+    "SELECT kind, count(*) FROM events GROUP BY 1",
+)
+
+
+def whatif_read(end: float, model: str) -> Read:
+    """The What-if page's replay of the last 5 minutes of one model's engines (a replay, not a query:
+    the dashboard gives it 180 s)."""
+    return Read(
+        "whatif",
+        "replay 5 min of one model, 2 budgets",
+        "GET",
+        "/v1/whatif",
+        {
+            "model": model,
+            "since": f"{end - 300:.3f}",
+            "until": f"{end:.3f}",
+            "sweep": "max_num_batched_tokens=4096,16384",
+            "force": "true",
+        },
     )
 
 
@@ -228,6 +253,16 @@ def reads_for(
                 )
             },
         ),
+        # docs/sql.md's examples
+        Read("sql", "e2e p99 by model (sql)", "POST", "/v1/sql", body={"sql": SQL_DOC_EXAMPLES[0]}),
+        Read(
+            "sql",
+            "one request by id (sql)",
+            "POST",
+            "/v1/sql",
+            body={"sql": SQL_DOC_EXAMPLES[1], "params": {"rid": finished}},
+        ),
+        Read("sql", "events by kind (sql)", "POST", "/v1/sql", body={"sql": SQL_DOC_EXAMPLES[2]}),
         Read("api", "sources", "GET", "/v1/sources"),
         Read("api", "metrics", "GET", "/metrics"),
         Read("api", "webhooks", "GET", "/v1/webhooks"),
@@ -249,16 +284,35 @@ def _call(http: httpx.Client, r: Read) -> tuple[float, int, int]:
     return time.perf_counter() - t, resp.status_code, len(resp.content)
 
 
-def _step_bars(http: httpx.Client, rid: str) -> Read:
-    """The request page's steps query (``dashboard.fleet.step_bars_sql``) for ``rid``."""
+def _step_bars(http: httpx.Client, rid: str) -> list[Read]:
+    """The request page's steps query (``dashboard.queries.step_bars_sql``) for ``rid``, and the one it
+    sent before (``key = ANY(request_keys)``)."""
     row = http.get(f"/v1/requests/{rid}").json()["request"]
-    return Read(
-        "request", "steps it ran (sql)", "POST", "/v1/sql", body={"sql": step_bars_sql(row), "max_rows": 5000}
+    sql = step_bars_sql(row) or ""
+    old = sql.replace("array_position(request_keys, (SELECT", "(SELECT").replace(
+        f"request_id = {sql_literal(rid)})) IS NOT NULL",
+        f"request_id = {sql_literal(rid)}) = ANY(request_keys)",
     )
+    assert old != sql
+    return [
+        Read("request", "steps it ran (sql)", "POST", "/v1/sql", body={"sql": sql, "max_rows": 5000}),
+        Read(
+            "request (old)",
+            "steps it ran, the page's sql before",
+            "POST",
+            "/v1/sql",
+            body={"sql": old, "max_rows": 5000},
+        ),
+    ]
 
 
 def run(
-    path: str, repeat: int, only: set[str] | None, workdir: Path, server_root: str | None = None
+    path: str,
+    repeat: int,
+    only: set[str] | None,
+    workdir: Path,
+    server_root: str | None = None,
+    whatif: bool = False,
 ) -> list[dict[str, Any]]:
     lo, hi, n_steps = _data_span(path)
     say(
@@ -284,13 +338,15 @@ def run(
             fin_id, live_id = finished["rows"][0]["request_id"], live["rows"][0]["request_id"]
             windows = {"all": (None, None), "hour": (end - 3600, end), "15 min": (end - 900, end)}
             todo = reads_for(windows, fin_id, live_id, model)
-            todo += [_step_bars(http, fin_id)]
+            todo += _step_bars(http, fin_id)
+            if whatif:
+                todo.append(whatif_read(end, model))
             out = []
             for r in todo:
                 if only and r.page not in only:
                     continue
                 times, status, size = [], 0, 0
-                for _ in range(repeat):
+                for _ in range(1 if r.page == "whatif" else repeat):  # a replay: once
                     dt, status, size = _call(http, r)
                     times.append(dt)
                 row: dict[str, Any] = {
@@ -324,6 +380,7 @@ def main() -> None:
         "--only", help="comma-separated pages (overview, requests, request, kv, cutoffs, advice, sql, api)"
     )
     ap.add_argument("--build-only", action="store_true", help="build the database and stop")
+    ap.add_argument("--whatif", action="store_true", help="also time a what-if replay (minutes)")
     ap.add_argument("--server-root", help="run the server from the checkout in this folder (the code before)")
     ap.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     args = ap.parse_args()
@@ -342,7 +399,7 @@ def main() -> None:
             return
         only = set(args.only.split(",")) if args.only else None
         print(f"{'page':<9} {'read':<44} {'route':<28} {'code':>4} {'p50 s':>8} {'max s':>8}")
-        rows = run(path, args.repeat, only, tmp, args.server_root)
+        rows = run(path, args.repeat, only, tmp, args.server_root, args.whatif)
         over = [r for r in rows if r["max_s"] > GOAL_S]
         print(
             f"{len(rows)} reads, {len(over)} over {GOAL_S:g} s; slowest "
