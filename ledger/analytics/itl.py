@@ -44,21 +44,25 @@ def decode_itl(
     gaps than this; their exact gaps are in ``request_itl``. ``source_ids``: those engines' steps only.
     """
     src = schema.sources
-    model = sa.func.coalesce(src.c.model, "").label("model")
     gap = S.c.interval_s
     key = sa.func.round(sa.func.ln(sa.func.greatest(gap, 1e-9)) * _ITL_BINS_PER_E).label("k")
-    stmt = (
-        sa.select(
-            model,
-            key,
-            sa.func.sum(S.c.num_decode_reqs).label("w"),
-            sa.func.sum(gap * S.c.num_decode_reqs).label("gw"),
-            sa.func.max(gap).label("top"),
+    sums = [
+        sa.func.sum(S.c.num_decode_reqs).label("w"),
+        sa.func.sum(gap * S.c.num_decode_reqs).label("gw"),
+        sa.func.max(gap).label("top"),
+    ]
+    # By model, the steps join their sources; else they are binned alone: grouping 14M steps by their
+    # source as well took 0.5 of the 0.75 s over an hour of 236 engines.
+    if group_by_model:
+        model = sa.func.coalesce(src.c.model, "").label("model")
+        stmt = (
+            sa.select(model, key, *sums)
+            .select_from(S.outerjoin(src, src.c.source_id == S.c.source_id))
+            .group_by(model, key)
         )
-        .select_from(S.outerjoin(src, src.c.source_id == S.c.source_id))
-        .where(gap.is_not(None), S.c.num_decode_reqs > 0)
-        .group_by(model, key)
-    )
+    else:
+        stmt = sa.select(sa.literal("").label("model"), key, *sums).group_by(key)
+    stmt = stmt.where(gap.is_not(None), S.c.num_decode_reqs > 0)
     if source_ids is not None:
         stmt = stmt.where(S.c.source_id.in_(source_ids))
     bins = in_window(stmt, window, S.c.ts).subquery()
