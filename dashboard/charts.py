@@ -255,14 +255,16 @@ def gantt(df: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
 
 
 def bars(df: pd.DataFrame, x: str, y: str, x_title: str, y_title: str, color: str | None = None) -> alt.Chart:
+    """Horizontal bars of ``x`` per ``y`` (a name, e.g. a request id), longest first. The names are
+    drawn whole (vLLM's ids, "cmpl-" and 32 hex digits, were cut to "cmpl-0f3c…"), and the y axis has no
+    title: Vega drew it over names that long; ``y_title`` names them in the tooltip."""
     chart = (
         alt.Chart(df)
         .mark_bar()
         .encode(
             x=alt.X(f"{x}:Q", title=x_title),
-            # request ids as vLLM makes them (cmpl- and 32 hex digits) whole, not cut to "cmpl-0f3c…"
-            y=alt.Y(f"{y}:N", title=y_title, sort="-x", axis=alt.Axis(labelLimit=360)),
-            tooltip=list(df.columns),
+            y=alt.Y(f"{y}:N", title=None, sort="-x", axis=alt.Axis(labelLimit=360)),
+            tooltip=[alt.Tooltip(f"{y}:N", title=y_title), *(c for c in df.columns if c != y)],
             color=alt.Color(f"{color}:N") if color else alt.Undefined,
         )
     )
