@@ -89,16 +89,21 @@ MAX_STEP_S = 600.0
 
 
 def started_by(conn: sa.Connection, source_id: str, at: float) -> float:
-    """Start of the source's newest step begun at or before ``at`` (``at - MAX_STEP_S`` when none):
-    no step of it that is still running at ``at`` started earlier (a source's steps do not overlap:
-    each starts at its schedule or the previous one's end, whichever is later).
+    """Start of the source's newest step that ended at or before ``at`` (``at - MAX_STEP_S`` when
+    none): every step of it still running at ``at`` started later. A source's steps run one after the
+    other, so their ends come in the order of their starts, even where the scheduling of the next
+    overlaps the run of the previous (async scheduling: a step can start before the one before it ends,
+    so the newest step begun by ``at`` is not a bound).
 
     So the steps overlapping a span can be read by a ``ts`` range DuckDB's zone maps prune. With
     ``ts + duration_s > lo`` alone the scan starts at the table's first row: for a request late in an
     hour of 236 engines, billions of list entries read (seconds) for a few steps."""
     found = conn.execute(
         sa.select(sa.func.max(S.c.ts)).where(
-            S.c.source_id == source_id, S.c.ts <= at, S.c.ts >= at - MAX_STEP_S
+            S.c.source_id == source_id,
+            S.c.ts <= at,
+            S.c.ts >= at - MAX_STEP_S,
+            S.c.ts + S.c.duration_s <= at,
         )
     ).scalar()
     return float(found) if found is not None else at - MAX_STEP_S
