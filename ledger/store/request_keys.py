@@ -61,6 +61,11 @@ class KeyCache(Generic[V]):
             self.learn(promoted)
         return found, missing
 
+    def peek(self, rid: str) -> V | None:
+        """What ``rid`` maps to, if met lately (no promotion: for a lookup that does not use it)."""
+        found = self._young.get(rid)
+        return found if found is not None else self._old.get(rid)
+
     def learn(self, keys: dict[str, V]) -> None:
         """Remember ``keys`` (after the transaction that resolved them committed)."""
         if len(self._young) + len(keys) > self.size:

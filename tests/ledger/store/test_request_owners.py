@@ -53,6 +53,24 @@ def test_the_first_engine_and_gateway_own_a_request_across_restarts(db_url):
     store.close()
 
 
+def test_an_owned_id_the_cache_let_go_of_is_still_refused_to_another_engine(db_url):
+    """The DuckDB writer inserts the ids its cache does not know as new; one stored after all fails
+    that insert and the group is written again with a lookup: nothing lost, the owner kept."""
+    from ledger.store.request_keys import KeyCache
+
+    store = open_store(db_url)
+    store._owners = KeyCache(2)  # two ids a generation: "r" is forgotten after the next groups
+    store.write([batch(ENGINE, numbered([_queued("r")]))])
+    for i in range(3):
+        store.write([batch(ENGINE, numbered([_queued(f"n{i}a"), _queued(f"n{i}b")], 10 + 10 * i))])
+    assert store._owners.peek("r") is None
+    (res,) = store.write([batch(OTHER, numbered([_tokens("r", 99), _queued("mine")]))])
+    assert (res.accepted, res.foreign) == (1, ["r"])
+    assert _row(store, "mine")["engine_source_id"] == "engine-1"
+    assert _row(store, "r")["engine_source_id"] == "engine-0"
+    store.close()
+
+
 def test_two_engines_naming_one_new_request_in_one_group_the_first_owns_it(db_url):
     store = open_store(db_url)
     step = ev.Step(seq=2, ts=100.5, step=0, duration_s=0.01, request_ids=["x"], stalled_request_ids=["r"])
