@@ -133,7 +133,7 @@ class Prepared:
             v = fold.columns.get(f.name)
             if f.name in SUM_COLUMNS:
                 if v is None:
-                    v = np.zeros(n, np.int64 if f.type == pa.int64() else np.float64)
+                    v = _zeros(n, f.type)
                 elif f.name == "kv_idle_block_s":  # NaN where no step said its blocks
                     v = np.nan_to_num(v)
                 arrays.append(pa.array(v, f.type))
@@ -157,7 +157,7 @@ class Prepared:
             [
                 steps.column(f.name)
                 if f.name in STEP_PARTS_SCHEMA.names
-                else pa.array(np.zeros(n, np.int64 if f.type == pa.int64() else np.float64), f.type)
+                else pa.array(_zeros(n, f.type), f.type)
                 if f.name in SUM_COLUMNS
                 else pa.nulls(n, f.type)
                 for f in REQUESTS_SCHEMA
@@ -165,6 +165,11 @@ class Prepared:
             schema=REQUESTS_SCHEMA,
         )
         return pa.concat_tables([table, wide]) if table is not None else wide
+
+
+def _zeros(n: int, type_: pa.DataType) -> np.ndarray:
+    """A sum column no row sets, in its own dtype."""
+    return np.zeros(n, np.int64 if type_ == pa.int64() else np.float64)
 
 
 _encode = msgspec.json.Encoder().encode

@@ -161,6 +161,16 @@ def test_steps_fold_participation_into_runners_and_kv_idle_into_stalled_requests
     assert b["kv_idle_block_s"] == pytest.approx(0.36)
 
 
+def _assert_same_rows(got_rows: dict, want_rows: dict) -> None:
+    """The same requests, each with the same columns and values (floats approximately)."""
+    assert got_rows.keys() == want_rows.keys()
+    for rid, want in want_rows.items():
+        got = got_rows[rid]
+        assert got.keys() == want.keys(), rid
+        for k, v in want.items():
+            assert got[k] == (pytest.approx(v) if isinstance(v, float) else v), (rid, k)
+
+
 @st.composite
 def busy_steps(draw):
     """Steps of a busy engine: many runners each, some stalled requests (blocks aligned or not)."""
@@ -198,12 +208,7 @@ def test_steps_folded_as_columns_give_the_rows_of_folding_them_one_by_one(steps)
         fold_step(one_by_one, s)
     grouped: dict = {}
     fold_steps(grouped, steps)
-    assert grouped.keys() == one_by_one.keys()
-    for rid, want in one_by_one.items():
-        got = grouped[rid]
-        assert got.keys() == want.keys(), rid
-        for k, v in want.items():
-            assert got[k] == (pytest.approx(v) if isinstance(v, float) else v), (rid, k)
+    _assert_same_rows(grouped, one_by_one)
 
 
 @settings(max_examples=60, deadline=None)
@@ -234,12 +239,7 @@ def test_a_groups_messages_folded_at_once_give_the_rows_of_folding_their_steps_o
         fold_step(one_by_one, s)
     folded: dict = {}
     fold_step_columns(parts).into(folded)
-    assert folded.keys() == one_by_one.keys()
-    for rid, want in one_by_one.items():
-        got = folded[rid]
-        assert got.keys() == want.keys(), rid
-        for k, v in want.items():
-            assert got[k] == (pytest.approx(v) if isinstance(v, float) else v), (rid, k)
+    _assert_same_rows(folded, one_by_one)
 
 
 def test_a_busy_groups_steps_take_the_columns_path(monkeypatch):
