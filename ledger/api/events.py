@@ -40,6 +40,10 @@ class _Body:
     source_id: str | None = None  # the source id read from its first bytes and admitted by the limits
     refusal: Refusal | None = None  # the source is over an ingest limit: the rest was not read
 
+    @property
+    def size(self) -> int:
+        return len(self.data) if self.data is not None else 0
+
 
 async def _read_body(request: Request, limit: int, limits: SourceLimits) -> _Body:
     """The body, or no data when it is larger than ``limit`` (checked before and while reading). The
@@ -71,9 +75,7 @@ async def _read_body(request: Request, limit: int, limits: SourceLimits) -> _Bod
 
 def _rate_limited(request: Request, source_id: str, refusal: Refusal) -> Response:
     """429 naming the limit the source is over; ``Retry-After`` is when its bucket is paid back."""
-    runaway = getattr(request.app.state, "runaway", None)
-    if runaway is not None:
-        runaway.metrics.ingest_rejections.labels("rate_limited").inc()
+    _count_rejection(request, "rate_limited")
     wait = max(1, math.ceil(refusal.retry_after_s))
     return errors.error_response(
         status.HTTP_429_TOO_MANY_REQUESTS,
@@ -88,9 +90,7 @@ def _rate_limited(request: Request, source_id: str, refusal: Refusal) -> Respons
 def _conflict(request: Request, source_id: str, result: WriteResult) -> Response:
     """409: the batch sent other events under seqs already stored; those are not replaced."""
     seqs = result.conflicts
-    runaway = getattr(request.app.state, "runaway", None)
-    if runaway is not None:
-        runaway.metrics.ingest_rejections.labels("conflicting_replay").inc()
+    _count_rejection(request, "conflicting_replay")
     named = ", ".join(map(str, seqs[:10])) + (f" and {len(seqs) - 10} more" if len(seqs) > 10 else "")
     log.warning(
         "conflicting replay from source %s: seq %s already stored with other content", source_id, named
@@ -110,9 +110,7 @@ def _not_owner(request: Request, source_id: str, result: WriteResult) -> Respons
     """409: the batch named requests another source of its kind serves (``ledger.store.request_owners``);
     its events about them were refused."""
     ids = result.foreign
-    runaway = getattr(request.app.state, "runaway", None)
-    if runaway is not None:
-        runaway.metrics.ingest_rejections.labels("not_request_owner").inc()
+    _count_rejection(request, "not_request_owner")
     named = ", ".join(map(repr, ids[:10])) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
     log.warning("source %s sent events about requests another source serves: %s", source_id, named)
     return errors.error_response(
@@ -154,10 +152,13 @@ def _decoder(content_type: str | None) -> Callable[..., tuple[ev.Batch, Columns 
 async def ingest_events(
     request: Request, settings: SettingsDep, writer: WriterDep, producers: ProducersDep
 ) -> Response:
-    """Store a batch of events (ingest token); the answer carries the source's pending commands."""
-    limits: SourceLimits = request.app.state.source_limits
+    """Store a batch of events (ingest token); the answer carries the source's pending commands.
+
+    In order: read the body within the source's limits, decode it, fence it to the source's producer,
+    show it to the rule engine, store it, answer with the source's commands."""
+    runaway = getattr(request.app.state, "runaway", None)
     try:
-        read = await _read_body(request, settings.max_body_bytes, limits)
+        read = await _read_body(request, settings.max_body_bytes, request.app.state.source_limits)
     except ClientDisconnect:
         # The source gave up mid-upload (its timeout); nothing was stored, and it will send the batch
         # again. Not a server error: no traceback, and nobody is left to read an answer.
@@ -168,13 +169,54 @@ async def ingest_events(
             reason="disconnected",
         )
     received = time.monotonic()
+    decoded = await _decode(request, settings, read)
+    if isinstance(decoded, Response):
+        return decoded
+    batch, columns = decoded
+    producer = digest(request.headers.get(ev.PRODUCER_HEADER))
+    fenced = await _fence(request, producers, batch.source.id, producer)
+    if fenced is not None:
+        return fenced
+    # The rule engine sees the batch now, beside the store's write: cutoffs never wait for a commit.
+    observed = runaway.observe_arrival(batch, received, columns) if runaway is not None else None
+    try:
+        result = await writer.submit(batch, producer, read.size, columns)
+    except WriterUnavailable as exc:
+        _count_rejection(request, "unavailable")
+        return errors.error_response(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            f"not stored, retry: {exc}",
+            reason="unavailable",
+            headers={"Retry-After": "1"},
+        )
+    if observed is not None and runaway is not None:
+        late = await asyncio.wrap_future(observed)
+        if late and result.accepted and not result.duplicates and not result.conflicts:
+            await asyncio.wrap_future(runaway.observe_late(batch, late))
+    if result.conflicts:
+        return _conflict(request, batch.source.id, result)
+    if result.foreign:
+        return _not_owner(request, batch.source.id, result)
+    return await _accepted(request, batch.source.id, result)
+
+
+def _count_rejection(request: Request, reason: str) -> None:
     runaway = getattr(request.app.state, "runaway", None)
+    if runaway is not None:
+        runaway.metrics.ingest_rejections.labels(reason).inc()
+
+
+async def _decode(
+    request: Request, settings: SettingsDep, read: _Body
+) -> tuple[ev.Batch, Columns | None] | Response:
+    """The batch (and its columns) of a body read within the limits, admitted and charged to its
+    source, its times from the future clamped; or the refusal's answer."""
+    limits: SourceLimits = request.app.state.source_limits
     if read.refusal is not None and read.source_id is not None:
         return _rate_limited(request, read.source_id, read.refusal)
     body = read.data
     if body is None:
-        if runaway is not None:
-            runaway.metrics.ingest_rejections.labels("too_large").inc()
+        _count_rejection(request, "too_large")
         return errors.error_response(
             status.HTTP_413_CONTENT_TOO_LARGE,
             f"body larger than {settings.max_body_bytes} bytes; send smaller batches",
@@ -190,8 +232,7 @@ async def ingest_events(
         else:
             batch, columns = decode(body)
     except BadBatch as exc:
-        if runaway is not None:
-            runaway.metrics.ingest_rejections.labels("invalid").inc()
+        _count_rejection(request, "invalid")
         return errors.error_response(
             status.HTTP_422_UNPROCESSABLE_CONTENT,
             "batch rejected, nothing stored",
@@ -215,50 +256,39 @@ async def ingest_events(
         metrics = request.app.state.metrics
         metrics.ingest_future_timestamps.labels(metrics.sources(batch.source.id)).inc(ahead)
         columns = None  # the events now hold the clamped times, the columns those sent: fold the events
-    # Only the source's own producer may send as it (ledger.producers): checked before the rule engine
-    # sees anything of the batch.
-    producer = digest(request.headers.get(ev.PRODUCER_HEADER))
-    sid = batch.source.id
-    if not producers.current(sid, producer):
-        left = await on_ingest_pool(request, producers.claim, sid, producer)
-        if left is not None:
-            if runaway is not None:
-                runaway.metrics.ingest_rejections.labels("fenced").inc()
-            log.info("fenced a batch for source %s: another producer owns it", sid)
-            return errors.error_response(
-                status.HTTP_409_CONFLICT,
-                f"source.id: {sid!r} is bound to another producer (the key in the {ev.PRODUCER_HEADER} "
-                f"header); nothing stored. Retry after {math.ceil(left)} s, when that binding lapses if "
-                "its producer stopped",
-                reason="fenced",
-                headers={"Retry-After": str(math.ceil(left))},
-            )
-    # The rule engine sees the batch now, beside the store's write: cutoffs never wait for a commit.
-    observed = runaway.observe_arrival(batch, received, columns) if runaway is not None else None
-    try:
-        result = await writer.submit(batch, producer, len(body), columns)
-    except WriterUnavailable as exc:
-        if runaway is not None:
-            runaway.metrics.ingest_rejections.labels("unavailable").inc()
-        return errors.error_response(
-            status.HTTP_503_SERVICE_UNAVAILABLE,
-            f"not stored, retry: {exc}",
-            reason="unavailable",
-            headers={"Retry-After": "1"},
-        )
-    if observed is not None and runaway is not None:
-        late = await asyncio.wrap_future(observed)
-        if late and result.accepted and not result.duplicates and not result.conflicts:
-            await asyncio.wrap_future(runaway.observe_late(batch, late))
-    if result.conflicts:
-        return _conflict(request, sid, result)
-    if result.foreign:
-        return _not_owner(request, sid, result)
+    return batch, columns
+
+
+async def _fence(
+    request: Request, producers: ProducersDep, sid: str, producer: str | None
+) -> Response | None:
+    """409 unless ``producer`` may send as source ``sid`` (``ledger.producers``): checked before the
+    rule engine sees anything of the batch."""
+    if producers.current(sid, producer):
+        return None
+    left = await on_ingest_pool(request, producers.claim, sid, producer)
+    if left is None:
+        return None
+    _count_rejection(request, "fenced")
+    log.info("fenced a batch for source %s: another producer owns it", sid)
+    return errors.error_response(
+        status.HTTP_409_CONFLICT,
+        f"source.id: {sid!r} is bound to another producer (the key in the {ev.PRODUCER_HEADER} "
+        f"header); nothing stored. Retry after {math.ceil(left)} s, when that binding lapses if "
+        "its producer stopped",
+        reason="fenced",
+        headers={"Retry-After": str(math.ceil(left))},
+    )
+
+
+async def _accepted(request: Request, sid: str, result: WriteResult) -> Response:
+    """200 with the counts and the commands pending for the source, re-sent in every answer until the
+    source confirms them (``ledger.rules.commands``)."""
+    runaway = getattr(request.app.state, "runaway", None)
     commands: list[ev.Command] = []
-    if runaway is not None and runaway.book.has_pending(batch.source.id):
-        # Re-sent in every response until the source confirms (ledger.rules.commands).
-        commands = runaway.book.for_source(batch.source.id)
-        await on_ingest_pool(request, runaway.book.mark_delivered, batch.source.id, commands, "ingest")
+    if runaway is not None and runaway.book.has_pending(sid):
+        commands = runaway.book.for_source(sid)
+        await on_ingest_pool(request, runaway.book.mark_delivered, sid, commands, "ingest")
     answer = ev.IngestResponse(accepted=result.accepted, duplicates=result.duplicates, commands=commands)
     return Response(_encode(answer), media_type="application/json")
 
