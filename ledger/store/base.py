@@ -45,7 +45,7 @@ from ledger.fold import (
 )
 from ledger.store.request_keys import KeyCache, keys_for
 from ledger.store.request_owners import Owners, foreign_ids, names_any
-from ledger.store.step_memory import MAX_STEP_GAP_S, _follows, _StepEnd, _StepMemory
+from ledger.store.step_memory import MAX_STEP_GAP_S, _follows, _Link, _StepEnd, _StepMemory
 
 EVENT_COLUMNS = [c.name for c in schema.events.columns]
 STEP_COLUMNS = [c.name for c in schema.steps.columns]
@@ -538,72 +538,67 @@ class Store:
         So the in-order path costs what it did, and every step whose predecessor is stored ends with
         the same ``interval_s`` whatever the order of arrival.
         """
-        s = prepared.steps
-        col_step, col_seq, col_ts, col_dur = s["step"], s["seq"], s["ts"], s["duration_s"]
-        intervals = s["interval_s"]
-        gap = MAX_STEP_GAP_S
-        links: dict[tuple[str, int], tuple[float, str, int, int, float, float]] = {}
+        links: dict[tuple[str, int], _Link] = {}
         for state in states.values():
-            rows = state.step_rows
-            if not rows:
-                continue
-            sid = state.source.id
-            mem = self._step_memory.get(sid)
-            if mem is None or mem.mark != state.last_seq:  # first sight, restart, or another writer
-                mem = self._step_memory[sid] = _StepMemory(mark=state.last_seq, floor=state.last_seq)
-            if any(col_seq[a] > col_seq[b] for a, b in itertools.pairwise(rows)):
-                rows.sort(key=col_seq.__getitem__)  # batches of the source overtook each other in the group
-            ends = mem.ends
-            floor = mem.floor
-            # Whether a step above ``floor`` with a lower seq than the current one is known (then memory
-            # knows the current step's predecessor if it was ever stored).
-            vouched = floor < 0
-            low = None if vouched else mem.lowest()
-            group: dict[int, _StepEnd] = {}
-            lookups: list[tuple[int, int, int, float]] = []  # (row, step, seq, ts)
-            late: list[int] = []
-            mark = state.last_seq
-            for i in rows:
-                step, seq, ts = col_step[i], col_seq[i], col_ts[i]
-                end = ts + col_dur[i]
-                prev = group.get(step - 1)
-                if prev is None or not _follows(prev, seq, ts):
-                    prev = ends.get(step - 1)
-                    if prev is not None and not _follows(prev, seq, ts):
-                        prev = None
-                if prev is not None:
-                    intervals[i] = end - prev[2]
-                elif not (vouched or (low is not None and low < seq)):
-                    lookups.append((i, step, seq, ts))
-                group[step] = (seq, ts, end)
-                if seq > floor:
-                    vouched = True
-                if seq <= mark:
-                    late.append(i)
-            state.step_group = group
-            for i, step, seq, ts in lookups:
-                found = conn.execute(
-                    self._PREDECESSOR_SQL, (sid, step - 1, seq, ts - gap, ts + gap)
-                ).fetchall()
-                if found:  # fetchall: DuckDB refuses the next statement while a result is unread
-                    intervals[i] = ts + col_dur[i] - found[0][2]
-            for i in late:
-                step, seq, ts = col_step[i], col_seq[i], col_ts[i]
-                nxt = group.get(step + 1)
-                if nxt is not None and nxt[0] > seq:
-                    continue  # linked above
-                known = ends.get(step + 1)
-                if known is not None and _follows((seq, ts, 0.0), known[0], known[1]):
-                    lo, hi = known[1], known[1]  # the stored successor's row
-                elif seq < floor:
-                    lo, hi = ts - gap, ts + gap  # a successor memory cannot rule out
-                else:
-                    continue  # none stored: memory would know it
-                links[sid, step + 1] = (ts + col_dur[i], sid, step + 1, seq, lo, hi)
+            if state.step_rows:
+                self._link_source(conn, prepared.steps, state, links)
         if links:
             self._link_successors(conn, list(links.values()))
 
-    def _link_successors(self, conn: Any, links: list[tuple[float, str, int, int, float, float]]) -> None:
+    def _link_source(
+        self, conn: Any, s: dict[str, Any], state: _SourceState, links: dict[tuple[str, int], _Link]
+    ) -> None:
+        """``_link_steps`` for one source's steps of the group; the stored successors of its late steps
+        go to ``links``."""
+        col_step, col_seq, col_ts, col_dur = s["step"], s["seq"], s["ts"], s["duration_s"]
+        intervals = s["interval_s"]
+        rows = state.step_rows
+        sid = state.source.id
+        mem = self._step_memory.get(sid)
+        if mem is None or mem.mark != state.last_seq:  # first sight, restart, or another writer
+            mem = self._step_memory[sid] = _StepMemory(mark=state.last_seq, floor=state.last_seq)
+        if any(col_seq[a] > col_seq[b] for a, b in itertools.pairwise(rows)):
+            rows.sort(key=col_seq.__getitem__)  # batches of the source overtook each other in the group
+        ends = mem.ends
+        floor = mem.floor
+        # Whether a step above ``floor`` with a lower seq than the current one is known (then memory
+        # knows the current step's predecessor if it was ever stored).
+        vouched = floor < 0
+        low = None if vouched else mem.lowest()
+        group: dict[int, _StepEnd] = {}
+        lookups: list[tuple[int, int, int, float]] = []  # (row, step, seq, ts)
+        late: list[int] = []
+        mark = state.last_seq
+        for i in rows:
+            step, seq, ts = col_step[i], col_seq[i], col_ts[i]
+            end = ts + col_dur[i]
+            prev = group.get(step - 1)
+            if prev is None or not _follows(prev, seq, ts):
+                prev = ends.get(step - 1)
+                if prev is not None and not _follows(prev, seq, ts):
+                    prev = None
+            if prev is not None:
+                intervals[i] = end - prev[2]
+            elif not (vouched or (low is not None and low < seq)):
+                lookups.append((i, step, seq, ts))
+            group[step] = (seq, ts, end)
+            if seq > floor:
+                vouched = True
+            if seq <= mark:
+                late.append(i)
+        state.step_group = group
+        for i, step, seq, ts in lookups:
+            found = conn.execute(
+                self._PREDECESSOR_SQL, (sid, step - 1, seq, ts - MAX_STEP_GAP_S, ts + MAX_STEP_GAP_S)
+            ).fetchall()
+            if found:  # fetchall: DuckDB refuses the next statement while a result is unread
+                intervals[i] = ts + col_dur[i] - found[0][2]
+        for i in late:
+            link = mem.successor_link(sid, col_step[i], col_seq[i], col_ts[i], col_dur[i], group)
+            if link is not None:
+                links[sid, col_step[i] + 1] = link
+
+    def _link_successors(self, conn: Any, links: list[_Link]) -> None:
         """Set the interval of stored steps after late ones: (predecessor's end, source, step, the
         predecessor's seq, ts range)."""
         for params in links:

@@ -29,6 +29,7 @@ from ledger.store.base import (
     request_columns,
 )
 from ledger.store.request_owners import Owners
+from ledger.store.step_memory import _Link
 
 EVENTS_SCHEMA = pa.schema(
     [
@@ -379,7 +380,7 @@ class DuckDBStore(Store):
             stored[rid] = (old[0] if old[0] is not None else e, old[1] if old[1] is not None else g)
         return {**new, **stored}
 
-    def _link_successors(self, conn: Any, links: list[tuple[float, str, int, int, float, float]]) -> None:
+    def _link_successors(self, conn: Any, links: list[_Link]) -> None:
         if len(links) == 1:
             super()._link_successors(conn, links)
             return

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 # A step event as ``interval_s`` needs it: (seq, ts, end = ts + duration_s).
 _StepEnd = tuple[int, float, float]
+# A stored step to link to a late predecessor: (the predecessor's end, source, step, the predecessor's
+# seq, and the ts range the stored step's row is in).
+_Link = tuple[float, str, int, int, float, float]
 
 
 # Consecutive steps of one source are at most this far apart in ``ts`` (schedule time); a pair further
@@ -64,6 +67,23 @@ class _StepMemory:
         self.ends[step] = entry
         if seq > self.floor and not self.low_stale and (self.low is None or seq < self.low):
             self.low = seq
+
+    def successor_link(
+        self, sid: str, step: int, seq: int, ts: float, duration: float, group: dict[int, _StepEnd]
+    ) -> _Link | None:
+        """For a late step (its batch was overtaken), the link to its successor stored with no interval;
+        None when the successor is in the ``group`` being written (linked there) or none is stored."""
+        nxt = group.get(step + 1)
+        if nxt is not None and nxt[0] > seq:
+            return None
+        known = self.ends.get(step + 1)
+        if known is not None and _follows((seq, ts, 0.0), known[0], known[1]):
+            lo, hi = known[1], known[1]  # the stored successor's row
+        elif seq < self.floor:
+            lo, hi = ts - MAX_STEP_GAP_S, ts + MAX_STEP_GAP_S  # a successor memory cannot rule out
+        else:
+            return None  # none stored: memory would know it
+        return (ts + duration, sid, step + 1, seq, lo, hi)
 
     def prune(self) -> None:
         """Forget the entries remembered first (arrival order, close to seq order: no sort)."""
