@@ -14,7 +14,7 @@ by the fold itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -378,89 +378,113 @@ def fold_columns(rows: dict[str, Row], steps: Steps, ids: list[str]) -> None:
     fold_step_columns([(steps, ids, np.arange(len(ids)))]).into(rows)
 
 
-def fold_step_columns(parts: list[tuple[Steps, list[str], np.ndarray]]) -> StepFold:
-    """Fold the steps of several columnar messages at once: per message its steps, its ids and an
-    integer per id that names the request across the messages (the store's request keys). The same
-    rows as ``fold_step`` on every step, grouped with ``np.unique`` and ``np.bincount`` (``ufunc.at`` for
-    the minima and maxima): no Python per request or per entry."""
-    run_codes, run_names, run_dur, run_end = [], [], [], []
-    tok_codes, tok_end, tok_total = [], [], []
-    st_codes, st_names, st_dur, st_block_s, st_known = [], [], [], [], []
-    names: list[np.ndarray] = []
-    base = 0
-    for steps, ids, codes in parts:
-        if not steps.n or not ids:
-            continue
-        names.append(np.asarray(ids, dtype=object))
+@dataclass
+class _StepEntries:
+    """The entries of a group's columnar messages, gathered message by message for one fold: the
+    runners (each request in each step), the token counts and the stalled requests, with their codes
+    (the request across messages) and names (an index into the messages' ids, concatenated)."""
+
+    names: list[np.ndarray] = field(default_factory=list)
+    run: dict[str, list[np.ndarray]] = field(default_factory=lambda: _lists("codes", "names", "dur", "end"))
+    tok: dict[str, list[np.ndarray]] = field(default_factory=lambda: _lists("codes", "end", "total"))
+    st: dict[str, list[np.ndarray]] = field(
+        default_factory=lambda: _lists("codes", "names", "dur", "block_s", "known")
+    )
+    base: int = 0
+
+    def add(self, steps: Steps, ids: list[str], codes: np.ndarray) -> None:
+        self.names.append(np.asarray(ids, dtype=object))
         lens = steps.lengths
         dur = steps.scalar("duration_s")
         step_of = np.repeat(np.arange(steps.n), lens[0])  # each runner's step
         end = (steps.scalar("ts") + dur)[step_of]
         keys = steps.values["request_keys"]
-        run_codes.append(codes[keys])
-        run_names.append(keys + base)
-        run_dur.append(dur[step_of])
-        run_end.append(end)
+        _push(self.run, codes=codes[keys], names=keys + self.base, dur=dur[step_of], end=end)
         counts = steps.values["token_counts"]
         if len(counts):
             carried = np.repeat(lens[3] > 0, lens[0])  # the rows of steps that carry token columns
             got = counts > 0
-            tok_codes.append(codes[keys[carried][got]])
-            tok_end.append(end[carried][got])
-            tok_total.append(steps.values["token_totals"][got].astype(np.int64))
+            total = steps.values["token_totals"][got].astype(np.int64)
+            _push(self.tok, codes=codes[keys[carried][got]], end=end[carried][got], total=total)
         skeys = steps.values["stalled_keys"]
         if len(skeys):
             sd = dur[np.repeat(np.arange(steps.n), lens[1])]
             known = np.repeat(lens[2] > 0, lens[1])  # rows of steps that said their blocks
             block_s = np.zeros(len(skeys))
             block_s[known] = sd[known] * steps.values["stalled_kv_blocks"]
-            st_codes.append(codes[skeys])
-            st_names.append(skeys + base)
-            st_dur.append(sd)
-            st_block_s.append(block_s)
-            st_known.append(known)
-        base += len(ids)
-    if not names:
+            _push(self.st, codes=codes[skeys], names=skeys + self.base, dur=sd, block_s=block_s, known=known)
+        self.base += len(ids)
+
+
+def _lists(*names: str) -> dict[str, list[np.ndarray]]:
+    return {n: [] for n in names}
+
+
+def _push(into: dict[str, list[np.ndarray]], **arrays: np.ndarray) -> None:
+    for name, a in arrays.items():
+        into[name].append(a)
+
+
+def fold_step_columns(parts: list[tuple[Steps, list[str], np.ndarray]]) -> StepFold:
+    """Fold the steps of several columnar messages at once: per message its steps, its ids and an
+    integer per id that names the request across the messages (the store's request keys). The same
+    rows as ``fold_step`` on every step, grouped with ``np.unique`` and ``np.bincount`` (``ufunc.at`` for
+    the minima and maxima): no Python per request or per entry."""
+    e = _StepEntries()
+    for steps, ids, codes in parts:
+        if steps.n and ids:
+            e.add(steps, ids, codes)
+    if not e.names:
         return StepFold([], {})
-    every = np.concatenate(run_codes + st_codes)
+    every = np.concatenate(e.run["codes"] + e.st["codes"])
     uniq, first, inverse = np.unique(every, return_index=True, return_inverse=True)
     k = len(uniq)
-    name_of = np.concatenate(run_names + st_names)[first]
-    ids_out: list[str] = np.concatenate(names)[name_of].tolist()
-    n_run = sum(len(c) for c in run_codes)
+    name_of = np.concatenate(e.run["names"] + e.st["names"])[first]
+    ids_out: list[str] = np.concatenate(e.names)[name_of].tolist()
+    n_run = sum(len(c) for c in e.run["codes"])
     run, stalled = inverse[:n_run], inverse[n_run:]
     cols: dict[str, np.ndarray] = {}
     if n_run:
         cols["step_count"] = np.bincount(run, minlength=k)
-        cols["active_s"] = np.bincount(run, weights=np.concatenate(run_dur), minlength=k)
+        cols["active_s"] = np.bincount(run, weights=np.concatenate(e.run["dur"]), minlength=k)
         last = np.full(k, -np.inf)
-        np.maximum.at(last, run, np.concatenate(run_end))
+        np.maximum.at(last, run, np.concatenate(e.run["end"]))
         last[cols["step_count"] == 0] = np.nan
         cols["last_step_ts"] = last
-    if tok_codes:
-        tk = np.searchsorted(uniq, np.concatenate(tok_codes))
-        te = np.concatenate(tok_end)
-        first_t, last_t = np.full(k, np.inf), np.full(k, -np.inf)
-        out_t = np.full(k, -1, np.int64)
-        np.minimum.at(first_t, tk, te)
-        np.maximum.at(last_t, tk, te)
-        np.maximum.at(out_t, tk, np.concatenate(tok_total))
-        none = out_t < 0
-        first_t[none] = last_t[none] = np.nan
-        cols["first_token_ts"], cols["last_token_ts"], cols["output_tokens"] = first_t, last_t, out_t
-        cols["last_event_ts"] = last_t
+    if e.tok["codes"]:
+        _token_columns(cols, np.searchsorted(uniq, np.concatenate(e.tok["codes"])), e.tok, k)
     if len(stalled):
-        sd_all = np.concatenate(st_dur)
-        cols["stalled_steps"] = np.bincount(stalled, minlength=k)
-        cols["kv_idle_s"] = np.bincount(stalled, weights=sd_all, minlength=k)
-        known_all = np.concatenate(st_known)
-        if known_all.any():
-            idle_blocks = np.bincount(
-                stalled[known_all], weights=np.concatenate(st_block_s)[known_all], minlength=k
-            )
-            idle_blocks[np.bincount(stalled[known_all], minlength=k) == 0] = np.nan
-            cols["kv_idle_block_s"] = idle_blocks
+        _stalled_columns(cols, stalled, e.st, k)
     return StepFold(ids_out, cols)
+
+
+def _token_columns(
+    cols: dict[str, np.ndarray], tk: np.ndarray, tok: dict[str, list[np.ndarray]], k: int
+) -> None:
+    """First and last token times and the output tokens of the ``k`` requests (``tk``: each count's)."""
+    te = np.concatenate(tok["end"])
+    first_t, last_t = np.full(k, np.inf), np.full(k, -np.inf)
+    out_t = np.full(k, -1, np.int64)
+    np.minimum.at(first_t, tk, te)
+    np.maximum.at(last_t, tk, te)
+    np.maximum.at(out_t, tk, np.concatenate(tok["total"]))
+    none = out_t < 0
+    first_t[none] = last_t[none] = np.nan
+    cols["first_token_ts"], cols["last_token_ts"], cols["output_tokens"] = first_t, last_t, out_t
+    cols["last_event_ts"] = last_t
+
+
+def _stalled_columns(
+    cols: dict[str, np.ndarray], stalled: np.ndarray, st: dict[str, list[np.ndarray]], k: int
+) -> None:
+    """Stalled steps, KV idle seconds and block-seconds of the ``k`` requests (``stalled``: each entry's)."""
+    cols["stalled_steps"] = np.bincount(stalled, minlength=k)
+    cols["kv_idle_s"] = np.bincount(stalled, weights=np.concatenate(st["dur"]), minlength=k)
+    known = np.concatenate(st["known"])
+    if known.any():
+        idle_blocks = np.bincount(stalled[known], weights=np.concatenate(st["block_s"])[known], minlength=k)
+        idle_blocks[np.bincount(stalled[known], minlength=k) == 0] = np.nan
+        cols["kv_idle_block_s"] = idle_blocks
 
 
 def fold_tokens(rows: dict[str, Row], source: ev.Source, tokens: list[ev.Tokens]) -> None:
