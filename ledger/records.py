@@ -18,6 +18,10 @@ from msgspec import UNSET, UnsetType
 __all__ = ["UNSET", "Record", "UnsetType", "as_json", "table_record"]
 
 
+# Where the OpenAPI document keeps a record's schema (``ledger.api.openapi`` puts them there).
+SCHEMA_REF = "#/components/schemas/{name}"
+
+
 class Record(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of every answer record."""
 

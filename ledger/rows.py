@@ -11,7 +11,8 @@ import msgspec
 
 from engine_hooks import events as ev
 from ledger import schema
-from ledger.records import Record, table_record
+from ledger.alerts import BODIES, TextBody
+from ledger.records import SCHEMA_REF, Record, table_record
 
 RequestRow: Any = table_record(
     "RequestRow",
@@ -127,6 +128,17 @@ DeliveryAttempt: Any = table_record(
     drop=("delivery_id",),
 )
 
+# What a delivery posted: a json subscriber's alert body (tagged by ``type``) or a text subscriber's.
+# msgspec cannot decode a union of tagged and untagged records, so the field holds the posted JSON as
+# it was signed, and its schema is the union of those records.
+POSTED_BODIES: tuple[type[Any], ...] = (*BODIES.values(), TextBody)
+PostedBody = Annotated[
+    Any,
+    msgspec.Meta(
+        extra_json_schema={"anyOf": [{"$ref": SCHEMA_REF.format(name=b.__name__)} for b in POSTED_BODIES]}
+    ),
+]
+
 Delivery: Any = table_record(
     "Delivery",
     schema.webhook_outbox.columns,
@@ -134,7 +146,7 @@ Delivery: Any = table_record(
     doc="A webhook delivery: what was (or will be) posted, its state (pending, delivered or dead) and "
     "its attempts.",
     drop=("lease_until",),
-    types={"body": dict[str, Any]},
+    types={"body": PostedBody},
     extra=[("log", list[DeliveryAttempt])],  # type: ignore[valid-type]
 )
 

@@ -10,9 +10,12 @@ import msgspec
 from fastapi import Response
 
 from ledger.api import errors
+from ledger.records import SCHEMA_REF as _REF
+from ledger.rows import POSTED_BODIES
 
-_REF = "#/components/schemas/{name}"
 RECORDS: dict[str, type[Any]] = {}  # every record a route answers with, by its schema name
+# Records a route's answer names only by reference (``ledger.rows.POSTED_BODIES``): in the document too.
+RECORDS.update({b.__name__: b for b in POSTED_BODIES})
 
 
 def encoded(record: Any, status_code: int = 200) -> Response:

@@ -28,9 +28,8 @@ from fastapi.openapi.utils import get_openapi
 from engine_hooks import events as ev
 from engine_hooks.columnar import MEDIA_TYPE, WIRE_VERSION
 from ledger.api.answers import RECORDS
+from ledger.records import SCHEMA_REF as _REF
 from ledger.rules.policy import Policy
-
-_REF = "#/components/schemas/{name}"
 
 TAGS = [
     {"name": "ingest", "description": "sources send their events (ingest token)"},
