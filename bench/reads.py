@@ -234,8 +234,8 @@ def reads_for(
             "/v1/sql",
             body={
                 "sql": (
-                    "SELECT o.created_ts, o.event_type, s.url, o.state FROM webhook_outbox o LEFT JOIN "
-                    "webhook_subscriptions s ON s.id = o.subscription_id ORDER BY o.created_ts DESC LIMIT 500"
+                    "SELECT o.created_ts, o.event_type, o.subscription_id, o.state FROM webhook_outbox o "
+                    "ORDER BY o.created_ts DESC LIMIT 500"
                 )
             },
         ),
