@@ -71,6 +71,11 @@ class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
     # holding each poll this long, so commands arrive even while POSTs wait on a slow ledger commit or
     # nothing is emitted; 0: commands only ride on ingest answers
 
+    nats_url: str | None = None  # a NATS server with JetStream (nats://host:4222): batches are published
+    # to the stream, for the ledger workers behind it (engine_hooks/streams.py), and commands arrive on the
+    # source's commands subject; unset: POST to url (which still answers the producer release)
+    nats_stream: str = "CHUNKLEDGER"  # the stream's name (letters, digits, _ and -), also its subjects' root
+
     seq_start: NonNegInt | None = None  # first seq; unset: microseconds since the epoch at start, so a
     # restarted source never reuses the identities of its previous run
     shutdown_timeout_s: PositiveFloat = 5.0  # how long the atexit hook lets shutdown() drain
@@ -83,6 +88,12 @@ class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
                 "source_id must be 1-128 characters of letters, digits and ._:@- (starting with a letter or "
                 f"digit), got {self.source_id!r}"
             )
+        if self.nats_url is not None and not re.match(r"^(nats|tls)://[^/\s]+", self.nats_url):
+            raise ValueError(
+                f"nats_url must start with nats:// or tls:// and name a host, got {self.nats_url!r}"
+            )
+        if not re.match(r"^[A-Za-z0-9_-]{1,64}$", self.nats_stream):
+            raise ValueError(f"nats_stream must be 1-64 letters, digits, _ or -, got {self.nats_stream!r}")
         if self.batch_size > self.queue_size:
             raise ValueError(f"batch_size ({self.batch_size}) must not exceed queue_size ({self.queue_size})")
         if self.backoff_initial_s > self.backoff_max_s:
@@ -154,6 +165,8 @@ class ExporterSettings(TypedDict, total=False):
     spool_segment_bytes: PositiveInt
     spool_fsync: bool
     command_poll_wait_s: PollWait
+    nats_url: str | None
+    nats_stream: str
     seq_start: NonNegInt | None
     shutdown_timeout_s: PositiveFloat
 
@@ -162,7 +175,7 @@ def _parse_env_value(name: str, var: str, value: str) -> Any:
     """Environment strings to Python values; numbers are left to msgspec's lax conversion."""
     if name in ("spool_max_bytes", "spool_segment_bytes", "replay_max_bytes"):
         return parse_size(value, var)
-    if name in ("spool_dir", "model", "ingest_token", "seq_start"):
+    if name in ("spool_dir", "model", "ingest_token", "seq_start", "nats_url"):
         return value if value.strip() else None
     if is_bool_field(ExporterConfig, name):
         return parse_bool(var, value, ConfigError)

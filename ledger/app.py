@@ -20,6 +20,7 @@ from ledger.api import whatif as whatif_api
 from ledger.api.gate import RequestGate
 from ledger.config import Settings, get_settings
 from ledger.ingest import IngestWriter
+from ledger.jetstream.worker import StreamWorker
 from ledger.metrics import LedgerMetrics
 from ledger.producers import ProducerBook
 from ledger.ratelimit import SourceLimits
@@ -119,11 +120,16 @@ def create_app(
         _open_services(app, settings, store)
         watchdog = LoopWatchdog(on_stall=_observe_stall(app.state.metrics))
         watchdog.start()
-        if tune_gc:
-            _tune_gc()
+        worker = app.state.stream_worker = StreamWorker(settings, app.state) if settings.nats_url else None
         try:
+            if worker is not None:
+                await worker.start()
+            if tune_gc:
+                _tune_gc()
             yield
         finally:
+            if worker is not None:
+                await worker.stop()  # its consumers' commits done before the writer stops
             await watchdog.stop()
             _close_services(app, close_store=store is None)
 

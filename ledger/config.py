@@ -212,6 +212,36 @@ class Settings(BaseSettings):
         "", description="PostgreSQL: URL of the read-only role /v1/sql connects as (`chunkledger sql-reader`)"
     )
 
+    nats_url: str = Field(
+        "",
+        description="a NATS server with JetStream (nats://host:4222): this ledger is also a stream worker, "
+        "consuming its share of the stream's partitions (PostgreSQL only: the workers share one database)",
+    )
+    nats_stream: str = Field(
+        "CHUNKLEDGER", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="the JetStream stream (and subject root)"
+    )
+    nats_partitions: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="partitions of the stream, set when a worker creates it (then read from the stream)",
+    )
+    nats_ack_wait_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="a message a worker took and did not acknowledge (stored) within this is delivered again",
+    )
+    nats_fetch: int = Field(
+        64, ge=1, le=10_000, description="messages a worker takes from a partition at once (one group commit)"
+    )
+    nats_max_age_s: float = Field(
+        86_400.0, gt=0, description="the stream keeps messages this long (when it creates the stream)"
+    )
+    nats_balance_s: float = Field(
+        0.5, gt=0, le=60, description="how often a worker moves toward its even share of the partitions"
+    )
+
     @field_validator("sql_reader_url")
     @classmethod
     def _reader_is_postgres(cls, v: str) -> str:
@@ -224,6 +254,13 @@ class Settings(BaseSettings):
     def _known_backend(cls, v: str) -> str:
         if not v.startswith(("duckdb://", "postgresql", "null://")):
             raise ValueError("db_url must start with duckdb:// or postgresql (e.g. postgresql+psycopg://...)")
+        return v
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_url(cls, v: str) -> str:
+        if v and not v.startswith(("nats://", "tls://")):
+            raise ValueError("nats_url must start with nats:// or tls://")
         return v
 
     def check_safe_to_bind(self) -> None:

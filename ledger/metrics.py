@@ -178,7 +178,8 @@ class LedgerMetrics:
         )
         self.commands_delivered = Counter(
             "chunkledger_commands_delivered_total",
-            "Commands handed to a source (ingest response or long-poll), re-sends included",
+            "Commands handed to a source (ingest response, long-poll or the stream's commands subject), "
+            "re-sends included",
             ["channel"],
             registry=r,
         )
@@ -332,7 +333,7 @@ class LedgerMetrics:
             self.request_refusals.labels(limit)
         for reason in ("missing_token", "unknown_token", "forbidden", "limited"):
             self.auth_failures.labels(reason)
-        for ch in ("ingest", "poll"):
+        for ch in ("ingest", "poll", "stream"):
             self.commands_delivered.labels(ch)
         for label in ("model", "source", "reason"):
             for why in OVERFLOW_REASONS:

@@ -33,7 +33,7 @@ from engine_hooks.exporter.encode import Encoder, Prepared
 from engine_hooks.exporter.logonce import LogOnce, log
 from engine_hooks.exporter.queue import Emitter, EventQueue, Layout
 from engine_hooks.exporter.stats import Counters, ExporterStats
-from engine_hooks.exporter.transport import Transport, request_headers
+from engine_hooks.exporter.transport import Sender, Transport, request_headers
 from engine_hooks.exporter.window import Senders
 from engine_hooks.spool import Spool, SpoolError, new_producer_key
 
@@ -102,7 +102,17 @@ class Exporter:
         # the spool folder, so a restart with the spool is the same producer.
         self._producer_key = spool.producer_key() if spool is not None else new_producer_key()
         seq_start = config.seq_start if config.seq_start is not None else time.time_ns() // 1000
-        transport = Transport(config, self._counters, log_once, producer_key=self._producer_key)
+        transport: Sender
+        if config.nats_url:
+            from engine_hooks.exporter.jetstream import JetStreamTransport
+
+            transport = stream = JetStreamTransport(
+                config, self._counters, log_once, producer_key=self._producer_key
+            )
+            if self._commands is not None:
+                stream.subscribe_commands(self._commands)
+        else:
+            transport = Transport(config, self._counters, log_once, producer_key=self._producer_key)
         self._encoder = Encoder(
             self._source,
             config.batch_size,
@@ -136,7 +146,7 @@ class Exporter:
             name=f"chunkledger-exporter-{self._source.id}",
         )
         self._poller: CommandPoller | None = None
-        if self._commands is not None and config.command_poll_wait_s > 0:
+        if self._commands is not None and config.command_poll_wait_s > 0 and not config.nats_url:
             self._poller = CommandPoller(
                 url=config.url,
                 source_id=self._source.id,

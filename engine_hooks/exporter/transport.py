@@ -90,7 +90,34 @@ def retry_after(response: httpx.Response) -> float | None:
         return None
 
 
-class Transport:
+class Sender:
+    """What the senders need of a transport: ``send`` with retries (here), ``post`` once, ``close``."""
+
+    _config: ExporterConfig
+    _counters: Counters
+    columns_refused = False  # the ledger does not read the columnar message: JSON from now on
+
+    def send(self, body: bytes, *, attempts: int, records: int, stop: threading.Event) -> SendResult:
+        """Send ``body`` up to ``attempts`` times while it fails, with backoff; stops early on ``stop``."""
+        result = FAILED
+        for attempt in range(attempts):
+            result = self.post(body, records)
+            if result.outcome is not Outcome.RETRY or attempt + 1 == attempts:
+                break
+            with self._counters.lock:
+                self._counters.retried += 1
+            if stop.wait(backoff(self._config, attempt, result.retry_after)):
+                break  # shutting down: the worker spools it
+        return result
+
+    def post(self, body: bytes, records: int = 1) -> SendResult:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class Transport(Sender):
     """POSTs encoded batches to the ledger over one pooled client (``max_in_flight`` connections)."""
 
     def __init__(
@@ -111,19 +138,6 @@ class Transport:
             ),
             trust_env=False,
         )
-
-    def send(self, body: bytes, *, attempts: int, records: int, stop: threading.Event) -> SendResult:
-        """POST ``body`` up to ``attempts`` times while it fails, with backoff; stops early on ``stop``."""
-        result = FAILED
-        for attempt in range(attempts):
-            result = self.post(body, records)
-            if result.outcome is not Outcome.RETRY or attempt + 1 == attempts:
-                break
-            with self._counters.lock:
-                self._counters.retried += 1
-            if stop.wait(backoff(self._config, attempt, result.retry_after)):
-                break  # shutting down: the worker spools it
-        return result
 
     def post(self, body: bytes, records: int = 1) -> SendResult:
         """One POST; ``records`` > 1: a merged replay, which a 4xx splits instead of rejecting."""

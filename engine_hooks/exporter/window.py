@@ -20,7 +20,7 @@ from engine_hooks.events import Command, response_decoder
 from engine_hooks.exporter.encode import Prepared
 from engine_hooks.exporter.logonce import LogOnce
 from engine_hooks.exporter.stats import Counters
-from engine_hooks.exporter.transport import FAILED, Outcome, SendResult, Transport
+from engine_hooks.exporter.transport import FAILED, Outcome, Sender, SendResult
 from engine_hooks.spool import SpoolPos
 
 FRESH, SPOOLED, HELD = 0, 1, 2  # what a job sends: a fresh batch, spooled records, the oldest held batch
@@ -56,7 +56,7 @@ class Senders:
         *,
         count: int,
         name: str,
-        transport: Transport,
+        transport: Sender,
         counters: Counters,
         record_drop: Callable[[str, int, bool], None],
         hand_over: Callable[[Command], None] | None,
@@ -120,12 +120,14 @@ class Senders:
             self._wake.set()
 
     def _acknowledged(self, job: Job, result: SendResult) -> None:
-        """Count an acknowledged batch and hand its commands over (before it is done)."""
+        """Count an acknowledged batch and hand its commands over (before it is done). A stream's
+        acknowledgement has no answer (``jetstream.py``: its commands come on their own subject)."""
+        answer = None
         try:
-            answer = response_decoder.decode(result.content)
+            if result.content:
+                answer = response_decoder.decode(result.content)
         except msgspec.DecodeError as exc:
             self._log(logging.WARNING, "answer", "chunkledger exporter: unreadable ingest answer: %s", exc)
-            answer = None
         with self._counters.lock:
             if job.abandoned:  # shutdown spooled it meanwhile: a replay will be counted as duplicates
                 return

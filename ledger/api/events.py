@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -15,18 +13,17 @@ from fastapi import APIRouter, Request, Response, status
 from starlette.requests import ClientDisconnect
 
 from engine_hooks import events as ev
-from engine_hooks.columnar import MEDIA_TYPE
+from ledger import intake
 from ledger.api import errors
 from ledger.api.answers import documents, encoded
 from ledger.api.deps import ProducersDep, SettingsDep, WriterDep, on_ingest_pool, require
-from ledger.api.gate import media_type
 from ledger.api.models import BatchRejected
-from ledger.columnar import Columns, decode_columns
+from ledger.columnar import Columns
 from ledger.ingest import WriterUnavailable
 from ledger.producers import ProducerReleased, digest
 from ledger.ratelimit import Refusal, SourceLimits, peek_source_id
 from ledger.store import WriteResult
-from ledger.validation import BadBatch, clamp_future, decode_batch
+from ledger.validation import BadBatch
 
 router = APIRouter(prefix="/v1", tags=["ingest"])
 log = logging.getLogger(__name__)
@@ -124,21 +121,6 @@ def _not_owner(request: Request, source_id: str, result: WriteResult) -> Respons
     )
 
 
-def _json(body: bytes, *, max_events: int) -> tuple[ev.Batch, None]:
-    return decode_batch(body, max_events=max_events), None
-
-
-def _columns(body: bytes, *, max_events: int) -> tuple[ev.Batch, Columns]:
-    columns = decode_columns(body, max_events=max_events)
-    return columns.batch(), columns
-
-
-def _decoder(content_type: str | None) -> Callable[..., tuple[ev.Batch, Columns | None]]:
-    """The decoder of a body by its ``Content-Type`` (the gate refused the types neither reads): the
-    batch, and its columns when it came as the columnar message."""
-    return _columns if content_type and media_type(content_type) == MEDIA_TYPE else _json
-
-
 # The body is decoded with msgspec (the wire contract), not by FastAPI: ``ledger.api.openapi`` names its
 # schema (Batch) and the 200 answer's (IngestResponse). Nothing here is validated by pydantic.
 @router.post(
@@ -156,7 +138,6 @@ async def ingest_events(
 
     In order: read the body within the source's limits, decode it, fence it to the source's producer,
     show it to the rule engine, store it, answer with the source's commands."""
-    runaway = getattr(request.app.state, "runaway", None)
     try:
         read = await _read_body(request, settings.max_body_bytes, request.app.state.source_limits)
     except ClientDisconnect:
@@ -177,10 +158,8 @@ async def ingest_events(
     fenced = await _fence(request, producers, batch.source.id, producer)
     if fenced is not None:
         return fenced
-    # The rule engine sees the batch now, beside the store's write: cutoffs never wait for a commit.
-    observed = runaway.observe_arrival(batch, received, columns) if runaway is not None else None
     try:
-        result = await writer.submit(batch, producer, read.size, columns)
+        result = await intake.store(request.app.state, batch, columns, producer, read.size, received)
     except WriterUnavailable as exc:
         _count_rejection(request, "unavailable")
         return errors.error_response(
@@ -189,10 +168,6 @@ async def ingest_events(
             reason="unavailable",
             headers={"Retry-After": "1"},
         )
-    if observed is not None and runaway is not None:
-        late = await asyncio.wrap_future(observed)
-        if late and result.accepted and not result.duplicates and not result.conflicts:
-            await asyncio.wrap_future(runaway.observe_late(batch, late))
     if result.conflicts:
         return _conflict(request, batch.source.id, result)
     if result.foreign:
@@ -223,8 +198,11 @@ async def _decode(
             reason="too_large",
         )
     try:
-        decoder = _decoder(request.headers.get("content-type"))
-        decode = functools.partial(decoder, max_events=settings.max_events_per_batch)
+        decode = functools.partial(
+            intake.decode,
+            content_type=request.headers.get("content-type"),
+            max_events=settings.max_events_per_batch,
+        )
         if len(body) > _DECODE_INLINE_BYTES:
             # A large body decodes on a worker thread: the event loop keeps answering other sources
             # meanwhile (the interpreter switches threads every few ms) instead of stopping for it.
@@ -244,19 +222,7 @@ async def _decode(
         if refusal is not None:
             return _rate_limited(request, batch.source.id, refusal)
     limits.charge_events(batch.source.id, len(batch.events))
-    ahead = clamp_future(batch, time.time(), settings.max_clock_ahead_s)
-    if ahead:
-        log.warning(
-            "%d events from %s were stamped over %.0f s ahead of the ledger's clock; stored with the "
-            "receive time",
-            ahead,
-            batch.source.id,
-            settings.max_clock_ahead_s,
-        )
-        metrics = request.app.state.metrics
-        metrics.ingest_future_timestamps.labels(metrics.sources(batch.source.id)).inc(ahead)
-        columns = None  # the events now hold the clamped times, the columns those sent: fold the events
-    return batch, columns
+    return batch, intake.clamp_clock(batch, columns, settings, request.app.state.metrics)
 
 
 async def _fence(

@@ -40,6 +40,7 @@ from ledger.api.deps import ROLE_ATTR
 from ledger.auth_failures import FailedTokens
 from ledger.budgets import ReadSlots
 from ledger.config import Settings
+from ledger.intake import media_type
 from ledger.metrics import LedgerMetrics
 
 log = logging.getLogger(__name__)
@@ -61,11 +62,6 @@ def _role_of(route: APIRoute) -> auth.Role | None:
             return role  # type: ignore[no-any-return]
         stack.extend(dep.dependencies)
     return None
-
-
-def media_type(content_type: str) -> str:
-    """The media type of a ``Content-Type``, without its parameters, in lower case."""
-    return content_type.split(";", 1)[0].strip().lower()
 
 
 def _json_type(content_type: str) -> bool:

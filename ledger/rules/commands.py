@@ -40,6 +40,12 @@ log = logging.getLogger(__name__)
 MAX_PER_RESPONSE = 256  # commands in one ingest response or poll answer (the rest follow in later ones)
 
 
+def home_source(engine_source_id: str | None, gateway_source_id: str | None) -> str:
+    """The source a command belongs to: the engine that runs the request, else the gateway streaming
+    it. A stream worker keeps the commands whose home source is in its partitions."""
+    return engine_source_id or gateway_source_id or ""
+
+
 @dataclass(eq=False)
 class Pending:
     command: ev.Command
@@ -47,6 +53,7 @@ class Pending:
     decided_ts: float
     targets: dict[str, str]  # source id -> "engine" | "gateway", still to confirm
     gateway: str | None = None  # the gateway target it has (or had: confirmed, moot), if any
+    engine: str | None = None  # the engine target it has (or had)
     delivered: set[str] = field(default_factory=set)
     sends: int = 0  # deliveries so far (ingest responses and polls, re-sends included)
     stored_sends: int = 0  # what ``cutoffs.deliveries`` holds
@@ -81,6 +88,9 @@ class CommandBook:
         # request id -> the gateway that joined it after a decision (``add_gateway``), for a decision
         # recorded just after the join (decided on the ticker while the join was observed)
         self._joined: OrderedDict[str, str] = OrderedDict()
+        # Called when commands are queued for sources (from the thread that queued them): a stream
+        # worker's publisher wakes on it (``ledger.jetstream.worker``).
+        self.on_new: Callable[[], None] | None = None
 
     # -- storage helpers ---------------------------------------------------------------------------
     def _exec(self, sql: str | Any, params: Any = None) -> Any:
@@ -92,8 +102,10 @@ class CommandBook:
         with self._db_lock, self.engine.begin() as conn:
             return conn.execute(stmt, params or {})
 
-    def load(self) -> int:
-        """Reload the pending commands (after a restart); expire the ones past their ttl."""
+    def load(self, home: Callable[[str], bool] | None = None) -> int:
+        """Reload the pending commands (after a restart); expire the ones past their ttl. ``home``: only
+        the commands whose home source it accepts (``home_source``: a stream worker takes those of the
+        partitions it holds), and none of those already held."""
         if self.engine is None:
             return 0
         now = self._clock()
@@ -115,6 +127,10 @@ class CommandBook:
             ).all()
         with self._lock:
             for r in rows:
+                if home is not None and (
+                    r.command_id in self.by_id or not home(home_source(r.source_id, r.gateway_source_id))
+                ):
+                    continue
                 targets = {}
                 if r.source_id and r.applied_ts is None:
                     targets[r.source_id] = "engine"
@@ -131,6 +147,7 @@ class CommandBook:
                     decided_ts=r.decided_ts,
                     targets=targets,
                     gateway=r.gateway_source_id,
+                    engine=r.source_id,
                 )
                 p.sends = p.stored_sends = int(r.deliveries)
                 if r.delivered_ts is not None and r.source_id:
@@ -139,6 +156,62 @@ class CommandBook:
                     p.delivered.add(r.gateway_source_id)
                 self._index(p)
         return len(rows)
+
+    def forget(self, home: Callable[[str], bool]) -> int:
+        """Drop from memory the pending commands whose home source ``home`` no longer accepts (a stream
+        worker handed the partition on: its next owner loads them); they stay pending in the store."""
+        with self._lock:
+            gone = [p for p in self.by_id.values() if not home(home_source(p.engine, p.gateway))]
+            for p in gone:
+                for sid in list(p.targets):
+                    self._unindex_target(p, sid)
+        return len(gone)
+
+    def refresh(self) -> int:
+        """Catch up with what other processes stored: targets that confirmed to another ledger worker
+        (a gateway's partition held by another worker) stop being re-sent, and commands closed in the
+        store leave memory. Commands it closes by that are marked applied. Returns those closed."""
+        if self.engine is None:
+            return 0
+        with self._lock:
+            ids = list(self.by_id)
+        if not ids:
+            return 0
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.text(
+                    "SELECT command_id, state, source_id, applied_ts, gateway_source_id, gateway_applied_ts "
+                    "FROM cutoffs WHERE command_id IN :ids"
+                ).bindparams(sa.bindparam("ids", expanding=True)),
+                {"ids": ids},
+            ).all()
+        closed: list[Pending] = []
+        with self._lock:
+            for r in rows:
+                p = self.by_id.get(r.command_id)
+                if p is None:
+                    continue
+                done = [sid for sid in list(p.targets) if r.state != "pending"]
+                if r.applied_ts is not None and r.source_id in p.targets:
+                    done.append(r.source_id)
+                if r.gateway_applied_ts is not None and r.gateway_source_id in p.targets:
+                    done.append(r.gateway_source_id)
+                ends = [self._unindex_target(p, sid) for sid in dict.fromkeys(done)]
+                if any(ends) and r.state == "pending":
+                    closed.append(p)
+        if closed:
+            now = self._clock()
+            self._exec(
+                "UPDATE cutoffs SET state = 'applied', closed_ts = :now, deliveries = :n "
+                "WHERE command_id = :id AND state = 'pending'",
+                [{"now": now, "id": p.command.id, "n": p.sends} for p in closed],
+            )
+        return len(closed)
+
+    def sources(self) -> list[str]:
+        """The sources with commands to deliver."""
+        with self._lock:
+            return list(self.by_source)
 
     def _index(self, p: Pending) -> None:
         self.by_id[p.command.id] = p
@@ -231,6 +304,7 @@ class CommandBook:
                 decided_ts=d.decided_ts,
                 targets=targets,
                 gateway=d.gateway_source_id,
+                engine=d.engine_source_id,
             )
             if targets:
                 with self._lock:
@@ -358,6 +432,8 @@ class CommandBook:
         self._wake(sources)
 
     def _wake(self, source_ids: list[str]) -> None:
+        if self.on_new is not None:
+            self.on_new()
         with self._lock:
             keys = [k for sid in source_ids for k in self._waiters.get(sid, ())]
         for loop, event in keys:
