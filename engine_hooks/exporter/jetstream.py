@@ -113,14 +113,25 @@ class Link:
         asyncio.run_coroutine_threadsafe(start(), self._loop)
 
     def close(self, timeout: float = 2.0) -> None:
-        async def drain() -> None:
+        """Drain the connection (what was published is flushed), end the client's tasks, close the loop."""
+
+        async def shutdown() -> None:
             if self._nc is not None and not self._nc.is_closed:
-                await self._nc.drain()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._nc.drain(), timeout)
+                with contextlib.suppress(Exception):
+                    await self._nc.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         with contextlib.suppress(Exception):
-            self.run(drain(), timeout)
+            self.run(shutdown(), timeout + 1.0)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._loop.close()
 
 
 class JetStreamTransport(Sender):

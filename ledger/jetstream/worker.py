@@ -226,6 +226,17 @@ class StreamWorker:
                 log.exception("stream worker: a partition's consumer failed")
 
     async def _consume(self, p: int, stop: asyncio.Event) -> None:
+        """Take partition ``p``'s messages until ``stop``; a failing subscription is bound again."""
+        while not stop.is_set():
+            try:
+                await self._consume_bound(p, stop)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("stream worker: partition %d's consumer failed; binding it again", p)
+                await asyncio.sleep(0.5)
+
+    async def _consume_bound(self, p: int, stop: asyncio.Event) -> None:
         from nats.errors import TimeoutError as FetchTimeout
 
         sub = await self._js.pull_subscribe_bind(f"part-{p}", stream=self.stream)
@@ -233,7 +244,7 @@ class StreamWorker:
             while not stop.is_set():
                 try:
                     msgs = await sub.fetch(self.settings.nats_fetch, timeout=0.25)
-                except FetchTimeout:
+                except (TimeoutError, FetchTimeout):  # nothing came: the client raises either
                     continue
                 # Submitted together: one group commit; each acknowledged once it is durable.
                 await asyncio.gather(*(self._take(m) for m in msgs))

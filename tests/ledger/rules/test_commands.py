@@ -481,3 +481,68 @@ def test_policy_api_overrides_are_typed_partial_settings(db_url, tmp_path):
         assert c.get("/v1/policy", headers=ADM).json() == new
     with TestClient(create_app(settings(db_url, policy_file=str(pol)))) as c:
         assert c.get("/v1/policy", headers=ADM).json()["version"] == new["version"]  # the file unchanged
+
+
+def _migrated_engine(db_url: str) -> sa.Engine:
+    open_store(db_url).close()
+    return sa.create_engine(db_url)
+
+
+def test_a_stream_worker_loads_only_the_commands_of_its_partitions_and_forgets_those_it_hands_on(db_url):
+    """Two books on one store, as two stream workers: each keeps the commands whose home source (the
+    engine, else the gateway) it holds; one that hands a source on forgets its commands, its next owner
+    loads them, and neither drops a command from the store."""
+    from ledger.rules.commands import CommandBook
+    from ledger.rules.engine import Decision
+
+    eng = _migrated_engine(db_url)
+    decider = CommandBook(eng)
+    decider.record(
+        [
+            Decision("r1", "loop", "abort", "d", "m", "e0", "g0", time.time()),
+            Decision("r2", "loop", "abort", "d", "m", "e1", None, time.time()),
+            Decision("r3", "loop", "abort", "d", "m", None, "g1", time.time()),
+        ]
+    )
+    mine = {"e0", "g1"}
+    worker = CommandBook(eng)
+    worker.load(lambda sid: sid in mine)
+    assert sorted(p.command.request_id for p in worker.by_id.values()) == ["r1", "r3"]
+    assert worker.for_source("g0")[0].request_id == "r1"  # its gateway target comes with it
+    worker.load(lambda sid: sid in mine)  # loading again adds nothing twice
+    assert len(worker.by_id) == 2
+    mine.discard("e0")
+    assert worker.forget(lambda sid: sid in mine) == 1
+    assert [p.command.request_id for p in worker.by_id.values()] == ["r3"]
+    assert worker.for_source("e0") == [] and worker.for_source("g0") == []
+    assert {r["state"] for r in cutoff_rows(db_url)} == {"pending"}
+    eng.dispose()
+
+
+def test_a_target_confirmed_to_another_worker_stops_being_sent_and_closes_the_command(db_url):
+    """The decider re-sends to both targets; the gateway confirms to another worker (its partition's),
+    which stores it: the decider's refresh stops re-sending to the gateway, and once the engine confirms
+    too the command is applied, not left pending."""
+    from ledger.rules.commands import CommandBook
+    from ledger.rules.engine import Decision
+
+    eng = _migrated_engine(db_url)
+    decider, other = CommandBook(eng), CommandBook(eng)
+    ((_, p),) = decider.record([Decision("r1", "loop", "abort", "d", "m", "e0", "g0", time.time())])
+    assert other.confirm("g0", p.command.id, time.time()) is None  # not pending there: stored only
+    assert decider.for_source("g0")  # not yet seen
+    assert decider.refresh() == 0
+    assert decider.for_source("g0") == [] and decider.for_source("e0")
+    assert decider.confirm("e0", p.command.id, time.time()) is p
+    (row,) = cutoff_rows(db_url)
+    assert row["state"] == "applied" and row["applied_ts"] and row["gateway_applied_ts"]
+    # a command closed in the store by another worker leaves memory at the next refresh
+    ((_, q),) = decider.record([Decision("r2", "loop", "abort", "d", "m", "e0", None, time.time())])
+    other.confirm("e0", q.command.id, time.time())
+    with eng.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE cutoffs SET state = 'applied' WHERE command_id = :id"), {"id": q.command.id}
+        )
+    decider.refresh()
+    assert q.command.id not in decider.by_id
+    eng.dispose()
