@@ -41,10 +41,11 @@ PREEMPT_EVERY = 100  # steps
 _VOCAB = 32_000
 # With ``loops``: every LOOP_EVERY-th request falls into a loop after LOOP_AFTER output tokens, a block
 # of LOOP_BLOCK tokens repeated to its end; the default policy cuts it once the loop spans LOOP_SPAN.
-LOOP_SPAN = LoopSettings().min_span_tokens
 LOOP_EVERY = 50
 LOOP_AFTER = 32
 LOOP_BLOCK = 12
+_L = LoopSettings()
+LOOP_SPAN = max(_L.min_span_tokens, _L.min_repeats * LOOP_BLOCK + _L.confirm_tokens)
 
 
 @dataclass

@@ -50,14 +50,21 @@ from tools.loop_corpus import Sample, legit_corpus, loop_corpus, near_loop_corpu
 
 
 def brute_force_first_hit(
-    tokens: Sequence[int], *, max_period: int, min_repeats: int, min_span_tokens: int, min_period: int = 1
+    tokens: Sequence[int],
+    *,
+    max_period: int,
+    min_repeats: int,
+    min_span_tokens: int,
+    min_period: int = 1,
+    confirm_tokens: int = 0,
 ) -> int | None:
-    """The first index where some period's tail spans min_repeats periods and min_span_tokens (exact)."""
+    """The first index where some period's tail spans min_repeats periods plus confirm_tokens, and
+    min_span_tokens (exact)."""
     t = np.asarray(tokens, dtype=np.int64)
     n = len(t)
     best = n
     for p in range(min_period, min(max_period, n - 1) + 1):
-        need = max(min_repeats * p, min_span_tokens) - p  # matches t[j] == t[j-p] in a row
+        need = max(min_repeats * p + confirm_tokens, min_span_tokens) - p  # t[j] == t[j-p] in a row
         if need > n - p or p + need - 1 >= best:
             continue
         eq = t[p:] == t[:-p]

@@ -24,8 +24,8 @@
  * of them do not fit in the caches.
  *
  * Beyond the Python detector: max_period is at most 2**24 (the Python one would need a 256 MiB hash
- * table there), and thresholds past 2**36 repeats or 2**61 tokens are held at that (a run that long is
- * never reached either way). _set_rebase_span and _set_limits exist for the tests only.
+ * table there), and thresholds past 2**36 repeats, 2**60 confirmation tokens or 2**61 tokens are held at
+ * that (a run that long is never reached either way). _set_rebase_span and _set_limits exist for the tests only.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -88,13 +88,13 @@ typedef struct {
     Cand cands[MAX_CANDIDATES];
     /* cold */
     int64_t min_period;
-    int64_t min_repeats, min_span; /* clamped: a need beyond any output is never reached either way */
+    int64_t min_repeats, min_span, confirm; /* clamped: a need beyond any output is never reached */
     int64_t hsize;
     int64_t rebase_every;
     int64_t hit_at, hit_period, hit_span, hit_changes;
     PyObject *hit; /* cached LoopHit, made on first use after firing */
     /* public settings, as given (exact ints) */
-    PyObject *o_max_period, *o_min_period, *o_min_repeats, *o_min_span, *o_changes;
+    PyObject *o_max_period, *o_min_period, *o_min_repeats, *o_min_span, *o_changes, *o_confirm;
 } Det;
 
 static PyTypeObject DetType;
@@ -109,7 +109,7 @@ static inline int64_t
 need_of(const Det *d, int64_t p)
 {
     if (p < d->min_period) return NEVER;
-    int64_t a = d->min_repeats * p; /* min_repeats <= 2**36, p <= 2**24: no overflow */
+    int64_t a = d->min_repeats * p + d->confirm; /* <= 2**60 + 2**60: no overflow */
     int64_t b = d->min_span;
     return (a > b ? a : b) - p;
 }
@@ -560,13 +560,15 @@ arg_ll(PyObject *o, const char *name, PyObject **keep, int64_t *out, int64_t cap
 static int
 Det_init(Det *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"max_period", "min_repeats", "min_span_tokens", "min_period", "changes", NULL};
-    PyObject *mp = NULL, *mr = NULL, *ms = NULL, *mn = NULL, *ch = NULL;
+    static char *kwlist[] = {"max_period", "min_repeats", "min_span_tokens", "min_period", "changes",
+                             "confirm_tokens", NULL};
+    PyObject *mp = NULL, *mr = NULL, *ms = NULL, *mn = NULL, *ch = NULL, *cf = NULL;
     if (self->head != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "LoopDetector is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOOO:LoopDetector", kwlist, &mp, &mr, &ms, &mn, &ch))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOOOO:LoopDetector", kwlist, &mp, &mr, &ms, &mn, &ch,
+                                     &cf))
         return -1;
     if (mp == NULL || mr == NULL || ms == NULL) {
         PyErr_SetString(PyExc_TypeError,
@@ -574,7 +576,7 @@ Det_init(Det *self, PyObject *args, PyObject *kwds)
                         "'min_repeats' and 'min_span_tokens'");
         return -1;
     }
-    int64_t max_period, min_repeats, min_span, min_period = 1, changes = 0;
+    int64_t max_period, min_repeats, min_span, min_period = 1, changes = 0, confirm = 0;
     if (arg_ll(mp, "max_period", &self->o_max_period, &max_period, NEVER) < 0
         || arg_ll(mr, "min_repeats", &self->o_min_repeats, &min_repeats, (int64_t)1 << 36) < 0
         || arg_ll(ms, "min_span_tokens", &self->o_min_span, &min_span, NEVER >> 1) < 0)
@@ -591,9 +593,19 @@ Det_init(Det *self, PyObject *args, PyObject *kwds)
     else {
         Py_XSETREF(self->o_changes, PyLong_FromLong(0));
     }
+    if (cf != NULL) {
+        if (arg_ll(cf, "confirm_tokens", &self->o_confirm, &confirm, (int64_t)1 << 60) < 0) return -1;
+    }
+    else {
+        Py_XSETREF(self->o_confirm, PyLong_FromLong(0));
+    }
     if (max_period < 1 || min_repeats < 2 || min_span < 2) {
         PyErr_SetString(PyExc_ValueError,
                         "max_period >= 1, min_repeats >= 2 and min_span_tokens >= 2 are required");
+        return -1;
+    }
+    if (confirm < 0) {
+        PyErr_SetString(PyExc_ValueError, "confirm_tokens >= 0 is required");
         return -1;
     }
     if (!(1 <= min_period && min_period <= max_period)) {
@@ -613,8 +625,9 @@ Det_init(Det *self, PyObject *args, PyObject *kwds)
     self->min_period = min_period;
     self->min_repeats = min_repeats;
     self->min_span = min_span;
+    self->confirm = confirm;
     self->near = (int)changes;
-    int64_t w = min_repeats * max_period; /* <= 2**60 */
+    int64_t w = min_repeats * max_period + confirm; /* <= 2**61 */
     self->size = (w > min_span ? w : min_span) + 1;
     self->csize = max_period + 1;
     int bits = 0;
@@ -645,6 +658,7 @@ Det_dealloc(Det *self)
     Py_XDECREF(self->o_min_repeats);
     Py_XDECREF(self->o_min_span);
     Py_XDECREF(self->o_changes);
+    Py_XDECREF(self->o_confirm);
     Py_XDECREF(self->hit);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -842,6 +856,7 @@ SETTING(min_period)
 SETTING(min_repeats)
 SETTING(min_span)
 SETTING(changes)
+SETTING(confirm)
 
 static PyGetSetDef Det_getset[] = {
     {"max_period", (getter)Det_get_max_period, NULL, "longest period looked for", NULL},
@@ -849,6 +864,7 @@ static PyGetSetDef Det_getset[] = {
     {"min_repeats", (getter)Det_get_min_repeats, NULL, "repeats needed at the tail", NULL},
     {"min_span_tokens", (getter)Det_get_min_span, NULL, "and the periodic tail at least this long", NULL},
     {"changes", (getter)Det_get_changes, NULL, "0: exact loops, 1: near-loops", NULL},
+    {"confirm_tokens", (getter)Det_get_confirm, NULL, "and min_repeats * p + this many tokens", NULL},
     {"n", (getter)Det_get_n, NULL, "tokens seen", NULL},
     {"hit", (getter)Det_get_hit, NULL, "the LoopHit of the first loop, or None", NULL},
     {"_ring", (getter)Det_get_ring, NULL, "debug view: the ring as the Python detector's list", NULL},
@@ -883,7 +899,8 @@ static PyTypeObject DetType = {
     .tp_name = "ledger.rules._loopc.LoopDetector",
     .tp_basicsize = sizeof(Det),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "LoopDetector(*, max_period, min_repeats, min_span_tokens, min_period=1, changes=0)\n\n"
+    .tp_doc = "LoopDetector(*, max_period, min_repeats, min_span_tokens, min_period=1, changes=0, "
+              "confirm_tokens=0)\n\n"
               "The compiled loop detector: the same answers as ledger.rules.loop.PyLoopDetector.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Det_init,

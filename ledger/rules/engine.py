@@ -19,7 +19,7 @@ old, and the wall-clock rule aborted normal requests.)
 Memory is bounded: a request leaves the live set when it finishes (engine ``finished``, or the gateway
 is done and no engine has it), when it has had no event for ``idle_evict_s``, or, least recently touched
 first, when more than ``max_live`` requests are live. A loop detector keeps at most
-``max(min_span_tokens, min_repeats * max_period) + 1`` tokens
+``max(min_span_tokens, min_repeats * max_period + confirm_tokens) + 1`` tokens
 (see ``ledger.rules.loop``).
 """
 

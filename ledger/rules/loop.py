@@ -5,8 +5,10 @@ over and over. The tail ``t[i-L+1 .. i]`` has period ``p`` when ``t[j] == t[j-p]
 but the first ``p``; ``run(p)`` is the number of consecutive positions ending at ``i`` where that
 equality holds, so the periodic tail (the *span*) is ``run(p) + p`` tokens long and holds
 ``span / p`` repeats. A loop is reported on the first token where, for some ``p``, the span reaches
-both ``min_repeats * p`` and ``min_span_tokens`` (a short period needs many repeats before it is a loop:
-a markdown separator row or a short JSON array of zeros is periodic too).
+both ``min_repeats * p + confirm_tokens`` and ``min_span_tokens`` (a short period needs many repeats
+before it is a loop: a markdown separator row or a short JSON array of zeros is periodic too; a long one
+is confirmed a few tokens past its last required repeat: a JSON array of flags can say its pattern a
+little more than twice). The defaults, ``max(64, 2p + 16)``, are in ``ledger.rules.policy``.
 
 **Finding the period in constant work per token.** Checking every ``p`` at every token costs
 ``O(max_period)``. Instead the detector keeps an LZ77-style hash chain over the bigrams of the last
@@ -28,11 +30,11 @@ per repeat and are not near-loops; a table whose rows differ in a single cell is
 default for that reason).
 
 **Memory per detector** (one per live request, made on its first output ids): a ring of the last
-``window`` tokens, ``window = max(min_span_tokens, min_repeats * max_period) + 1`` (1,025 for the
-defaults), a chain of ``max_period + 1`` positions, and a fixed hash table of the next power of two
-at or above ``max_period + 1`` slots (1,024); the ring and chain grow with the output, so a short
-answer holds only its own tokens. At most ``MAX_CANDIDATES`` candidates. ``state_slots`` counts them:
-at most 2,562 slots.
+``window`` tokens, ``window = max(min_span_tokens, min_repeats * max_period + confirm_tokens) + 1``
+(1,041 for the defaults), a chain of ``max_period + 1`` positions, and a fixed hash table of the next
+power of two at or above ``max_period + 1`` slots (1,024); the ring and chain grow with the output, so a
+short answer holds only its own tokens. At most ``MAX_CANDIDATES`` candidates. ``state_slots`` counts
+them: at most 2,578 slots.
 
 **Two implementations, the same answers.** ``LoopDetector`` is the compiled one
 (``ledger.rules._loopc``, C, built by ``pip install``; ``COMPILED`` says whether it loaded) and
@@ -40,7 +42,7 @@ at most 2,562 slots.
 corpus and on random streams; ``LoopDetector`` falls back to it where the extension is missing).
 Compiled, token ids are checked (``0 <= id <= 2**31 - 1``, ValueError otherwise, before any id of the
 call is added) and held as 4-byte ints, positions as 4-byte offsets (rebased every 2**31 tokens): the
-2,562 slots are 10.5 KiB in all once an output passes 1,025 tokens and 5 KiB for a 64-token answer
+2,578 slots are 10.5 KiB in all once an output passes 1,041 tokens and 5 KiB for a 64-token answer
 (most of it the hash table; ``sys.getsizeof`` counts everything), where the Python detector's lists and
 ints hold about 70 KiB and 10 KiB. Cost per token (``python -m bench.loopdetect``, no detector firing so
 every id is paid for): 16 ids per call as the ledger feeds them, about 18 ns compiled against 0.6 us in
@@ -92,6 +94,7 @@ class PyLoopDetector:
         "_ring",
         "_size",
         "changes",
+        "confirm_tokens",
         "hit",
         "max_period",
         "min_period",
@@ -108,9 +111,12 @@ class PyLoopDetector:
         min_span_tokens: int,
         min_period: int = 1,
         changes: int = 0,
+        confirm_tokens: int = 0,
     ) -> None:
         if max_period < 1 or min_repeats < 2 or min_span_tokens < 2:
             raise ValueError("max_period >= 1, min_repeats >= 2 and min_span_tokens >= 2 are required")
+        if confirm_tokens < 0:
+            raise ValueError("confirm_tokens >= 0 is required")
         if not 1 <= min_period <= max_period:
             raise ValueError("1 <= min_period <= max_period is required")
         if changes not in (0, 1):
@@ -120,9 +126,10 @@ class PyLoopDetector:
         self.min_repeats = min_repeats
         self.min_span_tokens = min_span_tokens
         self.changes = changes
-        self._needs = _needs(max_period, min_repeats, min_span_tokens, min_period)
+        self.confirm_tokens = confirm_tokens
+        self._needs = _needs(max_period, min_repeats, min_span_tokens, min_period, confirm_tokens)
         # The ring holds the longest span that can be needed, so a candidate's run is measured exactly.
-        self._size = max(min_span_tokens, min_repeats * max_period) + 1
+        self._size = max(min_span_tokens, min_repeats * max_period + confirm_tokens) + 1
         self._csize = max_period + 1
         self._ring: list[int] = []  # token at position j is _ring[j % _size] (grows to _size)
         self._chain: list[int] = []  # previous position with the same bigram hash, at j % _csize
@@ -240,8 +247,11 @@ class PyLoopDetector:
 
 
 @functools.cache
-def _needs(max_period: int, min_repeats: int, min_span_tokens: int, min_period: int = 1) -> tuple[int, ...]:
-    """The run needed to fire, per period: span >= min_repeats * p and span >= min_span_tokens.
+def _needs(
+    max_period: int, min_repeats: int, min_span_tokens: int, min_period: int = 1, confirm_tokens: int = 0
+) -> tuple[int, ...]:
+    """The run needed to fire, per period: span >= min_repeats * p + confirm_tokens and
+    span >= min_span_tokens.
 
     Shared by every detector with the same settings (one per live request: building it per request
     cost more than the request's own tokens). Periods under ``min_period`` can never fire."""
@@ -249,7 +259,7 @@ def _needs(max_period: int, min_repeats: int, min_span_tokens: int, min_period: 
     return (
         never,
         *(
-            max(min_repeats * p, min_span_tokens) - p if p >= min_period else never
+            max(min_repeats * p + confirm_tokens, min_span_tokens) - p if p >= min_period else never
             for p in range(1, max_period + 1)
         ),
     )
@@ -302,6 +312,7 @@ def exact_detector(settings: Any) -> LoopDetector:
         max_period=settings.max_period,
         min_repeats=settings.min_repeats,
         min_span_tokens=settings.min_span_tokens,
+        confirm_tokens=settings.confirm_tokens,
     )
 
 
@@ -324,6 +335,7 @@ def find_loop(
     min_span_tokens: int,
     min_period: int = 1,
     changes: int = 0,
+    confirm_tokens: int = 0,
 ) -> LoopHit | None:
     """Run a fresh detector over a whole output: where it would have cut, or None."""
     det = LoopDetector(
@@ -332,5 +344,6 @@ def find_loop(
         min_span_tokens=min_span_tokens,
         min_period=min_period,
         changes=changes,
+        confirm_tokens=confirm_tokens,
     )
     return det.extend(tokens)

@@ -13,7 +13,8 @@ A policy is a validated document (TOML or YAML file, or JSON through ``PUT /v1/p
     [rules.loop]                  # exact loops: a block of up to max_period tokens repeated
     max_period = 512
     min_repeats = 2
-    min_span_tokens = 72
+    min_span_tokens = 64          # and min_repeats * period + confirm_tokens
+    confirm_tokens = 16
     [rules.near_loop]             # the same block with one token changed per repeat (a counter)
     enabled = false               # off by default: a table whose rows differ in one cell is one
 
@@ -28,9 +29,9 @@ A policy is a validated document (TOML or YAML file, or JSON through ``PUT /v1/p
 
 Every limit accepts ``0`` / ``false`` to switch that rule off (``null`` in JSON). Unknown keys are
 errors, so a typo never silently disables a rule. Loop defaults were chosen by measurement on
-``tools.loop_corpus`` (``python -m bench.loopdetect``): the longest legitimate tail there that repeats
-a block at least twice spans 68 tokens (a JSON array of flags), so a loop must repeat its block twice
-and span 72 tokens.
+``tools.loop_corpus`` (``python -m bench.loopdetect``): a loop must span ``max(64, 2p + 16)`` tokens for
+a block of ``p`` (a legitimate JSON array of flags repeats a 30-token pattern over 68 tokens, arrays of
+zeros a 2-token one over 62).
 """
 
 from __future__ import annotations
@@ -70,7 +71,10 @@ class LoopSettings(_Strict):
     enabled: bool = True
     max_period: int = Field(512, ge=1, le=2048, description="longest repeated block looked for, in tokens")
     min_repeats: int = Field(2, ge=2, le=10_000, description="repeats of the block at the tail")
-    min_span_tokens: int = Field(72, ge=2, le=100_000, description="and the repeated tail at least this long")
+    min_span_tokens: int = Field(64, ge=2, le=100_000, description="and the repeated tail at least this long")
+    confirm_tokens: int = Field(
+        16, ge=0, le=100_000, description="and this many tokens past the last of the min_repeats repeats"
+    )
 
 
 class NearLoopSettings(_Strict):

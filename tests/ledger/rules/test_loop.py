@@ -54,12 +54,23 @@ def test_span_threshold_holds_short_periods_back():
     assert hit is not None and hit.period == 1 and hit.at == 49
 
 
-def test_a_512_token_block_is_cut_as_its_second_repeat_completes():
+def test_a_512_token_block_is_cut_16_tokens_past_its_second_repeat():
     rng = random.Random(5)
     prefix = [rng.randrange(50_000) for _ in range(3000)]
     block = [rng.randrange(50_000) for _ in range(512)]
     hit = exact_detector(D).extend(prefix + block * 4)
-    assert hit is not None and hit.period == 512 and hit.at == 3000 + 2 * 512 - 1
+    assert hit is not None and hit.period == 512 and hit.at == 3000 + 2 * 512 + 16 - 1
+
+
+@pytest.mark.parametrize("p", [1, 2, 7, 23, 24, 25, 40, 100])
+def test_a_loop_must_span_64_tokens_or_two_periods_and_16(p):
+    """The span rule: max(64, 2p + 16) tokens, a confirmation past the second repeat."""
+    rng = random.Random(p)
+    block = [rng.randrange(1000, 50_000) for _ in range(p)] if p > 1 else [7]
+    prefix = tokenize("Here is the answer you asked for, with a short note first.")
+    hit = exact_detector(D).extend(prefix + block * (200 // p + 4))
+    assert hit is not None and hit.period == p
+    assert hit.at - len(prefix) + 1 == hit.span == max(64, 2 * p + 16)
 
 
 def test_equals_the_brute_force_on_small_alphabets():
@@ -112,7 +123,7 @@ def test_memory_stays_bounded_on_long_outputs():
     rng = random.Random(1)
     d.extend(rng.randrange(50_000) for _ in range(200_000))
     assert d.hit is None
-    window = max(D.min_span_tokens, D.min_repeats * D.max_period) + 1
+    window = max(D.min_span_tokens, D.min_repeats * D.max_period + D.confirm_tokens) + 1
     assert len(d._ring) == window and len(d._chain) == D.max_period + 1 and len(d._head) == 1024
     assert len(d._cands) <= 8 and d.state_slots() <= window + D.max_period + 1 + 1024 + 16
 
@@ -137,26 +148,41 @@ def test_corpus_legit_repetition_is_never_cut_with_the_defaults(legit):
     assert [s.id for s in legit if near_detector(NEAR).extend(s.tokens)] == []
 
 
-def test_the_span_default_is_the_corpus_bound_a_shorter_one_cuts_legit_json(legit):
-    """The longest legitimate tail that repeats a block twice spans 68 tokens: 64 would cut it."""
-    shorter = D.model_copy(update={"min_span_tokens": 64})
-    assert [s.id for s in legit if exact_detector(shorter).extend(s.tokens)] == ["legit-json-flags-3"]
+def test_the_span_defaults_are_the_corpus_bounds(legit):
+    """A JSON flag array repeats its 30-token pattern 2.27 times (68 tokens): without the 16 tokens of
+    confirmation past the second repeat (a flat 64) it is cut; arrays of zeros repeat a 2-token
+    pattern over 62 tokens, so 60 would cut them."""
+    flat = D.model_copy(update={"confirm_tokens": 0})
+    assert [s.id for s in legit if exact_detector(flat).extend(s.tokens)] == ["legit-json-flags-3"]
+    shorter = D.model_copy(update={"min_span_tokens": 60})
+    assert [s.id for s in legit if exact_detector(shorter).extend(s.tokens)] == [
+        "legit-json-zeros-0",
+        "legit-json-zeros-6",
+        "legit-json-zeros-10",
+    ]
 
 
-def test_corpus_exact_loops_are_all_cut_where_the_brute_force_cuts(loops):
+def _brute(s, settings=D):
+    return brute_force_first_hit(
+        s.tokens,
+        max_period=settings.max_period,
+        min_repeats=settings.min_repeats,
+        min_span_tokens=settings.min_span_tokens,
+        confirm_tokens=settings.confirm_tokens,
+    )
+
+
+def test_corpus_exact_loops_are_all_cut_where_the_brute_force_cuts_within_two_periods_and_64(loops):
     exact = [s for s in loops if s.kind == "exact"]
     assert {1, 512} <= {s.period for s in exact} and len(exact) >= 270
     delays = []
     for s in exact:
         at = _first(lambda: exact_detector(D), s)
-        ref = brute_force_first_hit(
-            s.tokens, max_period=D.max_period, min_repeats=D.min_repeats, min_span_tokens=D.min_span_tokens
-        )
-        assert at == ref and at is not None and at >= s.onset, s.id
+        assert at == _brute(s) and at is not None and at >= s.onset, s.id
         delay = at - s.onset + 1
-        assert delay <= max(D.min_span_tokens, D.min_repeats * s.period), s.id
+        assert delay <= max(D.min_span_tokens, 2 * s.period + D.confirm_tokens) <= 2 * s.period + 64, s.id
         delays.append(delay)
-    assert statistics.median(delays) <= D.min_span_tokens
+    assert statistics.median(delays) <= 64
 
 
 def test_corpus_drifting_loops_are_all_cut_never_before_the_brute_force(loops):
@@ -164,10 +190,7 @@ def test_corpus_drifting_loops_are_all_cut_never_before_the_brute_force(loops):
     assert len(drift) >= 90
     for s in drift:
         at = _first(lambda: exact_detector(D), s)
-        ref = brute_force_first_hit(
-            s.tokens, max_period=D.max_period, min_repeats=D.min_repeats, min_span_tokens=D.min_span_tokens
-        )
-        assert at is not None and at >= ref >= s.onset, s.id
+        assert at is not None and at >= _brute(s) >= s.onset, s.id
 
 
 def test_corpus_near_loops_are_cut_by_the_near_rule_only():
@@ -223,7 +246,7 @@ def test_loopcheck_cli_prints_one_json_line_per_output(tmp_path):
     want = exact_detector(D).extend(loop)
     assert out == [
         {"id": "ok", "loop": False, "rule": None, "at": None, "period": None, "repeats": None, "span": None},
-        {"id": 42, "loop": True, "rule": "loop", "at": want.at, "period": 2, "repeats": 36, "span": 72},
+        {"id": 42, "loop": True, "rule": "loop", "at": want.at, "period": 2, "repeats": 32, "span": 64},
     ]
 
 

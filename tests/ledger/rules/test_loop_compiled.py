@@ -21,7 +21,12 @@ from tools.loop_corpus import legit_corpus, loop_corpus, near_loop_corpus
 
 D = LoopSettings()
 NEAR = NearLoopSettings(enabled=True)
-EXACT_KW = {"max_period": D.max_period, "min_repeats": D.min_repeats, "min_span_tokens": D.min_span_tokens}
+EXACT_KW = {
+    "max_period": D.max_period,
+    "min_repeats": D.min_repeats,
+    "min_span_tokens": D.min_span_tokens,
+    "confirm_tokens": D.confirm_tokens,
+}
 NEAR_KW = {
     "max_period": NEAR.max_period,
     "min_repeats": NEAR.min_repeats,
@@ -100,6 +105,7 @@ settings_st = st.integers(1, 24).flatmap(
             "min_repeats": st.integers(2, 6),
             "min_span_tokens": st.integers(2, 48),
             "changes": st.integers(0, 1),
+            "confirm_tokens": st.integers(0, 20),
         }
     )
 )
@@ -154,6 +160,7 @@ def _seeded_streams(rng, count, kinds=(2, 3, 4, 6, 10, 50)):
             "min_span_tokens": rng.randint(2, 80),
             "min_period": rng.randint(1, mp),
             "changes": rng.randint(0, 1),
+            "confirm_tokens": rng.choice((0, 0, 1, 5, 16)),
         }
         tokens: list[int] = []
         if rng.random() < 0.3:
@@ -282,12 +289,21 @@ def test_after_the_hit_nothing_more_is_taken():
 
 def test_public_attributes_are_the_settings_and_read_only():
     py, c = _pair(**NEAR_KW)
-    for name in ("max_period", "min_period", "min_repeats", "min_span_tokens", "changes", "n", "hit"):
+    for name in (
+        "max_period",
+        "min_period",
+        "min_repeats",
+        "min_span_tokens",
+        "changes",
+        "confirm_tokens",
+        "n",
+        "hit",
+    ):
         assert getattr(c, name) == getattr(py, name), name
         with pytest.raises(AttributeError):
             setattr(c, name, 3)
     d = loop.LoopDetector(max_period=7, min_repeats=3, min_span_tokens=9)
-    assert (d.min_period, d.changes, d.n, d.hit) == (1, 0, 0, None)
+    assert (d.min_period, d.changes, d.confirm_tokens, d.n, d.hit) == (1, 0, 0, 0, None)
 
 
 # -- extend_many ------------------------------------------------------------------------------------
@@ -299,6 +315,7 @@ def _fleet(rng, n):
             "max_period": rng.randint(1, 12),
             "min_repeats": rng.randint(2, 5),
             "min_span_tokens": rng.randint(2, 30),
+            "confirm_tokens": rng.choice((0, 3, 16)),
         }
         for _ in range(n)
     ]
@@ -445,6 +462,8 @@ def test_bad_buffers_raise_and_add_nothing():
         {"max_period": 4, "min_repeats": 2, "min_span_tokens": 2, "min_period": 5},
         {"max_period": 4, "min_repeats": 2, "min_span_tokens": 2, "changes": 2},
         {"max_period": 4, "min_repeats": 2, "min_span_tokens": 2, "changes": -1},
+        {"max_period": 4, "min_repeats": 2, "min_span_tokens": 2, "confirm_tokens": -1},
+        {"max_period": 4, "min_repeats": 2, "min_span_tokens": 2, "confirm_tokens": -(2**80)},
         {"max_period": -(2**80), "min_repeats": 2, "min_span_tokens": 2},
         {"max_period": 4, "min_repeats": 2, "min_span_tokens": 2, "min_period": 2**80},
     ],
@@ -473,6 +492,9 @@ def test_huge_thresholds_are_never_reached_as_in_python():
     py, c = _pair(max_period=8, min_repeats=2**80, min_span_tokens=2)
     assert py.extend(tokens) is None and c.extend(tokens) is None and c.n == 5000
     assert c.min_repeats == 2**80 and c._ring == py._ring
+    py, c = _pair(max_period=8, min_repeats=2, min_span_tokens=2, confirm_tokens=2**80)
+    assert py.extend(tokens) is None and c.extend(tokens) is None and c.n == 5000
+    assert c.confirm_tokens == 2**80 and c._ring == py._ring
 
 
 # -- memory --------------------------------------------------------------------------------------------
@@ -499,5 +521,5 @@ def test_a_long_output_is_capped_as_in_python():
     py, c = _pair(**EXACT_KW)
     py.extend(tokens)
     c.extend(tokens)
-    assert c.state_slots() == py.state_slots() == 1025 + 513 + 1024
+    assert c.state_slots() == py.state_slots() == 1041 + 513 + 1024
     assert sys.getsizeof(c) <= 11_000  # 4-byte slots (the Python one holds about 70 KiB)

@@ -50,7 +50,13 @@ def test_yaml_and_json_files_load_the_same_policy(tmp_path):
 def test_defaults_are_the_measured_loop_settings():
     rules = Policy().rules
     loop, near = rules.loop, rules.near_loop
-    assert (loop.enabled, loop.max_period, loop.min_repeats, loop.min_span_tokens) == (True, 512, 2, 72)
+    assert (loop.enabled, loop.max_period, loop.min_repeats, loop.min_span_tokens, loop.confirm_tokens) == (
+        True,
+        512,
+        2,
+        64,
+        16,
+    )
     assert (near.enabled, near.min_period, near.max_period, near.min_repeats, near.min_span_tokens) == (
         False,
         4,
