@@ -419,11 +419,69 @@ _KINDS = (
 )
 
 
-def legit_corpus(per_kind: int = 12) -> list[Sample]:
+# Rows or lines that differ from the one before in a single token: to a token-level rule, the same shape
+# as a counter loop ("Item 7 is red. Item 8 is red."), told apart only by how long they go on.
+_VALUES = ["yes", "no", "ok", "0", "n/a", "true", "read", "none", "TBD", "enabled"]
+
+
+def _one_cell_table(rng: random.Random, rows: int, cols: int) -> str:
+    """A table whose rows share every cell but the first (users with the same permissions)."""
+    keys = rng.sample(_NAMES + _CITIES + _WORDS, rows)
+    cells = [rng.choice(_VALUES) for _ in range(cols)]
+    head = "| name | " + " | ".join(rng.choice(_WORDS) for _ in range(cols)) + " |"
+    sep = "|---" * (cols + 1) + "|"
+    body = [f"| {k} | " + " | ".join(cells) + " |" for k in keys]
+    return "\n".join([head, sep, *body])
+
+
+def _constant_csv(rng: random.Random, days: int) -> str:
+    """A CSV of daily counts that never moved: only the date changes (its day, one token)."""
+    value = rng.choice(["0", "0,0", "100", "1,ok"])
+    month = rng.randint(1, 12)
+    return "date,errors\n" + "\n".join(f"2026-{month:02d}-{d:02d},{value}" for d in range(1, days + 1))
+
+
+def _heartbeat_log(rng: random.Random, lines: int) -> str:
+    """Log lines the same but for their timestamp's seconds (a health check every second)."""
+    msg = rng.choice(["INFO health check ok", "DEBUG heartbeat sent", "INFO 200 GET /healthz"])
+    m, s0 = rng.randint(0, 59), rng.randint(0, 59 - min(lines, 59))
+    return "\n".join(f"2026-11-30 10:{m:02d}:{s0 + k:02d} {msg}" for k in range(min(lines, 60)))
+
+
+def _numbered_placeholders(rng: random.Random, n: int) -> str:
+    """A worksheet or form: the same line under an increasing number."""
+    line = rng.choice(["Question {}: ________", "{}. TBD", "Step {}: (fill in)", "- [ ] Task {}"])
+    return "\n".join(line.format(i) for i in range(1, n + 1))
+
+
+def _unrolled(rng: random.Random, n: int) -> str:
+    """Unrolled code: the same statement with its index going up."""
+    stmt = rng.choice(["    buf[{}] = 0;", "    regs[{}] = None", "    assert out[{}] == expected"])
+    return "def reset(buf):\n" + "\n".join(stmt.format(i) for i in range(n)) + "\n    return buf"
+
+
+def _same_status_lines(rng: random.Random, n: int) -> str:
+    """A status report of many hosts in the same state: only the host's name changes."""
+    state = rng.choice(["is up", "responded in 2 ms", "has no pending updates", "OK"])
+    hosts = rng.sample(_WORDS, min(n, len(_WORDS)))
+    return "\n".join(f"{h}: {state}" for h in hosts)
+
+
+_NEAR_KINDS = (
+    ("one-cell-table", lambda r: _one_cell_table(r, r.randint(3, 30), r.randint(1, 8))),
+    ("constant-csv", lambda r: _constant_csv(r, r.randint(7, 31))),
+    ("heartbeat-log", lambda r: _heartbeat_log(r, r.randint(5, 30))),
+    ("numbered-placeholders", lambda r: _numbered_placeholders(r, r.randint(5, 20))),
+    ("unrolled", lambda r: _unrolled(r, r.randint(4, 16))),
+    ("same-status", lambda r: _same_status_lines(r, r.randint(5, 30))),
+)
+
+
+def legit_corpus(per_kind: int = 12, kinds: tuple = _KINDS + _NEAR_KINDS) -> list[Sample]:
     """Outputs with legitimate repetition (none must be flagged): ``per_kind`` of each kind, some long."""
     rng = random.Random(20261201)
     samples = []
-    for name, make in _KINDS:
+    for name, make in kinds:
         for k in range(per_kind):
             parts = [make(rng) for _ in range(1 if k % 3 else rng.randint(2, 4))]
             # several parts (some the same) are told apart by a sentence, as an answer would
@@ -455,7 +513,7 @@ def loop_periods(per_octave: int = 40, max_period: int = 512) -> list[int]:
 def loop_corpus(per_octave: int = 40, max_period: int = 512, loop_tokens: int = 1500) -> list[Sample]:
     """Degenerate outputs: a legitimate prefix, then a block of ``p`` tokens repeated; every fourth drifts."""
     rng = random.Random(7)
-    legit = legit_corpus()
+    legit = legit_corpus(kinds=_KINDS)  # prefixes from the kinds it was first built with
     text = _loop_text(rng)
     out = []
     for k, p in enumerate(loop_periods(per_octave, max_period)):
@@ -484,20 +542,27 @@ def loop_corpus(per_octave: int = 40, max_period: int = 512, loop_tokens: int = 
     return out
 
 
+_COUNTER_SHAPES = ("\nStep {i}: {body}", " Item {i} is {body}.", "\n{i}. {body}")
+
+
 def near_loop_corpus(n: int = 120, loop_tokens: int = 1500) -> list[Sample]:
-    """A block with a counter in it, repeated with the counter going up (one token changed per repeat)."""
+    """A block with a counter in it, repeated with the counter going up (one token changed per repeat):
+    steps ("Step 7: ..."), items in a sentence ("Item 7 is red. Item 8 is red."; short blocks) and
+    numbered lines, in turn."""
     rng = random.Random(13)
     out = []
     for k in range(n):
         words = [rng.choice(_SENTENCES) for _ in range(rng.randint(1, 4))]
         words = " ".join(words).split()
-        cut = rng.randint(2, len(words))
-        body = " ".join(words[:cut])
-        p = len(tokenize(f"\nStep 1: {body}"))
+        shape = _COUNTER_SHAPES[k % 3]
+        cut = rng.randint(2, len(words)) if k % 3 != 1 else rng.randint(1, 3)
+        body = " ".join(words[:cut]).rstrip(".,")
+        p = len(tokenize(shape.format(i=1, body=body)))
         reps = max(loop_tokens // p, 8)
         prefix = tokenize(_prose(rng, rng.randint(1, 8)))
-        tail = tokenize("".join(f"\nStep {i}: {body}" for i in range(1, reps + 1)))
+        tail = tokenize("".join(shape.format(i=i, body=body) for i in range(1, reps + 1)))
         out.append(
             Sample(id=f"near-p{p}-{k}", tokens=prefix + tail, onset=len(prefix), period=p, kind="near")
         )
     return out
+

@@ -26,8 +26,9 @@ when the chain walk is cut short, and then it is late, never early or wrong.
 **Near-loops** (``changes=1``): the same block repeated with one token changed per repeat (a counter,
 a date). A candidate then survives one mismatch per period: it dies only at a second mismatch less than
 ``p`` positions after the previous one. Numbered lists of different items change more than one token
-per repeat and are not near-loops; a table whose rows differ in a single cell is (this rule is off by
-default for that reason).
+per repeat and are not near-loops; a table whose rows differ in a single cell is one while it lasts, so
+the rule's default span (768 tokens, ``ledger.rules.policy``) is half as long again as the longest such
+legitimate block of the corpus (498).
 
 **Memory per detector** (one per live request, made on its first output ids): a ring of the last
 ``window`` tokens, ``window = max(min_span_tokens, min_repeats * max_period + confirm_tokens) + 1``

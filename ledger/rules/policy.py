@@ -16,7 +16,7 @@ A policy is a validated document (TOML or YAML file, or JSON through ``PUT /v1/p
     min_span_tokens = 64          # and min_repeats * period + confirm_tokens
     confirm_tokens = 16
     [rules.near_loop]             # the same block with one token changed per repeat (a counter)
-    enabled = false               # off by default: a table whose rows differ in one cell is one
+    min_span_tokens = 768         # a table whose rows differ in one cell is one, for a while
 
     [models."llama-3-8b".rules]   # any subset of [rules], merged over the defaults
     max_output_tokens = 4096
@@ -31,7 +31,7 @@ Every limit accepts ``0`` / ``false`` to switch that rule off (``null`` in JSON)
 errors, so a typo never silently disables a rule. Loop defaults were chosen by measurement on
 ``tools.loop_corpus`` (``python -m bench.loopdetect``): a loop must span ``max(64, 2p + 16)`` tokens for
 a block of ``p`` (a legitimate JSON array of flags repeats a 30-token pattern over 68 tokens, arrays of
-zeros a 2-token one over 62).
+zeros a 2-token one over 62); a near-loop 768 (legitimate rows that differ in one cell run to 498).
 """
 
 from __future__ import annotations
@@ -78,14 +78,14 @@ class LoopSettings(_Strict):
 
 
 class NearLoopSettings(_Strict):
-    """Near-loops: a block repeated with at most one token changed per repeat (off by default)."""
+    """Near-loops: a block repeated with at most one token changed per repeat (a counter)."""
 
-    enabled: bool = False
+    enabled: bool = True
     min_period: int = Field(4, ge=2, le=2048, description="shortest block (short ones: every list)")
     max_period: int = Field(512, ge=2, le=2048, description="longest repeated block looked for, in tokens")
     min_repeats: int = Field(4, ge=2, le=10_000, description="repeats of the block at the tail")
     min_span_tokens: int = Field(
-        128, ge=2, le=100_000, description="and the repeated tail at least this long"
+        768, ge=2, le=100_000, description="and the repeated tail at least this long"
     )
 
     @field_validator("max_period")

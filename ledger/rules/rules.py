@@ -13,7 +13,7 @@ rule                   fires when                                               
 =====================  ==================================================================  ==========
 ``token_cap``          more output tokens than ``max_output_tokens``                       abort
 ``loop``               the loop detector found a repeated tail (see ``ledger.rules.loop``) abort
-``near_loop``          a tail repeating a block with one token changed per repeat (off)    abort
+``near_loop``          a tail repeating a block with one token changed per repeat          abort
 ``wall_clock_timeout`` admitted longer ago than ``wall_clock_timeout_s`` and not drained    abort
 ``stall_timeout``      running, and no new token (nor prefill progress) for ``stall_...``  abort
 ``preemption_limit``   preempted ``max_preemptions`` times                                 policy's

@@ -172,6 +172,25 @@ def _brute(s, settings=D):
     )
 
 
+def test_the_near_span_default_is_the_corpus_bound(legit):
+    """Rows that differ in one cell (tables, a month of constant CSV, heartbeat logs, numbered blanks,
+    unrolled code, hosts in the same state) are near-loops while they last: the old 128-token span cut
+    every kind of them, and the longest (a one-cell table of 498 tokens) is cut by a span of 498."""
+    old = NEAR.model_copy(update={"min_span_tokens": 128})
+    cut = {s.id.rsplit("-", 1)[0] for s in legit if near_detector(old).extend(s.tokens)}
+    assert cut == {
+        "legit-one-cell-table",
+        "legit-constant-csv",
+        "legit-heartbeat-log",
+        "legit-numbered-placeholders",
+        "legit-unrolled",
+        "legit-same-status",
+    }
+    shorter = NEAR.model_copy(update={"min_span_tokens": 498})
+    assert [s.id for s in legit if near_detector(shorter).extend(s.tokens)] == ["legit-one-cell-table-9"]
+    assert NEAR.min_span_tokens >= 1.5 * 498
+
+
 def test_corpus_exact_loops_are_all_cut_where_the_brute_force_cuts_within_two_periods_and_64(loops):
     exact = [s for s in loops if s.kind == "exact"]
     assert {1, 512} <= {s.period for s in exact} and len(exact) >= 270
@@ -250,14 +269,14 @@ def test_loopcheck_cli_prints_one_json_line_per_output(tmp_path):
     ]
 
 
-def test_loopcheck_reports_near_loops_where_the_policy_enables_them(tmp_path):
+def test_loopcheck_reports_near_loops_unless_the_policy_disables_them(tmp_path):
     pol = tmp_path / "policy.toml"
-    pol.write_text("[rules.near_loop]\nenabled = true\n")
+    pol.write_text("[rules.near_loop]\nenabled = false\n")
     body = " and then we check the queue again before the next step"
     tokens = tokenize("".join(f"\nStep {i}:{body}" for i in range(1, 60)))
     line = json.dumps({"id": "n", "tokens": tokens}) + "\n"
-    off = json.loads(_run_loopcheck(tmp_path, [line]).stdout)
-    on = json.loads(_run_loopcheck(tmp_path, [line], "--policy", str(pol)).stdout)
+    on = json.loads(_run_loopcheck(tmp_path, [line]).stdout)
+    off = json.loads(_run_loopcheck(tmp_path, [line], "--policy", str(pol)).stdout)
     assert off["loop"] is False
     want = near_detector(NEAR).extend(tokens)
     assert (on["rule"], on["at"], on["period"]) == ("near_loop", want.at, want.period)

@@ -92,18 +92,18 @@ def test_loop_in_token_ids_is_cut_with_period_in_the_detail():
     assert "period 3" in hooks.decisions[0].detail
 
 
-def _counter_loop(n: int = 40) -> list[int]:
-    """A block of 12 ids whose first id counts up: one token changed per repeat."""
+def _counter_loop(n: int = 80) -> list[int]:
+    """A block of 12 ids whose first id counts up: one token changed per repeat (960 ids)."""
     return [t for i in range(n) for t in (1000 + i, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)]
 
 
-def test_near_loop_is_cut_only_where_the_policy_enables_it():
+def test_near_loop_is_cut_unless_the_policy_disables_it():
     ids = _counter_loop()
     batch = seqs([tokens("r", len(ids), len(ids), ids=ids)])
-    eng, hooks, _ = make()
+    eng, hooks, _ = make({"rules": {"near_loop": {"enabled": False}}})
     eng.observe(ENGINE, batch, T0)
-    assert hooks.decisions == [] and eng.get("r").near_detector is None  # off by default
-    eng, hooks, _ = make({"rules": {"near_loop": {"enabled": True}}})
+    assert hooks.decisions == [] and eng.get("r").near_detector is None
+    eng, hooks, _ = make()  # on by default
     eng.observe(ENGINE, batch, T0)
     assert [d.rule for d in hooks.decisions] == ["near_loop"]
     assert "period 12" in hooks.decisions[0].detail and "changed" in hooks.decisions[0].detail

@@ -58,11 +58,11 @@ def test_defaults_are_the_measured_loop_settings():
         16,
     )
     assert (near.enabled, near.min_period, near.max_period, near.min_repeats, near.min_span_tokens) == (
-        False,
+        True,
         4,
         512,
         4,
-        128,
+        768,
     )
 
 
