@@ -55,10 +55,11 @@ def loopcheck(
 ) -> None:
     """Run the live loop rules over past outputs (audit what they would have cut).
 
-    Prints one JSON line per input line: {"id", "loop", "rule": "loop" or "near_loop" (or null), "at":
-    index of the token where it would have cut (or null), "period", "repeats", "span" (or null)}. The
-    near_loop rule runs only where the policy enables it. Bad lines are reported on stderr (line number
-    and reason) and the exit status is then 1.
+    Prints one JSON line per input line: {"id", "loop", "rule": "loop", "near_loop" or
+    "paraphrase_loop" (or null), "at": index of the token where it would have cut (or null), "period",
+    "repeats", "span" (or null; a paraphrase loop has no period: its span is the window looked at)}.
+    Each rule runs only where the policy enables it (paraphrase_loop is off by default). Bad lines are
+    reported on stderr (line number and reason) and the exit status is then 1.
     """
     import os
 
@@ -95,8 +96,8 @@ def loopcheck(
                         "loop": hit is not None,
                         "rule": rule,
                         "at": hit.at if hit else None,
-                        "period": hit.period if hit else None,
-                        "repeats": hit.repeats if hit else None,
+                        "period": hit.period if hit and hit.period else None,
+                        "repeats": hit.repeats if hit and hit.period else None,
                         "span": hit.span if hit else None,
                     }
                 )
@@ -122,14 +123,19 @@ def _output(line: str) -> tuple[Any, list[int]]:
 
 
 def _first_cut(rules: RuleSettings, tokens: list[int]) -> tuple[LoopHit | None, str | None]:
-    """Where the live loop rules (``rules``: one model's) would first cut ``tokens``, and which rule."""
-    from ledger.rules.loop import exact_detector, near_detector
+    """Where the live loop rules (``rules``: one model's) would first cut ``tokens``, and which rule
+    (a paraphrase loop's hit as a LoopHit with no period: ``period`` and ``repeats`` 0, its window as
+    the span)."""
+    from ledger.rules.loop import LoopHit, exact_detector, near_detector
+    from ledger.rules.paraphrase import paraphrase_detector
 
     found: list[tuple[LoopHit, str]] = []
     if rules.loop.enabled and (h := exact_detector(rules.loop).extend(tokens)) is not None:
         found.append((h, "loop"))
     if rules.near_loop.enabled and (h := near_detector(rules.near_loop).extend(tokens)):
         found.append((h, "near_loop"))
+    if rules.paraphrase_loop.enabled and (ph := paraphrase_detector(rules.paraphrase_loop).extend(tokens)):
+        found.append((LoopHit(at=ph.at, period=0, repeats=0, span=ph.window), "paraphrase_loop"))
     if not found:
         return None, None
     return min(found, key=lambda x: x[0].at)

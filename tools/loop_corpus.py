@@ -24,6 +24,7 @@ from __future__ import annotations
 import random
 import re
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # A run of one punctuation mark is one token of up to 16 marks, as BPE vocabularies merge "----" or "====".
@@ -566,3 +567,93 @@ def near_loop_corpus(n: int = 120, loop_tokens: int = 1500) -> list[Sample]:
         )
     return out
 
+
+# Paraphrase loops: a reasoning model going over the same steps again and again, re-worded each time
+# ("Wait, let me check that again: ..."). Each step has a few wordings; every round picks one per step,
+# now and then skips a step or swaps two, and opens with a filler.
+_STEPS = (
+    (
+        "the prompt has {a} tokens and the budget is {b}, so it needs {c} chunks",
+        "with a budget of {b} tokens, a prompt of {a} tokens takes {c} chunks",
+        "{a} tokens split by a budget of {b} gives {c} chunks",
+    ),
+    (
+        "each chunk waits one step, so the first token comes after {c} steps",
+        "so the first token is out after {c} steps, one per chunk",
+        "that means {c} steps before the first token, since every chunk is a step",
+    ),
+    (
+        "a step takes {d} ms, so the time to first token is about {e} ms",
+        "at {d} ms per step that is roughly {e} ms to the first token",
+        "{c} steps of {d} ms each make {e} ms before the first token",
+    ),
+    (
+        "but the decodes of the running requests also share the budget",
+        "however the running requests decode in the same steps and take part of the budget",
+        "the other requests are decoding too, and their tokens count against the budget",
+    ),
+    (
+        "so the real number of chunks could be higher than {c}",
+        "which means it may need more than {c} chunks in practice",
+        "so {c} chunks is a lower bound, not the real count",
+    ),
+    (
+        "the answer should be about {e} ms unless the queue is long",
+        "so my estimate stays at {e} ms if nothing waits in front",
+        "I think the answer is {e} ms, assuming an empty queue",
+    ),
+)
+_FILLERS = (
+    "Wait,",
+    "Hmm,",
+    "Let me check that again.",
+    "Actually,",
+    "Let me recompute.",
+    "So,",
+    "Let me verify:",
+    "Okay,",
+    "But wait,",
+    "Let me think again.",
+)
+
+
+def _paraphrase_round(rng: random.Random, steps: Sequence[Sequence[str]], v: dict[str, int]) -> str:
+    order = list(range(len(steps)))
+    if rng.random() < 0.3:
+        j = rng.randrange(len(order) - 1)
+        order[j], order[j + 1] = order[j + 1], order[j]
+    parts = [rng.choice(_FILLERS)]
+    for k in order:
+        if rng.random() < 0.15:
+            continue  # this round skips a step
+        parts.append(rng.choice(steps[k]).format(**v) + ".")
+    return " ".join(parts)
+
+
+def paraphrase_loop_corpus(n: int = 120, loop_tokens: int = 2000) -> list[Sample]:
+    """A legitimate prefix, then the same 3-6 reasoning steps re-worded round after round; ``period`` is
+    the mean tokens per round, ``onset`` the first token of the second round (where it starts to loop)."""
+    rng = random.Random(17)
+    out = []
+    for k in range(n):
+        steps = rng.sample(_STEPS, rng.randint(3, 6))
+        a, b, d = rng.randint(2000, 30000), rng.choice((256, 512, 1024, 2048)), rng.randint(20, 90)
+        c = -(-a // b)
+        v = {"a": a, "b": b, "c": c, "d": d, "e": c * d}
+        prefix = tokenize(_prose(rng, rng.randint(1, 8)) + "\n\n")
+        first = tokenize(_paraphrase_round(rng, steps, v))
+        tail: list[int] = []
+        rounds = 1
+        while len(tail) < loop_tokens:
+            tail += tokenize(" " + _paraphrase_round(rng, steps, v))
+            rounds += 1
+        out.append(
+            Sample(
+                id=f"paraphrase-{k}",
+                tokens=prefix + first + tail,
+                onset=len(prefix) + len(first),
+                period=(len(first) + len(tail)) // rounds,
+                kind="paraphrase",
+            )
+        )
+    return out

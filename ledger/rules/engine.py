@@ -20,7 +20,8 @@ Memory is bounded: a request leaves the live set when it finishes (engine ``fini
 is done and no engine has it), when it has had no event for ``idle_evict_s``, or, least recently touched
 first, when more than ``max_live`` requests are live. A loop detector keeps at most
 ``max(min_span_tokens, min_repeats * max_period + confirm_tokens) + 1`` tokens
-(see ``ledger.rules.loop``).
+(see ``ledger.rules.loop``); a paraphrase detector (off by default) one entry per distinct phrase of
+the output (see ``ledger.rules.paraphrase``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ledger.columnar import Columns
 from ledger.rules import rules as R
 from ledger.rules import step_tokens
 from ledger.rules.loop import exact_detector, extend_many, near_detector
+from ledger.rules.paraphrase import paraphrase_detector
 from ledger.rules.policy import Policy, RuleSettings
 
 log = logging.getLogger(__name__)
@@ -243,32 +245,40 @@ class RuleEngine:
 
     def _detect(self, token_ids: dict[R.LiveRequest, list[int]], touched: dict[str, R.LiveRequest]) -> None:
         """Feed each request's new output token ids to its loop detectors (made on its first ids), all
-        in one call (``extend_many``: compiled, the detectors' state read once per batch); a request
-        whose detector fired is checked by the counter rules."""
+        in one call (``extend_many``: compiled, the detectors' state read once per batch), then to its
+        paraphrase detector where that rule is on; a request whose detector fired is checked by the
+        counter rules."""
         detectors: list[Any] = []
         owners: list[R.LiveRequest] = []
         counts: list[int] = []
         flat: list[int] = []
         for r, ids in token_ids.items():
-            det, near = r.detector, r.near_detector
-            if det is None and near is None:
-                rules = self.rules_for(r.model)
-                if rules.loop.enabled:
-                    det = r.detector = exact_detector(rules.loop)
-                if rules.near_loop.enabled:
-                    near = r.near_detector = near_detector(rules.near_loop)
-                if det is None and near is None:
-                    continue
+            if r.detector is None and r.near_detector is None and r.paraphrase_detector is None:
+                self._make_detectors(r)
             n = len(ids)
-            for d in (det, near):
+            for d in (r.detector, r.near_detector):
                 if d is not None and d.hit is None:
                     detectors.append(d)
                     owners.append(r)
                     counts.append(n)
                     flat += ids
         if detectors:
-            for k in extend_many(detectors, counts, flat):
+            for k in extend_many(detectors, counts, flat):  # checks every id first
                 touched[owners[k].request_id] = owners[k]
+        for r, ids in token_ids.items():
+            para = r.paraphrase_detector
+            if para is not None and para.hit is None and para.extend(ids) is not None:
+                touched[r.request_id] = r
+
+    def _make_detectors(self, r: R.LiveRequest) -> None:
+        """The detectors of the loop rules the request's model has on."""
+        rules = self.rules_for(r.model)
+        if rules.loop.enabled:
+            r.detector = exact_detector(rules.loop)
+        if rules.near_loop.enabled:
+            r.near_detector = near_detector(rules.near_loop)
+        if rules.paraphrase_loop.enabled:
+            r.paraphrase_detector = paraphrase_detector(rules.paraphrase_loop)
 
     def _apply(
         self,

@@ -17,6 +17,8 @@ A policy is a validated document (TOML or YAML file, or JSON through ``PUT /v1/p
     confirm_tokens = 16
     [rules.near_loop]             # the same block with one token changed per repeat (a counter)
     min_span_tokens = 768         # a table whose rows differ in one cell is one, for a while
+    [rules.paraphrase_loop]       # the same steps re-worded again and again
+    enabled = false
 
     [models."llama-3-8b".rules]   # any subset of [rules], merged over the defaults
     max_output_tokens = 4096
@@ -97,6 +99,21 @@ class NearLoopSettings(_Strict):
         return v
 
 
+class ParaphraseLoopSettings(_Strict):
+    """Paraphrase loops: the recent output re-says, in other words, what was said several times before
+    (off by default; ``ledger.rules.paraphrase``)."""
+
+    enabled: bool = False
+    ngram: int = Field(4, ge=1, le=8, description="tokens per phrase")
+    min_seen: int = Field(3, ge=1, le=1000, description="a phrase said this many times before recurs")
+    window: int = Field(256, ge=16, le=4096, description="recent tokens looked at")
+    min_recurrent_ratio: float = Field(
+        0.8, gt=0, le=1, description="share of the window's phrases that recur"
+    )
+    min_jumps: int = Field(24, ge=0, le=4096, description="recurring phrases copied from another place")
+    min_vocabulary: int = Field(64, ge=0, le=4096, description="distinct tokens ending a recurring phrase")
+
+
 class RuleSettings(_Strict):
     max_output_tokens: int | None = Field(16384, ge=1)
     wall_clock_timeout_s: float | None = Field(1800.0, gt=0)
@@ -107,6 +124,7 @@ class RuleSettings(_Strict):
     slow_pool_max_wait_s: float | None = Field(60.0, gt=0)
     loop: LoopSettings = LoopSettings()
     near_loop: NearLoopSettings = NearLoopSettings()
+    paraphrase_loop: ParaphraseLoopSettings = ParaphraseLoopSettings()
 
     @field_validator(
         "max_output_tokens",

@@ -14,6 +14,7 @@ rule                   fires when                                               
 ``token_cap``          more output tokens than ``max_output_tokens``                       abort
 ``loop``               the loop detector found a repeated tail (see ``ledger.rules.loop``) abort
 ``near_loop``          a tail repeating a block with one token changed per repeat          abort
+``paraphrase_loop``    the recent output re-says, re-worded, what it said before (off)     abort
 ``wall_clock_timeout`` admitted longer ago than ``wall_clock_timeout_s`` and not drained    abort
 ``stall_timeout``      running, and no new token (nor prefill progress) for ``stall_...``  abort
 ``preemption_limit``   preempted ``max_preemptions`` times                                 policy's
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ledger.rules.loop import LoopDetector
+from ledger.rules.paraphrase import ParaphraseDetector
 from ledger.rules.policy import RuleSettings
 
 
@@ -59,6 +61,7 @@ class LiveRequest:
     finished: bool = False  # the engine finished it (or the gateway completed it)
     detector: LoopDetector | None = None
     near_detector: LoopDetector | None = None  # only when the near_loop rule is on
+    paraphrase_detector: ParaphraseDetector | None = None  # only when the paraphrase_loop rule is on
     decided: set[str] = field(default_factory=set)  # rules and actions already decided (once each)
     starvation_alerted: bool = False
     touched_mono: float = 0.0  # ledger monotonic time of its newest event (eviction)
@@ -93,6 +96,18 @@ def near_loop(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
         "abort",
         f"period {hit.period} repeated {hit.repeats} times ({hit.span} tokens, {hit.changes} changed)"
         f" at output token {hit.at}",
+    )
+
+
+def paraphrase_loop(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | None:
+    hit = r.paraphrase_detector.hit if r.paraphrase_detector is not None else None
+    if hit is None or not p.paraphrase_loop.enabled:
+        return None
+    return Verdict(
+        "paraphrase_loop",
+        "abort",
+        f"{hit.recurrent} of the last {hit.window} tokens re-say phrases said before ({hit.jumps} jumps,"
+        f" {hit.vocabulary} distinct tokens) at output token {hit.at}",
     )
 
 
@@ -170,7 +185,14 @@ def slow_pool_starved(r: LiveRequest, p: RuleSettings, now: float) -> Verdict | 
 Rule = Callable[[LiveRequest, RuleSettings, float], Verdict | None]
 
 # Checked when a request's events arrive (cheap, counters only) and on the ticker (time-based).
-EVENT_RULES: tuple[Rule, ...] = (token_cap, loop, near_loop, preemption_limit, forced_wait_limit)
+EVENT_RULES: tuple[Rule, ...] = (
+    token_cap,
+    loop,
+    near_loop,
+    paraphrase_loop,
+    preemption_limit,
+    forced_wait_limit,
+)
 TIME_RULES: tuple[Rule, ...] = (wall_clock_timeout, stall_timeout, slow_pool_starved)
 ALL_RULES = EVENT_RULES + TIME_RULES
 RULE_NAMES = tuple(f.__name__ for f in ALL_RULES)

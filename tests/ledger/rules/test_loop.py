@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from bench.loopdetect import brute_force_first_hit, vllm_rule
 from ledger.rules.loop import exact_detector, find_loop, near_detector
-from ledger.rules.policy import LoopSettings, NearLoopSettings
-from tools.loop_corpus import legit_corpus, loop_corpus, near_loop_corpus, tokenize
+from ledger.rules.paraphrase import paraphrase_detector
+from ledger.rules.policy import LoopSettings, NearLoopSettings, ParaphraseLoopSettings
+from tools.loop_corpus import legit_corpus, loop_corpus, near_loop_corpus, paraphrase_loop_corpus, tokenize
 
 D = LoopSettings()
 NEAR = NearLoopSettings(enabled=True)
@@ -280,6 +281,26 @@ def test_loopcheck_reports_near_loops_unless_the_policy_disables_them(tmp_path):
     assert off["loop"] is False
     want = near_detector(NEAR).extend(tokens)
     assert (on["rule"], on["at"], on["period"]) == ("near_loop", want.at, want.period)
+
+
+def test_loopcheck_reports_paraphrase_loops_where_the_policy_enables_them(tmp_path):
+    pol = tmp_path / "policy.toml"
+    pol.write_text("[rules.paraphrase_loop]\nenabled = true\n")
+    loop = paraphrase_loop_corpus()[0]
+    line = json.dumps({"id": "p", "tokens": loop.tokens}) + "\n"
+    off = json.loads(_run_loopcheck(tmp_path, [line]).stdout)
+    on = json.loads(_run_loopcheck(tmp_path, [line], "--policy", str(pol)).stdout)
+    assert off["loop"] is False
+    want = paraphrase_detector(ParaphraseLoopSettings()).extend(loop.tokens)
+    assert on == {
+        "id": "p",
+        "loop": True,
+        "rule": "paraphrase_loop",
+        "at": want.at,
+        "period": None,
+        "repeats": None,
+        "span": 256,
+    }
 
 
 def test_loopcheck_uses_the_policy_file_settings_per_model(tmp_path):

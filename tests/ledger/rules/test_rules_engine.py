@@ -8,7 +8,9 @@ from engine_hooks import events as ev
 from engine_hooks.columnar import encode_batch
 from ledger.columnar import decode_columns
 from ledger.rules.engine import RuleEngine
-from ledger.rules.policy import Policy, parse_policy
+from ledger.rules.paraphrase import paraphrase_detector
+from ledger.rules.policy import ParaphraseLoopSettings, Policy, parse_policy
+from tools.loop_corpus import paraphrase_loop_corpus
 
 ENGINE = ev.Source(id="e0", kind="engine", model="m")
 GATEWAY = ev.Source(id="g0", kind="gateway")
@@ -107,6 +109,20 @@ def test_near_loop_is_cut_unless_the_policy_disables_it():
     eng.observe(ENGINE, batch, T0)
     assert [d.rule for d in hooks.decisions] == ["near_loop"]
     assert "period 12" in hooks.decisions[0].detail and "changed" in hooks.decisions[0].detail
+
+
+def test_paraphrase_loop_is_cut_only_where_the_policy_enables_it():
+    loop = paraphrase_loop_corpus()[0]
+    ids = loop.tokens
+    assert paraphrase_detector(ParaphraseLoopSettings()).extend(ids) is not None
+    batch = seqs([tokens("r", len(ids), len(ids), ids=ids)])
+    eng, hooks, _ = make()
+    eng.observe(ENGINE, batch, T0)
+    assert hooks.decisions == [] and eng.get("r").paraphrase_detector is None  # off by default
+    eng, hooks, _ = make({"rules": {"paraphrase_loop": {"enabled": True}}})
+    eng.observe(ENGINE, batch, T0)
+    assert [d.rule for d in hooks.decisions] == ["paraphrase_loop"]
+    assert "re-say phrases" in hooks.decisions[0].detail
 
 
 def test_streaming_gateway_is_a_second_target_until_it_completes():

@@ -64,6 +64,16 @@ def test_defaults_are_the_measured_loop_settings():
         4,
         768,
     )
+    para = rules.paraphrase_loop
+    assert para.model_dump() == {
+        "enabled": False,
+        "ngram": 4,
+        "min_seen": 3,
+        "window": 256,
+        "min_recurrent_ratio": 0.8,
+        "min_jumps": 24,
+        "min_vocabulary": 64,
+    }
 
 
 def test_near_loop_periods_must_be_ordered_naming_the_field():

@@ -6,6 +6,7 @@ import pytest
 
 from ledger.rules import rules as R
 from ledger.rules.loop import LoopDetector
+from ledger.rules.paraphrase import ParaphraseDetector
 from ledger.rules.policy import RuleSettings
 
 NOW = 10_000.0
@@ -23,6 +24,14 @@ P = RuleSettings(
 def looping() -> LoopDetector:
     d = LoopDetector(max_period=8, min_repeats=4, min_span_tokens=16)
     d.extend([7, 8, 9] * 10)
+    return d
+
+
+def paraphrasing() -> ParaphraseDetector:
+    d = ParaphraseDetector(
+        ngram=2, min_seen=1, window=8, min_recurrent_ratio=0.5, min_jumps=1, min_vocabulary=2
+    )
+    d.extend([1, 2, 3, 4, 5, 3, 4, 1, 2, 5, 3, 4, 1, 2])
     return d
 
 
@@ -55,6 +64,15 @@ CASES = [
         R.near_loop,
         None,
     ),
+    ("no paraphrase detector", {}, {"paraphrase_loop": {"enabled": True}}, R.paraphrase_loop, None),
+    (
+        "paraphrase loop found",
+        {"paraphrase_detector": paraphrasing()},
+        {"paraphrase_loop": {"enabled": True}},
+        R.paraphrase_loop,
+        ("paraphrase_loop", "abort"),
+    ),
+    ("paraphrase rule off", {"paraphrase_detector": paraphrasing()}, {}, R.paraphrase_loop, None),
     ("admitted 59 s ago", {"admitted_ts": NOW - 59}, {}, R.wall_clock_timeout, None),
     (
         "admitted 61 s ago",
@@ -107,7 +125,7 @@ CASES = [
 )
 def test_rule_table(name, fields, overrides, rule, expected):
     state = R.LiveRequest(request_id="r", **fields)
-    nested = ("loop", "near_loop")
+    nested = ("loop", "near_loop", "paraphrase_loop")
     policy = P.model_copy(update={k: v for k, v in overrides.items() if k not in nested})
     for key in nested:
         if key in overrides:

@@ -1,0 +1,140 @@
+"""The paraphrase-loop detector: equal to a from-scratch count at every token, in any split; the shipped
+corpus's figures (no legitimate output cut, most paraphrase loops cut, each condition needed)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ledger.rules.paraphrase import ParaphraseDetector, ParaphraseHit, paraphrase_detector
+from ledger.rules.policy import ParaphraseLoopSettings
+from tools.loop_corpus import legit_corpus, paraphrase_loop_corpus
+
+P = ParaphraseLoopSettings(enabled=True)
+
+
+def brute_force_first_hit(tokens, *, ngram, min_seen, window, min_recurrent_ratio, min_jumps, min_vocabulary):
+    """The detector's definition, recounted from the whole prefix at every token."""
+    rec, jump, last_end = [], [], {}
+    counts: dict[tuple[int, ...], int] = {}
+    prev_src = -2
+    for i in range(len(tokens)):
+        r = j = 0
+        if i >= ngram - 1:
+            g = tuple(tokens[i - ngram + 1 : i + 1])
+            seen, src = counts.get(g, 0), last_end.get(g, -2)
+            if seen >= min_seen:
+                r, j = 1, int(src != prev_src + 1)
+            prev_src = src
+            counts[g], last_end[g] = seen + 1, i
+        rec.append(r)
+        jump.append(j)
+        lo = max(0, i + 1 - window)
+        vocab = {tokens[k] for k in range(lo, i + 1) if rec[k]}
+        if (
+            sum(rec[lo:]) >= min_recurrent_ratio * window
+            and sum(jump[lo:]) >= min_jumps
+            and len(vocab) >= min_vocabulary
+        ):
+            return ParaphraseHit(i, i + 1 - lo, sum(rec[lo:]), sum(jump[lo:]), len(vocab))
+    return None
+
+
+small_settings = st.fixed_dictionaries(
+    {
+        "ngram": st.integers(1, 4),
+        "min_seen": st.integers(1, 3),
+        "window": st.integers(1, 24),
+        "min_recurrent_ratio": st.sampled_from([0.3, 0.5, 0.8, 1.0]),
+        "min_jumps": st.integers(0, 6),
+        "min_vocabulary": st.integers(0, 6),
+    }
+)
+
+
+@st.composite
+def reworded(draw):
+    """Phrases over a small alphabet said again in changing order: recurrence, jumps, long copies."""
+    alpha = draw(st.integers(2, 12))
+    phrases = draw(
+        st.lists(st.lists(st.integers(0, alpha - 1), min_size=1, max_size=6), min_size=1, max_size=5)
+    )
+    order = draw(st.lists(st.integers(0, len(phrases) - 1), max_size=60))
+    return [t for k in order for t in phrases[k]][:300]
+
+
+@settings(max_examples=300, deadline=None)
+@given(small_settings, reworded(), st.lists(st.integers(0, 300), max_size=5))
+def test_equals_a_count_from_scratch_in_any_split(kw, tokens, cuts):
+    det = ParaphraseDetector(**kw)
+    bounds = [0, *sorted(c for c in cuts if c <= len(tokens)), len(tokens)]
+    hits = [det.extend(tokens[a:b]) for a, b in itertools.pairwise(bounds)]
+    want = brute_force_first_hit(tokens, **kw)
+    assert [h for h in hits if h is not None] == ([want] if want else [])
+    assert det.hit == want and det.n == (want.at + 1 if want else len(tokens))
+
+
+def test_after_the_hit_nothing_more_is_taken():
+    det = ParaphraseDetector(
+        ngram=1, min_seen=1, window=4, min_recurrent_ratio=1.0, min_jumps=0, min_vocabulary=1
+    )
+    hit = det.extend([5, 5, 5, 5, 5, 5, 9, 9])
+    assert hit == ParaphraseHit(at=4, window=4, recurrent=4, jumps=1, vocabulary=1)
+    assert det.extend([1, 2, 3]) is None and det.n == 5 and det.hit is hit
+
+
+def test_a_block_said_again_verbatim_is_one_long_copy_not_many_jumps():
+    rng = random.Random(4)
+    block = [rng.randrange(1000) for _ in range(80)]
+    kw = {"ngram": 4, "min_seen": 2, "window": 64, "min_recurrent_ratio": 0.9, "min_vocabulary": 32}
+    det = ParaphraseDetector(min_jumps=0, **kw)
+    assert det.extend(block * 5) is not None and det.hit.jumps <= 2
+    assert ParaphraseDetector(min_jumps=4, **kw).extend(block * 5) is None
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"ngram": 0}, {"min_seen": 0}, {"window": 0}],
+)
+def test_bad_settings_raise(kw):
+    with pytest.raises(ValueError, match="at least 1"):
+        ParaphraseDetector(**kw)
+
+
+# -- the shipped corpus (python -m bench.loopdetect prints the same figures) ---------------------------
+
+
+@pytest.fixture(scope="module")
+def legit():
+    return legit_corpus()
+
+
+def test_corpus_legit_outputs_are_never_cut(legit):
+    assert [s.id for s in legit if paraphrase_detector(P).extend(s.tokens)] == []
+
+
+def test_corpus_paraphrase_loops_are_mostly_cut_never_before_they_start():
+    loops = paraphrase_loop_corpus()
+    hits = [(s, paraphrase_detector(P).extend(s.tokens)) for s in loops]
+    assert all(h.at >= s.onset for s, h in hits if h is not None)
+    assert sum(h is not None for _, h in hits) >= 0.8 * len(loops)  # 100 of 120
+
+
+@pytest.mark.parametrize(
+    ("change", "cut"),
+    [
+        ({"min_jumps": 16}, ["legit-prose-6"]),  # sentences of a small pool said again, in turn
+        ({"min_seen": 2}, ["legit-shown-twice-3"]),  # one code block shown four times
+        (
+            {"min_vocabulary": 48},
+            ["legit-shown-twice-0", "legit-shown-twice-3", "legit-shown-twice-6", "legit-shown-twice-9"],
+        ),
+    ],
+)
+def test_each_condition_is_needed_on_the_corpus(legit, change, cut):
+    looser = P.model_copy(update=change)
+    assert [s.id for s in legit if paraphrase_detector(looser).extend(s.tokens)] == cut
