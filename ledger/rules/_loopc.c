@@ -1,4 +1,5 @@
-/* ledger.rules._loopc: the loop detector of ledger/rules/loop.py, compiled.
+/* ledger.rules._loopc: the loop detector of ledger/rules/loop.py, compiled (and, at the end, the
+ * paraphrase detector of ledger/rules/paraphrase.py).
  *
  * Same algorithm, same answers as the pure-Python ``PyLoopDetector`` (the reference): a hash chain over
  * the bigrams of the last max_period + 1 positions, MAX_CHAIN links walked per token, at most
@@ -909,6 +910,415 @@ static PyTypeObject DetType = {
     .tp_getset = Det_getset,
 };
 
+/* -- the paraphrase detector ---------------------------------------------------------------------- */
+
+/* ledger.rules.paraphrase.PyParaphraseDetector compiled, statement by statement (read it first): each
+ * token ends an ngram-token phrase; a phrase is recurrent when said min_seen times before, a jump when
+ * its previous occurrence does not follow the previous phrase's; over the last `window` tokens the
+ * recurrent phrases, the jumps and the distinct tokens ending a recurrent phrase are counted.
+ *
+ * Storage: phrases in an open-addressing table (linear probing, doubled at half full: one entry per
+ * distinct phrase of the output, as the Python dict), each entry its ngram ids, its count and the end
+ * position of its newest occurrence; three rings of `window` slots; the vocabulary of the window in a
+ * second table of token -> count (at most `window` live tokens, deletion by backward shift). */
+
+#define PARA_MAX_NGRAM 8
+#define PARA_MAX_WINDOW (1 << 20)
+
+typedef struct {
+    int64_t count; /* 0: empty */
+    int64_t last;  /* end position of its newest occurrence */
+    uint32_t ids[PARA_MAX_NGRAM];
+} Phrase;
+
+typedef struct {
+    PyObject_HEAD
+    int ready, fired;
+    int ngram;
+    int64_t min_seen, window, min_jumps, min_vocab;
+    double ratio, need;
+    int64_t n, last, recurrent, jumps, vocab_n;
+    uint32_t recent[PARA_MAX_NGRAM]; /* the last ngram ids, oldest first */
+    Phrase *phrases;
+    int64_t pcap, pcount;
+    uint8_t *rec_ring, *jump_ring;
+    int64_t *tok_ring; /* the token ending a recurrent phrase, else -1 */
+    uint32_t *vkeys, *vcounts; /* vocabulary: token -> recurrent phrases it ends in the window */
+    int64_t vcap;
+    int64_t hit_at, hit_window, hit_recurrent, hit_jumps, hit_vocab;
+    PyObject *hit;
+    PyObject *o_min_seen, *o_min_jumps, *o_min_vocab; /* as given */
+} Para;
+
+static PyTypeObject ParaType;
+static PyObject *ParaHitType = NULL;
+
+static inline uint64_t
+mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return x;
+}
+
+static inline uint64_t
+phrase_hash(const uint32_t *ids, int k)
+{
+    uint64_t h = 0x9E3779B97F4A7C15ULL;
+    for (int j = 0; j < k; j++) h = mix64(h ^ ((uint64_t)ids[j] + 0x100000000ULL * (uint64_t)(j + 1)));
+    return h;
+}
+
+static int
+phrases_grow(Para *d)
+{
+    int64_t ncap = d->pcap ? d->pcap * 2 : 256;
+    Phrase *np = PyMem_Calloc((size_t)ncap, sizeof(Phrase));
+    if (np == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int64_t k = 0; k < d->pcap; k++) {
+        Phrase *e = &d->phrases[k];
+        if (!e->count) continue;
+        uint64_t j = phrase_hash(e->ids, d->ngram) & (uint64_t)(ncap - 1);
+        while (np[j].count) j = (j + 1) & (uint64_t)(ncap - 1);
+        np[j] = *e;
+    }
+    PyMem_Free(d->phrases);
+    d->phrases = np;
+    d->pcap = ncap;
+    return 0;
+}
+
+/* The entry of the phrase in d->recent (a new one with count 0 when it was never said), or NULL. */
+static Phrase *
+phrase_find(Para *d)
+{
+    if (2 * (d->pcount + 1) > d->pcap && phrases_grow(d) < 0) return NULL;
+    const int k = d->ngram;
+    const uint64_t mask = (uint64_t)(d->pcap - 1);
+    uint64_t j = phrase_hash(d->recent, k) & mask;
+    for (;;) {
+        Phrase *e = &d->phrases[j];
+        if (!e->count) {
+            memcpy(e->ids, d->recent, (size_t)k * sizeof(uint32_t));
+            d->pcount++;
+            return e;
+        }
+        if (memcmp(e->ids, d->recent, (size_t)k * sizeof(uint32_t)) == 0) return e;
+        j = (j + 1) & mask;
+    }
+}
+
+static inline uint64_t
+vslot(uint32_t t, int64_t cap)
+{
+    return mix64((uint64_t)t + 1) & (uint64_t)(cap - 1);
+}
+
+static void
+vocab_add(Para *d, uint32_t t)
+{
+    uint64_t j = vslot(t, d->vcap), mask = (uint64_t)(d->vcap - 1);
+    while (d->vcounts[j] && d->vkeys[j] != t) j = (j + 1) & mask;
+    if (!d->vcounts[j]) {
+        d->vkeys[j] = t;
+        d->vocab_n++;
+    }
+    d->vcounts[j]++;
+}
+
+static void
+vocab_remove(Para *d, uint32_t t)
+{
+    uint64_t j = vslot(t, d->vcap), mask = (uint64_t)(d->vcap - 1);
+    while (d->vkeys[j] != t || !d->vcounts[j]) j = (j + 1) & mask; /* it is there */
+    if (--d->vcounts[j]) return;
+    d->vocab_n--;
+    /* backward shift: move later entries of the probe run into the hole */
+    uint64_t hole = j;
+    for (uint64_t k = (j + 1) & mask; d->vcounts[k]; k = (k + 1) & mask) {
+        uint64_t home = vslot(d->vkeys[k], d->vcap);
+        if (((k - home) & mask) >= ((k - hole) & mask)) {
+            d->vkeys[hole] = d->vkeys[k];
+            d->vcounts[hole] = d->vcounts[k];
+            d->vcounts[k] = 0;
+            hole = k;
+        }
+    }
+}
+
+/* Feed tokens; 1 when it fired (the rest are not added), 0, or -1 with an exception (out of memory). */
+static int
+para_feed(Para *d, const uint32_t *toks, Py_ssize_t count)
+{
+    if (d->fired) return 0;
+    const int k = d->ngram;
+    const int64_t w = d->window;
+    for (Py_ssize_t x = 0; x < count; x++) {
+        const uint32_t token = toks[x];
+        const int64_t i = d->n;
+        if (i < k) d->recent[i] = token;
+        else {
+            memmove(d->recent, d->recent + 1, (size_t)(k - 1) * sizeof(uint32_t));
+            d->recent[k - 1] = token;
+        }
+        int rec = 0, jump = 0;
+        if (i >= k - 1) {
+            Phrase *e = phrase_find(d);
+            if (e == NULL) return -1;
+            if (!e->count) {
+                e->count = 1;
+                e->last = i;
+                d->last = -2;
+            }
+            else {
+                int64_t prev = e->last;
+                if (e->count >= d->min_seen) {
+                    rec = 1;
+                    jump = prev != d->last + 1;
+                }
+                e->count++;
+                e->last = i;
+                d->last = prev;
+            }
+        }
+        const int64_t slot = i % w;
+        if (d->tok_ring[slot] >= 0) vocab_remove(d, (uint32_t)d->tok_ring[slot]);
+        if (rec) vocab_add(d, token);
+        d->tok_ring[slot] = rec ? (int64_t)token : -1;
+        d->recurrent += rec - d->rec_ring[slot];
+        d->jumps += jump - d->jump_ring[slot];
+        d->rec_ring[slot] = (uint8_t)rec;
+        d->jump_ring[slot] = (uint8_t)jump;
+        d->n = i + 1;
+        if ((double)d->recurrent >= d->need && d->jumps >= d->min_jumps && d->vocab_n >= d->min_vocab) {
+            d->fired = 1;
+            d->hit_at = i;
+            d->hit_window = d->n < w ? d->n : w;
+            d->hit_recurrent = d->recurrent;
+            d->hit_jumps = d->jumps;
+            d->hit_vocab = d->vocab_n;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+para_get_hit(Para *d)
+{
+    if (!d->fired) Py_RETURN_NONE;
+    if (d->hit == NULL) {
+        if (ParaHitType == NULL) {
+            PyObject *mod = PyImport_ImportModule("ledger.rules.paraphrase");
+            if (mod == NULL) return NULL;
+            ParaHitType = PyObject_GetAttrString(mod, "ParaphraseHit");
+            Py_DECREF(mod);
+            if (ParaHitType == NULL) return NULL;
+        }
+        d->hit = PyObject_CallFunction(ParaHitType, "LLLLL", (long long)d->hit_at, (long long)d->hit_window,
+                                       (long long)d->hit_recurrent, (long long)d->hit_jumps,
+                                       (long long)d->hit_vocab);
+        if (d->hit == NULL) return NULL;
+    }
+    Py_INCREF(d->hit);
+    return d->hit;
+}
+
+static int
+Para_init(Para *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"ngram", "min_seen", "window", "min_recurrent_ratio", "min_jumps",
+                             "min_vocabulary", NULL};
+    PyObject *ng = NULL, *ms = NULL, *wn = NULL, *mj = NULL, *mv = NULL;
+    double ratio = 0.8;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "ParaphraseDetector is already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOdOO:ParaphraseDetector", kwlist, &ng, &ms, &wn,
+                                     &ratio, &mj, &mv))
+        return -1;
+    int64_t ngram = 4, min_seen = 3, window = 256, min_jumps = 24, min_vocab = 64;
+    PyObject *keep_ng = NULL, *keep_wn = NULL;
+    if ((ng && arg_ll(ng, "ngram", &keep_ng, &ngram, NEVER) < 0)
+        || (ms && arg_ll(ms, "min_seen", &self->o_min_seen, &min_seen, NEVER) < 0)
+        || (wn && arg_ll(wn, "window", &keep_wn, &window, NEVER) < 0)
+        || (mj && arg_ll(mj, "min_jumps", &self->o_min_jumps, &min_jumps, NEVER) < 0)
+        || (mv && arg_ll(mv, "min_vocabulary", &self->o_min_vocab, &min_vocab, NEVER) < 0)) {
+        Py_XDECREF(keep_ng);
+        Py_XDECREF(keep_wn);
+        return -1;
+    }
+    Py_XDECREF(keep_ng);
+    Py_XDECREF(keep_wn);
+    if (!ms) Py_XSETREF(self->o_min_seen, PyLong_FromLongLong(min_seen));
+    if (!mj) Py_XSETREF(self->o_min_jumps, PyLong_FromLongLong(min_jumps));
+    if (!mv) Py_XSETREF(self->o_min_vocab, PyLong_FromLongLong(min_vocab));
+    if (ngram < 1 || min_seen < 1 || window < 1) {
+        PyErr_SetString(PyExc_ValueError, "ngram, min_seen and window must be at least 1");
+        return -1;
+    }
+    if (ngram > PARA_MAX_NGRAM || window > PARA_MAX_WINDOW) {
+        PyErr_SetString(PyExc_ValueError, "ngram <= 8 and window <= 1048576 are required (compiled detector)");
+        return -1;
+    }
+    self->ngram = (int)ngram;
+    self->min_seen = min_seen;
+    self->window = window;
+    self->min_jumps = min_jumps;
+    self->min_vocab = min_vocab;
+    self->ratio = ratio;
+    self->need = ratio * (double)window;
+    self->last = -2;
+    int64_t vcap = 16;
+    while (vcap < 2 * window) vcap *= 2;
+    self->vcap = vcap;
+    self->rec_ring = PyMem_Calloc((size_t)window, 1);
+    self->jump_ring = PyMem_Calloc((size_t)window, 1);
+    self->tok_ring = PyMem_Malloc((size_t)window * sizeof(int64_t));
+    self->vkeys = PyMem_Calloc((size_t)vcap, sizeof(uint32_t));
+    self->vcounts = PyMem_Calloc((size_t)vcap, sizeof(uint32_t));
+    if (!self->rec_ring || !self->jump_ring || !self->tok_ring || !self->vkeys || !self->vcounts) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int64_t k = 0; k < window; k++) self->tok_ring[k] = -1;
+    self->ready = 1;
+    return 0;
+}
+
+static void
+Para_dealloc(Para *self)
+{
+    PyMem_Free(self->phrases);
+    PyMem_Free(self->rec_ring);
+    PyMem_Free(self->jump_ring);
+    PyMem_Free(self->tok_ring);
+    PyMem_Free(self->vkeys);
+    PyMem_Free(self->vcounts);
+    Py_XDECREF(self->hit);
+    Py_XDECREF(self->o_min_seen);
+    Py_XDECREF(self->o_min_jumps);
+    Py_XDECREF(self->o_min_vocab);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+para_ready(Para *self)
+{
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "ParaphraseDetector.__init__ was not called");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+Para_extend(Para *self, PyObject *tokens)
+{
+    if (para_ready(self) < 0) return NULL;
+    if (self->fired) Py_RETURN_NONE;
+    uint32_t stack[STACK_TOKENS], *toks;
+    Py_ssize_t n;
+    if (convert(tokens, stack, STACK_TOKENS, &toks, &n) < 0) return NULL;
+    int rc = para_feed(self, toks, n);
+    if (toks != stack) PyMem_Free(toks);
+    if (rc < 0) return NULL;
+    if (rc == 0) Py_RETURN_NONE;
+    return para_get_hit(self);
+}
+
+static PyObject *
+Para_sizeof(Para *self, PyObject *Py_UNUSED(ignored))
+{
+    int64_t bytes = (int64_t)Py_TYPE(self)->tp_basicsize + self->pcap * (int64_t)sizeof(Phrase)
+                    + self->window * (2 + (int64_t)sizeof(int64_t)) + self->vcap * 8;
+    return PyLong_FromLongLong(bytes);
+}
+
+static PyObject *
+Para_get_hit(Para *self, void *Py_UNUSED(c))
+{
+    if (para_ready(self) < 0) return NULL;
+    return para_get_hit(self);
+}
+
+static PyObject *
+Para_get_n(Para *self, void *Py_UNUSED(c))
+{
+    return PyLong_FromLongLong(self->n);
+}
+
+static PyObject *
+Para_get_ngram(Para *self, void *Py_UNUSED(c))
+{
+    return PyLong_FromLong(self->ngram);
+}
+
+static PyObject *
+Para_get_window(Para *self, void *Py_UNUSED(c))
+{
+    return PyLong_FromLongLong(self->window);
+}
+
+static PyObject *
+Para_get_ratio(Para *self, void *Py_UNUSED(c))
+{
+    return PyFloat_FromDouble(self->ratio);
+}
+
+#define PARA_SETTING(field)                                            \
+    static PyObject *Para_get_##field(Para *self, void *Py_UNUSED(c))  \
+    {                                                                  \
+        if (para_ready(self) < 0) return NULL;                         \
+        Py_INCREF(self->o_##field);                                    \
+        return self->o_##field;                                        \
+    }
+PARA_SETTING(min_seen)
+PARA_SETTING(min_jumps)
+PARA_SETTING(min_vocab)
+
+static PyGetSetDef Para_getset[] = {
+    {"ngram", (getter)Para_get_ngram, NULL, "tokens per phrase", NULL},
+    {"min_seen", (getter)Para_get_min_seen, NULL, "a phrase said this many times before recurs", NULL},
+    {"window", (getter)Para_get_window, NULL, "recent tokens looked at", NULL},
+    {"min_recurrent_ratio", (getter)Para_get_ratio, NULL, "share of the window that recurs", NULL},
+    {"min_jumps", (getter)Para_get_min_jumps, NULL, "recurring phrases copied from elsewhere", NULL},
+    {"min_vocabulary", (getter)Para_get_min_vocab, NULL, "distinct tokens ending a recurring phrase", NULL},
+    {"n", (getter)Para_get_n, NULL, "tokens seen", NULL},
+    {"hit", (getter)Para_get_hit, NULL, "the ParaphraseHit of the first firing, or None", NULL},
+    {NULL},
+};
+
+static PyMethodDef Para_methods[] = {
+    {"extend", (PyCFunction)Para_extend, METH_O,
+     "extend(tokens) -> ParaphraseHit | None: add tokens in order; the hit on the token where it first "
+     "fires, else None. Every id is checked (0..2**31-1) before any is added; once it fired later calls "
+     "add nothing and return None."},
+    {"__sizeof__", (PyCFunction)Para_sizeof, METH_NOARGS, "bytes held: the object and its arrays"},
+    {NULL},
+};
+
+static PyTypeObject ParaType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ledger.rules._loopc.ParaphraseDetector",
+    .tp_basicsize = sizeof(Para),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "ParaphraseDetector(*, ngram=4, min_seen=3, window=256, min_recurrent_ratio=0.8, "
+              "min_jumps=24, min_vocabulary=64)\n\n"
+              "The compiled paraphrase-loop detector: the same answers as "
+              "ledger.rules.paraphrase.PyParaphraseDetector.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Para_init,
+    .tp_dealloc = (destructor)Para_dealloc,
+    .tp_methods = Para_methods,
+    .tp_getset = Para_getset,
+};
+
 /* -- module functions ---------------------------------------------------------------------------- */
 
 static PyObject *
@@ -1098,7 +1508,8 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT,
     .m_name = "ledger.rules._loopc",
-    .m_doc = "The compiled loop detector (see ledger.rules.loop): same answers as the Python one.",
+    .m_doc = "The compiled loop and paraphrase detectors (see ledger.rules.loop and ledger.rules.paraphrase): "
+             "the same answers as the Python ones.",
     .m_size = -1,
     .m_methods = module_methods,
 };
@@ -1107,6 +1518,7 @@ PyMODINIT_FUNC
 PyInit__loopc(void)
 {
     if (PyType_Ready(&DetType) < 0) return NULL;
+    if (PyType_Ready(&ParaType) < 0) return NULL;
     str_at = PyUnicode_InternFromString("at");
     str_period = PyUnicode_InternFromString("period");
     str_repeats = PyUnicode_InternFromString("repeats");
@@ -1120,6 +1532,12 @@ PyInit__loopc(void)
         || PyModule_AddIntConstant(m, "MAX_CANDIDATES", MAX_CANDIDATES) < 0
         || PyModule_AddIntConstant(m, "MAX_CHAIN", MAX_CHAIN) < 0) {
         Py_DECREF(&DetType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&ParaType);
+    if (PyModule_AddObject(m, "ParaphraseDetector", (PyObject *)&ParaType) < 0) {
+        Py_DECREF(&ParaType);
         Py_DECREF(m);
         return NULL;
     }

@@ -1,5 +1,6 @@
-"""The paraphrase-loop detector: equal to a from-scratch count at every token, in any split; the shipped
-corpus's figures (no legitimate output cut, most paraphrase loops cut, each condition needed)."""
+"""The paraphrase-loop detector, compiled and the Python reference: equal to a from-scratch count at
+every token, in any split; the same hits on the corpus; the shipped corpus's figures (no legitimate
+output cut, most paraphrase loops cut, each condition needed)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ledger.rules.paraphrase import ParaphraseDetector, ParaphraseHit, paraphrase_detector
+from ledger.rules import paraphrase
+from ledger.rules.paraphrase import (
+    ParaphraseDetector,
+    ParaphraseHit,
+    PyParaphraseDetector,
+    paraphrase_detector,
+)
 from ledger.rules.policy import ParaphraseLoopSettings
 from tools.loop_corpus import legit_corpus, paraphrase_loop_corpus
 
 P = ParaphraseLoopSettings(enabled=True)
+BOTH = pytest.mark.parametrize("cls", [ParaphraseDetector, PyParaphraseDetector], ids=["compiled", "python"])
+
+
+def test_the_compiled_detector_is_built_and_is_the_live_one():
+    from ledger.rules import _loopc
+
+    assert paraphrase.ParaphraseDetector is _loopc.ParaphraseDetector is not PyParaphraseDetector
+    assert isinstance(paraphrase_detector(P), _loopc.ParaphraseDetector)
 
 
 def brute_force_first_hit(tokens, *, ngram, min_seen, window, min_recurrent_ratio, min_jumps, min_vocabulary):
@@ -67,10 +82,11 @@ def reworded(draw):
     return [t for k in order for t in phrases[k]][:300]
 
 
+@BOTH
 @settings(max_examples=300, deadline=None)
-@given(small_settings, reworded(), st.lists(st.integers(0, 300), max_size=5))
-def test_equals_a_count_from_scratch_in_any_split(kw, tokens, cuts):
-    det = ParaphraseDetector(**kw)
+@given(kw=small_settings, tokens=reworded(), cuts=st.lists(st.integers(0, 300), max_size=5))
+def test_equals_a_count_from_scratch_in_any_split(cls, kw, tokens, cuts):
+    det = cls(**kw)
     bounds = [0, *sorted(c for c in cuts if c <= len(tokens)), len(tokens)]
     hits = [det.extend(tokens[a:b]) for a, b in itertools.pairwise(bounds)]
     want = brute_force_first_hit(tokens, **kw)
@@ -78,31 +94,43 @@ def test_equals_a_count_from_scratch_in_any_split(kw, tokens, cuts):
     assert det.hit == want and det.n == (want.at + 1 if want else len(tokens))
 
 
-def test_after_the_hit_nothing_more_is_taken():
-    det = ParaphraseDetector(
-        ngram=1, min_seen=1, window=4, min_recurrent_ratio=1.0, min_jumps=0, min_vocabulary=1
-    )
+@BOTH
+def test_after_the_hit_nothing_more_is_taken(cls):
+    det = cls(ngram=1, min_seen=1, window=4, min_recurrent_ratio=1.0, min_jumps=0, min_vocabulary=1)
     hit = det.extend([5, 5, 5, 5, 5, 5, 9, 9])
     assert hit == ParaphraseHit(at=4, window=4, recurrent=4, jumps=1, vocabulary=1)
     assert det.extend([1, 2, 3]) is None and det.n == 5 and det.hit is hit
 
 
-def test_a_block_said_again_verbatim_is_one_long_copy_not_many_jumps():
+@BOTH
+def test_a_block_said_again_verbatim_is_one_long_copy_not_many_jumps(cls):
     rng = random.Random(4)
     block = [rng.randrange(1000) for _ in range(80)]
     kw = {"ngram": 4, "min_seen": 2, "window": 64, "min_recurrent_ratio": 0.9, "min_vocabulary": 32}
-    det = ParaphraseDetector(min_jumps=0, **kw)
+    det = cls(min_jumps=0, **kw)
     assert det.extend(block * 5) is not None and det.hit.jumps <= 2
-    assert ParaphraseDetector(min_jumps=4, **kw).extend(block * 5) is None
+    assert cls(min_jumps=4, **kw).extend(block * 5) is None
 
 
 @pytest.mark.parametrize(
     "kw",
     [{"ngram": 0}, {"min_seen": 0}, {"window": 0}],
 )
-def test_bad_settings_raise(kw):
-    with pytest.raises(ValueError, match="at least 1"):
+def test_bad_settings_raise_the_same_error(kw):
+    with pytest.raises(ValueError, match="at least 1") as want:
+        PyParaphraseDetector(**kw)
+    with pytest.raises(ValueError) as got:
         ParaphraseDetector(**kw)
+    assert str(got.value) == str(want.value)
+
+
+def test_bad_token_ids_raise_and_add_nothing():
+    det = ParaphraseDetector()
+    det.extend([1, 2, 3])
+    for bad in ([4, -1], [4, 2**31], [4, "5"]):
+        with pytest.raises((ValueError, TypeError)):
+            det.extend(bad)
+    assert det.n == 3
 
 
 # -- the shipped corpus (python -m bench.loopdetect prints the same figures) ---------------------------
@@ -111,6 +139,17 @@ def test_bad_settings_raise(kw):
 @pytest.fixture(scope="module")
 def legit():
     return legit_corpus()
+
+
+def test_compiled_and_python_give_the_same_hits_on_the_corpus_in_chunks_of_16(legit):
+    fired = 0
+    for s in legit[::3] + paraphrase_loop_corpus()[::2]:
+        c, py = paraphrase_detector(P), PyParaphraseDetector(**P.model_dump(exclude={"enabled"}))
+        for k in range(0, len(s.tokens), 16):
+            assert c.extend(s.tokens[k : k + 16]) == py.extend(s.tokens[k : k + 16]), s.id
+        assert c.hit == py.hit and c.n == py.n, s.id
+        fired += c.hit is not None
+    assert fired >= 40
 
 
 def test_corpus_legit_outputs_are_never_cut(legit):
