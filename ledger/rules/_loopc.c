@@ -21,8 +21,8 @@
  * Token ids are 0 .. 2**31 - 1 (ValueError otherwise). extend() converts and checks the whole input
  * before adding any token: a bad id anywhere leaves the detector as it was (an iterator is read to its
  * end first). extend_many(detectors, counts, tokens) checks every detector, count and id, then feeds
- * each detector its slice; it prefetches the state of the detectors a few places ahead, as thousands
- * of them do not fit in the caches.
+ * each detector its slice (loop and paraphrase detectors alike); it prefetches the state of the loop
+ * detectors a few places ahead, as thousands of them do not fit in the caches.
  *
  * Beyond the Python detector: max_period is at most 2**24 (the Python one would need a 256 MiB hash
  * table there), and thresholds past 2**36 repeats, 2**60 confirmation tokens or 2**61 tokens are held at
@@ -1366,12 +1366,16 @@ extend_many(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t k = 0; k < nd; k++) {
         PyObject *d = ditems[k], *c = citems[k];
         if (k + 64 < nd) PREFETCH(ditems[k + 64]); /* the type check's line */
-        if (Py_TYPE(d) != &DetType) {
-            PyErr_Format(PyExc_TypeError, "detectors[%zd] is a %.100s, not a compiled LoopDetector", k,
+        if (Py_TYPE(d) == &ParaType) {
+            if (para_ready((Para *)d) < 0) goto end;
+        }
+        else if (Py_TYPE(d) != &DetType) {
+            PyErr_Format(PyExc_TypeError,
+                         "detectors[%zd] is a %.100s, not a compiled LoopDetector or ParaphraseDetector", k,
                          Py_TYPE(d)->tp_name);
             goto end;
         }
-        if (check_ready((Det *)d) < 0) goto end;
+        else if (check_ready((Det *)d) < 0) goto end;
         if (!PyLong_Check(c)) {
             PyErr_Format(PyExc_TypeError, "counts[%zd] must be an int, got %.100s", k, Py_TYPE(c)->tp_name);
             goto end;
@@ -1409,7 +1413,7 @@ extend_many(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         if (k + AHEAD < nd) {
             const Det *e = (const Det *)ditems[k + AHEAD];
             Py_ssize_t c = cnt[k + AHEAD];
-            if (c && !e->fired) {
+            if (c && Py_TYPE(e) == &DetType && !e->fired) {
                 PREFETCH_W(e->ring + e->r);
                 PREFETCH_W(e->chain + e->ci);
                 uint32_t pv = e->prev;
@@ -1425,7 +1429,7 @@ extend_many(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         if (k + AHEAD / 2 < nd) {
             /* the hash slot of its first token is in cache by now: prefetch where its chain walk reads */
             const Det *e = (const Det *)ditems[k + AHEAD / 2];
-            if (cnt[k + AHEAD / 2] && !e->fired) {
+            if (cnt[k + AHEAD / 2] && Py_TYPE(e) == &DetType && !e->fired) {
                 int64_t v = e->head[(((uint64_t)e->prev * MULT) ^ toks[off_c]) & e->mask];
                 int64_t dist = e->n - e->base - v;
                 if (v && dist <= e->max_period) {
@@ -1435,10 +1439,11 @@ extend_many(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
             }
             off_c += cnt[k + AHEAD / 2];
         }
-        Det *d = (Det *)ditems[k];
+        PyObject *dk = ditems[k];
         Py_ssize_t c = cnt[k];
-        if (c && !d->fired) {
-            int rc = feed(d, toks + off, c);
+        int para = Py_TYPE(dk) == &ParaType;
+        if (c && !(para ? ((Para *)dk)->fired : ((Det *)dk)->fired)) {
+            int rc = para ? para_feed((Para *)dk, toks + off, c) : feed((Det *)dk, toks + off, c);
             if (rc < 0) {
                 Py_CLEAR(result);
                 goto end;
@@ -1493,8 +1498,8 @@ set_limits(PyObject *Py_UNUSED(mod), PyObject *args)
 
 static PyMethodDef module_methods[] = {
     {"extend_many", (PyCFunction)(void (*)(void))extend_many, METH_FASTCALL,
-     "extend_many(detectors, counts, tokens) -> list[int]: feed detectors[k] the next counts[k] of the "
-     "flat tokens, in order, in one call; the indices of the detectors that fired during this call (one "
+     "extend_many(detectors, counts, tokens) -> list[int]: feed detectors[k] (a LoopDetector or a "
+     "ParaphraseDetector) the next counts[k] of the flat tokens, in order, in one call; the indices of the detectors that fired during this call (one "
      "that had fired before gets nothing). Every count and id is checked before any detector is fed."},
     {"_set_limits", (PyCFunction)set_limits, METH_VARARGS,
      "tests only: _set_limits(max_candidates, max_chain) for detectors made from now on (default 8, 2; "

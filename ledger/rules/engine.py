@@ -244,10 +244,10 @@ class RuleEngine:
         return r
 
     def _detect(self, token_ids: dict[R.LiveRequest, list[int]], touched: dict[str, R.LiveRequest]) -> None:
-        """Feed each request's new output token ids to its loop detectors (made on its first ids), all
-        in one call (``extend_many``: compiled, the detectors' state read once per batch), then to its
-        paraphrase detector where that rule is on; a request whose detector fired is checked by the
-        counter rules."""
+        """Feed each request's new output token ids to its loop detectors and its paraphrase detector
+        (made on its first ids, those of the rules its model has on), all in one call (``extend_many``:
+        compiled, the detectors' state read once per batch); a request whose detector fired is checked
+        by the counter rules."""
         detectors: list[Any] = []
         owners: list[R.LiveRequest] = []
         counts: list[int] = []
@@ -256,19 +256,15 @@ class RuleEngine:
             if r.detector is None and r.near_detector is None and r.paraphrase_detector is None:
                 self._make_detectors(r)
             n = len(ids)
-            for d in (r.detector, r.near_detector):
+            for d in (r.detector, r.near_detector, r.paraphrase_detector):
                 if d is not None and d.hit is None:
                     detectors.append(d)
                     owners.append(r)
                     counts.append(n)
                     flat += ids
         if detectors:
-            for k in extend_many(detectors, counts, flat):  # checks every id first
+            for k in extend_many(detectors, counts, flat):
                 touched[owners[k].request_id] = owners[k]
-        for r, ids in token_ids.items():
-            para = r.paraphrase_detector
-            if para is not None and para.hit is None and para.extend(ids) is not None:
-                touched[r.request_id] = r
 
     def _make_detectors(self, r: R.LiveRequest) -> None:
         """The detectors of the loop rules the request's model has on."""

@@ -271,7 +271,8 @@ def _py_extend_many(detectors: Sequence[Any], counts: Sequence[int], tokens: Ite
     rule engine's path: one call per ingest group); the indices of the detectors that fired during this
     call. A detector that had fired before gets nothing, as with ``extend``. The counts are checked
     before any detector is fed. ``extend_many`` is the compiled one (it also checks every id first, and
-    takes compiled detectors only); this is the fallback without the extension."""
+    takes compiled detectors only, loop and paraphrase ones); this is the fallback without the
+    extension."""
     if not isinstance(detectors, list | tuple):
         raise TypeError(f"detectors must be a list, got {type(detectors).__name__}")
     if not isinstance(counts, list | tuple):

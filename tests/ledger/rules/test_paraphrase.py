@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ledger.rules import paraphrase
+from ledger.rules.loop import LoopDetector, extend_many
 from ledger.rules.paraphrase import (
     ParaphraseDetector,
     ParaphraseHit,
@@ -22,6 +23,7 @@ from ledger.rules.policy import ParaphraseLoopSettings
 from tools.loop_corpus import legit_corpus, paraphrase_loop_corpus
 
 P = ParaphraseLoopSettings(enabled=True)
+LOOP_KW = {"max_period": 8, "min_repeats": 3, "min_span_tokens": 12}
 BOTH = pytest.mark.parametrize("cls", [ParaphraseDetector, PyParaphraseDetector], ids=["compiled", "python"])
 
 
@@ -131,6 +133,41 @@ def test_bad_token_ids_raise_and_add_nothing():
         with pytest.raises((ValueError, TypeError)):
             det.extend(bad)
     assert det.n == 3
+
+
+def test_extend_many_feeds_paraphrase_and_loop_detectors_as_their_extend():
+    rng = random.Random(8)
+    kw = {
+        "ngram": 2,
+        "min_seen": 1,
+        "window": 12,
+        "min_recurrent_ratio": 0.5,
+        "min_jumps": 2,
+        "min_vocabulary": 3,
+    }
+    phrases = [[rng.randrange(9) for _ in range(rng.randint(2, 5))] for _ in range(6)]
+    streams = [[t for _ in range(30) for t in rng.choice(phrases)] for _ in range(20)]
+    many = [d for _ in streams for d in (ParaphraseDetector(**kw), LoopDetector(**LOOP_KW))]
+    one = [d for _ in streams for d in (ParaphraseDetector(**kw), LoopDetector(**LOOP_KW))]
+    pos = [0] * len(streams)
+    for _ in range(25):
+        counts = [rng.randint(0, 4) for _ in streams]
+        parts = [s[p : p + c] for s, p, c in zip(streams, pos, counts, strict=True)]
+        pos = [p + c for p, c in zip(pos, counts, strict=True)]
+        got = extend_many(
+            many, [c for c in counts for _ in (0, 1)], [t for ids in parts for _ in (0, 1) for t in ids]
+        )
+        want = [k for k, d in enumerate(one) if d.hit is None and d.extend(parts[k // 2]) is not None]
+        assert got == want
+        assert [(m.n, m.hit) for m in many] == [(o.n, o.hit) for o in one]
+    assert sum(d.hit is not None for d in many[::2]) >= 5
+
+
+def test_extend_many_refuses_a_python_paraphrase_detector_and_feeds_nobody():
+    d = ParaphraseDetector()
+    with pytest.raises(TypeError, match="detectors\\[1\\]"):
+        extend_many([d, PyParaphraseDetector()], [1, 1], [1, 2])
+    assert d.n == 0
 
 
 # -- the shipped corpus (python -m bench.loopdetect prints the same figures) ---------------------------
