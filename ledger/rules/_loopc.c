@@ -917,19 +917,15 @@ static PyTypeObject DetType = {
  * its previous occurrence does not follow the previous phrase's; over the last `window` tokens the
  * recurrent phrases, the jumps and the distinct tokens ending a recurrent phrase are counted.
  *
- * Storage: phrases in an open-addressing table (linear probing, doubled at half full: one entry per
- * distinct phrase of the output, as the Python dict), each entry its ngram ids, its count and the end
- * position of its newest occurrence; three rings of `window` slots; the vocabulary of the window in a
- * second table of token -> count (at most `window` live tokens, deletion by backward shift). */
+ * Storage: phrases in an open-addressing table of uint32 slots (linear probing, doubled at half full:
+ * one entry per distinct phrase of the output, as the Python dict), an entry its count (0: empty), the
+ * end position of its newest occurrence (modulo 2**32, as the Python one holds positions below 2**40)
+ * and its ngram ids: 24 bytes for 4-token phrases; three rings of `window` slots; the vocabulary of the
+ * window in a second table of token -> count (at most `window` live tokens, deletion by backward
+ * shift). */
 
 #define PARA_MAX_NGRAM 8
 #define PARA_MAX_WINDOW (1 << 20)
-
-typedef struct {
-    int64_t count; /* 0: empty */
-    int64_t last;  /* end position of its newest occurrence */
-    uint32_t ids[PARA_MAX_NGRAM];
-} Phrase;
 
 typedef struct {
     PyObject_HEAD
@@ -937,12 +933,13 @@ typedef struct {
     int ngram;
     int64_t min_seen, window, min_jumps, min_vocab;
     double ratio, need;
-    int64_t n, last, recurrent, jumps, vocab_n;
+    int64_t n, recurrent, jumps, vocab_n;
+    uint32_t last; /* where the previous phrase occurred before (its end), NONE: nowhere */
     uint32_t recent[PARA_MAX_NGRAM]; /* the last ngram ids, oldest first */
-    Phrase *phrases;
+    uint32_t *phrases; /* entries of 2 + ngram slots: count, last, ids */
     int64_t pcap, pcount;
     uint8_t *rec_ring, *jump_ring;
-    int64_t *tok_ring; /* the token ending a recurrent phrase, else -1 */
+    uint32_t *tok_ring; /* the token ending a recurrent phrase, else NONE */
     uint32_t *vkeys, *vcounts; /* vocabulary: token -> recurrent phrases it ends in the window */
     int64_t vcap;
     int64_t hit_at, hit_window, hit_recurrent, hit_jumps, hit_vocab;
@@ -970,21 +967,24 @@ phrase_hash(const uint32_t *ids, int k)
     return h;
 }
 
+#define NONE 0xFFFFFFFFu /* token ids are below 2**31 */
+
 static int
 phrases_grow(Para *d)
 {
-    int64_t ncap = d->pcap ? d->pcap * 2 : 256;
-    Phrase *np = PyMem_Calloc((size_t)ncap, sizeof(Phrase));
+    const int64_t stride = 2 + d->ngram, ncap = d->pcap ? d->pcap * 2 : 64;
+    const uint64_t mask = (uint64_t)(ncap - 1);
+    uint32_t *np = PyMem_Calloc((size_t)(ncap * stride), sizeof(uint32_t));
     if (np == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     for (int64_t k = 0; k < d->pcap; k++) {
-        Phrase *e = &d->phrases[k];
-        if (!e->count) continue;
-        uint64_t j = phrase_hash(e->ids, d->ngram) & (uint64_t)(ncap - 1);
-        while (np[j].count) j = (j + 1) & (uint64_t)(ncap - 1);
-        np[j] = *e;
+        const uint32_t *e = d->phrases + k * stride;
+        if (!e[0]) continue;
+        uint64_t j = phrase_hash(e + 2, d->ngram) & mask;
+        while (np[j * stride]) j = (j + 1) & mask;
+        memcpy(np + j * stride, e, (size_t)stride * sizeof(uint32_t));
     }
     PyMem_Free(d->phrases);
     d->phrases = np;
@@ -993,21 +993,22 @@ phrases_grow(Para *d)
 }
 
 /* The entry of the phrase in d->recent (a new one with count 0 when it was never said), or NULL. */
-static Phrase *
+static uint32_t *
 phrase_find(Para *d)
 {
     if (2 * (d->pcount + 1) > d->pcap && phrases_grow(d) < 0) return NULL;
     const int k = d->ngram;
+    const int64_t stride = 2 + k;
     const uint64_t mask = (uint64_t)(d->pcap - 1);
     uint64_t j = phrase_hash(d->recent, k) & mask;
     for (;;) {
-        Phrase *e = &d->phrases[j];
-        if (!e->count) {
-            memcpy(e->ids, d->recent, (size_t)k * sizeof(uint32_t));
+        uint32_t *e = d->phrases + j * stride;
+        if (!e[0]) {
+            memcpy(e + 2, d->recent, (size_t)k * sizeof(uint32_t));
             d->pcount++;
             return e;
         }
-        if (memcmp(e->ids, d->recent, (size_t)k * sizeof(uint32_t)) == 0) return e;
+        if (memcmp(e + 2, d->recent, (size_t)k * sizeof(uint32_t)) == 0) return e;
         j = (j + 1) & mask;
     }
 }
@@ -1067,28 +1068,28 @@ para_feed(Para *d, const uint32_t *toks, Py_ssize_t count)
         }
         int rec = 0, jump = 0;
         if (i >= k - 1) {
-            Phrase *e = phrase_find(d);
+            uint32_t *e = phrase_find(d);
             if (e == NULL) return -1;
-            if (!e->count) {
-                e->count = 1;
-                e->last = i;
-                d->last = -2;
+            if (!e[0]) {
+                e[0] = 1;
+                e[1] = (uint32_t)i;
+                d->last = NONE - 1; /* -2, as the Python one */
             }
             else {
-                int64_t prev = e->last;
-                if (e->count >= d->min_seen) {
+                uint32_t prev = e[1];
+                if (e[0] >= d->min_seen) {
                     rec = 1;
-                    jump = prev != d->last + 1;
+                    jump = prev != (uint32_t)(d->last + 1);
                 }
-                e->count++;
-                e->last = i;
+                if (e[0] < NONE) e[0]++;
+                e[1] = (uint32_t)i;
                 d->last = prev;
             }
         }
         const int64_t slot = i % w;
-        if (d->tok_ring[slot] >= 0) vocab_remove(d, (uint32_t)d->tok_ring[slot]);
+        if (d->tok_ring[slot] != NONE) vocab_remove(d, d->tok_ring[slot]);
         if (rec) vocab_add(d, token);
-        d->tok_ring[slot] = rec ? (int64_t)token : -1;
+        d->tok_ring[slot] = rec ? token : NONE;
         d->recurrent += rec - d->rec_ring[slot];
         d->jumps += jump - d->jump_ring[slot];
         d->rec_ring[slot] = (uint8_t)rec;
@@ -1173,20 +1174,20 @@ Para_init(Para *self, PyObject *args, PyObject *kwds)
     self->min_vocab = min_vocab;
     self->ratio = ratio;
     self->need = ratio * (double)window;
-    self->last = -2;
+    self->last = NONE - 1;
     int64_t vcap = 16;
     while (vcap < 2 * window) vcap *= 2;
     self->vcap = vcap;
     self->rec_ring = PyMem_Calloc((size_t)window, 1);
     self->jump_ring = PyMem_Calloc((size_t)window, 1);
-    self->tok_ring = PyMem_Malloc((size_t)window * sizeof(int64_t));
+    self->tok_ring = PyMem_Malloc((size_t)window * sizeof(uint32_t));
     self->vkeys = PyMem_Calloc((size_t)vcap, sizeof(uint32_t));
     self->vcounts = PyMem_Calloc((size_t)vcap, sizeof(uint32_t));
     if (!self->rec_ring || !self->jump_ring || !self->tok_ring || !self->vkeys || !self->vcounts) {
         PyErr_NoMemory();
         return -1;
     }
-    for (int64_t k = 0; k < window; k++) self->tok_ring[k] = -1;
+    for (int64_t k = 0; k < window; k++) self->tok_ring[k] = NONE;
     self->ready = 1;
     return 0;
 }
@@ -1235,8 +1236,8 @@ Para_extend(Para *self, PyObject *tokens)
 static PyObject *
 Para_sizeof(Para *self, PyObject *Py_UNUSED(ignored))
 {
-    int64_t bytes = (int64_t)Py_TYPE(self)->tp_basicsize + self->pcap * (int64_t)sizeof(Phrase)
-                    + self->window * (2 + (int64_t)sizeof(int64_t)) + self->vcap * 8;
+    int64_t bytes = (int64_t)Py_TYPE(self)->tp_basicsize + self->pcap * (2 + self->ngram) * 4
+                    + self->window * (2 + 4) + self->vcap * 8;
     return PyLong_FromLongLong(bytes);
 }
 

@@ -16,8 +16,9 @@ paraphrase loops, about 1,400 tokens after their second round (``python -m bench
 rule is off by default. ``ParaphraseDetector`` is compiled (``ledger.rules._loopc``, beside the loop
 detector; about 40 ns per token) and ``PyParaphraseDetector`` the pure-Python reference it is tested
 against (about 0.6 us per token; the fallback where the extension is missing). Memory: one entry per
-distinct phrase of the output (compiled, 48 bytes in a table at most half full: bounded by the token
-cap) and three rings of ``window`` slots.
+distinct phrase of the output (compiled, 24 bytes for a 4-token phrase in a table at most half full:
+about 48 bytes per output token, 9 KiB for a 64-token answer, 0.8 MiB at 16,384 tokens) and three
+rings of ``window`` slots.
 """
 
 from __future__ import annotations

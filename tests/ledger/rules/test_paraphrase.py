@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -168,6 +169,15 @@ def test_extend_many_refuses_a_python_paraphrase_detector_and_feeds_nobody():
     with pytest.raises(TypeError, match="detectors\\[1\\]"):
         extend_many([d, PyParaphraseDetector()], [1, 1], [1, 2])
     assert d.n == 0
+
+
+def test_memory_is_about_48_bytes_per_token_and_small_for_a_short_answer():
+    rng = random.Random(3)
+    short, long = ParaphraseDetector(), ParaphraseDetector()
+    short.extend([rng.randrange(50_000) for _ in range(64)])
+    long.extend([rng.randrange(50_000) for _ in range(16_384)])
+    assert sys.getsizeof(short) <= 10_000
+    assert sys.getsizeof(long) <= 16_384 * 50
 
 
 # -- the shipped corpus (python -m bench.loopdetect prints the same figures) ---------------------------
