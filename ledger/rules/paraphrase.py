@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 _POS = 1 << 40  # a phrase's entry: count * _POS + end position of its newest occurrence
 
@@ -161,14 +161,14 @@ else:
         ParaphraseDetector = PyParaphraseDetector
 
 
-def paraphrase_detector(settings: object) -> ParaphraseDetector:
+def paraphrase_detector(settings: Any) -> ParaphraseDetector:
     """A detector for the ``paraphrase_loop`` rule's settings
     (``ledger.rules.policy.ParaphraseLoopSettings``)."""
     return ParaphraseDetector(
-        ngram=settings.ngram,  # type: ignore[attr-defined]
-        min_seen=settings.min_seen,  # type: ignore[attr-defined]
-        window=settings.window,  # type: ignore[attr-defined]
-        min_recurrent_ratio=settings.min_recurrent_ratio,  # type: ignore[attr-defined]
-        min_jumps=settings.min_jumps,  # type: ignore[attr-defined]
-        min_vocabulary=settings.min_vocabulary,  # type: ignore[attr-defined]
+        ngram=settings.ngram,
+        min_seen=settings.min_seen,
+        window=settings.window,
+        min_recurrent_ratio=settings.min_recurrent_ratio,
+        min_jumps=settings.min_jumps,
+        min_vocabulary=settings.min_vocabulary,
     )
