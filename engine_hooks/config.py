@@ -71,9 +71,10 @@ class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
     # holding each poll this long, so commands arrive even while POSTs wait on a slow ledger commit or
     # nothing is emitted; 0: commands only ride on ingest answers
 
-    nats_url: str | None = None  # a NATS server with JetStream (nats://host:4222): batches are published
-    # to the stream, for the ledger workers behind it (engine_hooks/streams.py), and commands arrive on the
-    # source's commands subject; unset: POST to url (which still answers the producer release)
+    nats_url: str | None = None  # NATS with JetStream (nats://host:4222, comma-separated for a cluster):
+    # batches are published to the stream, for the ledger workers behind it (engine_hooks/streams.py), and
+    # commands arrive on the source's commands subject; unset: POST to url (which still answers the
+    # producer release)
     nats_stream: str = "CHUNKLEDGER"  # the stream's name (letters, digits, _ and -), also its subjects' root
 
     seq_start: NonNegInt | None = None  # first seq; unset: microseconds since the epoch at start, so a
@@ -88,9 +89,12 @@ class ExporterConfig(msgspec.Struct, kw_only=True, frozen=True):
                 "source_id must be 1-128 characters of letters, digits and ._:@- (starting with a letter or "
                 f"digit), got {self.source_id!r}"
             )
-        if self.nats_url is not None and not re.match(r"^(nats|tls)://[^/\s]+", self.nats_url):
+        if self.nats_url is not None and not all(
+            re.match(r"^(nats|tls)://[^/\s]+", u.strip()) for u in self.nats_url.split(",")
+        ):
             raise ValueError(
-                f"nats_url must start with nats:// or tls:// and name a host, got {self.nats_url!r}"
+                "nats_url must be nats:// or tls:// URLs naming a host, comma-separated for a cluster, got "
+                f"{self.nats_url!r}"
             )
         if not re.match(r"^[A-Za-z0-9_-]{1,64}$", self.nats_stream):
             raise ValueError(f"nats_stream must be 1-64 letters, digits, _ or -, got {self.nats_stream!r}")

@@ -214,7 +214,8 @@ class Settings(BaseSettings):
 
     nats_url: str = Field(
         "",
-        description="a NATS server with JetStream (nats://host:4222): this ledger is also a stream worker, "
+        description="NATS with JetStream (nats://host:4222, comma-separated for a cluster): this ledger is "
+        "also a stream worker, "
         "consuming its share of the stream's partitions (PostgreSQL only: the workers share one database)",
     )
     nats_stream: str = Field(
@@ -234,6 +235,9 @@ class Settings(BaseSettings):
     )
     nats_fetch: int = Field(
         64, ge=1, le=10_000, description="messages a worker takes from a partition at once (one group commit)"
+    )
+    nats_replicas: int = Field(
+        1, ge=1, le=5, description="copies of the stream on a NATS cluster (when a worker creates it)"
     )
     nats_max_age_s: float = Field(
         86_400.0, gt=0, description="the stream keeps messages this long (when it creates the stream)"
@@ -259,8 +263,8 @@ class Settings(BaseSettings):
     @field_validator("nats_url")
     @classmethod
     def _nats_url(cls, v: str) -> str:
-        if v and not v.startswith(("nats://", "tls://")):
-            raise ValueError("nats_url must start with nats:// or tls://")
+        if v and not all(u.strip().startswith(("nats://", "tls://")) for u in v.split(",")):
+            raise ValueError("nats_url must be nats:// or tls:// URLs, comma-separated for a cluster")
         return v
 
     def check_safe_to_bind(self) -> None:

@@ -68,7 +68,7 @@ class Link:
 
             assert self._config.nats_url is not None
             self._nc = await nats.connect(
-                self._config.nats_url,
+                [u.strip() for u in self._config.nats_url.split(",")],
                 name=f"chunkledger-exporter-{self._config.source_id}",
                 connect_timeout=self._config.connect_timeout_s,
                 max_reconnect_attempts=-1,

@@ -78,7 +78,7 @@ class StreamWorker:
                 f"this ledger's is {self.state.store.dialect}"
             )
         self._nc = await nats.connect(
-            self.settings.nats_url,
+            [u.strip() for u in self.settings.nats_url.split(",")],
             name="chunkledger-worker",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
@@ -123,6 +123,7 @@ class StreamWorker:
                 retention=RetentionPolicy.LIMITS,
                 storage=StorageType.FILE,
                 max_age=self.settings.nats_max_age_s,
+                num_replicas=self.settings.nats_replicas,
                 duplicate_window=120.0,
             )
             with contextlib.suppress(Exception):  # another worker may create it at the same moment
