@@ -14,6 +14,7 @@ sources whose partitions the killed worker held.
 
     python -m bench.workers --engines 16 --duration 20 --workers 1,2,3
     python -m bench.workers --engines 16 --duration 20 --workers 3 --kill
+    python -m bench.workers --engines-per-worker 6 --duration 20 --workers 1,2,3
 """
 
 from __future__ import annotations
@@ -277,6 +278,12 @@ def run(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", type=int, default=16)
+    ap.add_argument(
+        "--engines-per-worker",
+        type=int,
+        default=0,
+        help="instead of --engines: this many engines a worker (each run offers its workers the same load)",
+    )
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--workers", default="1,2,3", help="comma-separated worker counts, one run each")
     ap.add_argument("--partitions", type=int, default=12)
@@ -288,7 +295,7 @@ def main() -> None:
         for n in (int(x) for x in args.workers.split(",")):
             r = run(
                 n,
-                args.engines,
+                n * args.engines_per_worker if args.engines_per_worker else args.engines,
                 args.duration,
                 args.partitions,
                 args.kill_at if args.kill else None,
@@ -298,13 +305,13 @@ def main() -> None:
             print(r, flush=True)
     print()
     print(
-        "workers  offered tok/s  published   stored  drain s  CPU ms/1k tok  loop cutoffs"
+        "workers  engines  offered tok/s  published   stored  drain s  CPU ms/1k tok  loop cutoffs"
         + ("  retaken s  victim cutoffs after kill" if args.kill else "")
     )
     for r in rows:
         line = (
-            f"{r['workers']:>7}  {r['offered_tokens_s']:>13,.0f}  {r['published']:>9,}  {r['stored']:>7,}  "
-            f"{r['drain_s']:>7.1f}  {r['cpu_ms_per_1k']:>13.2f}  {r['loop_cutoffs']:>12,}"
+            f"{r['workers']:>7}  {r['engines']:>7}  {r['offered_tokens_s']:>13,.0f}  {r['published']:>9,}  "
+            f"{r['stored']:>7,}  {r['drain_s']:>7.1f}  {r['cpu_ms_per_1k']:>13.2f}  {r['loop_cutoffs']:>12,}"
         )
         if "retaken_s" in r:
             after, of = r["victim_loop_cutoffs_after_kill"], r["victim_sources"]
