@@ -80,6 +80,18 @@ from engine_hooks.gateway.upstream import upstream_transport
 log = logging.getLogger(__name__)
 
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+# vLLM's OpenAI server's other routes that clients and benchmark tools probe (GuideLLM: GET /health),
+# relayed as they are, without admission or events, so the gateway answers them as vLLM does
+# (vllm/entrypoints/serve/instrumentator/, .../tokenize/, .../sagemaker/, .../openai/models/).
+VLLM_ROUTES: dict[str, tuple[str, ...]] = {
+    "/health": ("GET",),
+    "/ping": ("GET", "POST"),
+    "/version": ("GET",),
+    "/load": ("GET",),
+    "/v1/models": ("GET",),
+    "/tokenize": ("POST",),
+    "/detokenize": ("POST",),
+}
 _encode = msgspec.json.encode
 _OutTimes = OutTimes  # the name the tests know it by
 
@@ -249,15 +261,13 @@ class Gateway:
                 return
             self.metrics.requests[endpoint].inc()
             await self._generate(Exchange(scope, receive, send, endpoint == "chat_completions"))
-        elif path == "/v1/models":
-            self.metrics.requests["models"].inc()
-            assert self._client is not None, "the gateway was not started (ASGI lifespan)"
-            await relay_plain(self._client, self.config.upstream_base, scope, receive, send)
+        elif path in VLLM_ROUTES:
+            await self._relay_vllm_route(path, method, scope, receive, send)
         elif path == "/metrics":
             await send_all(
                 send, 200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], generate_latest(self.registry)
             )
-        elif path in ("/healthz", "/health"):
+        elif path == "/healthz":
             await send_json(send, 200, b'{"status":"ok"}')
         else:
             await send_json(
@@ -265,6 +275,26 @@ class Gateway:
                 404,
                 error_body(f"no route {method} {path} in the chunkledger gateway", "not_found_error", 404),
             )
+
+    async def _relay_vllm_route(
+        self, path: str, method: str, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """One of vLLM's own routes: relayed whole. ``GET /health`` is the engine's health (vLLM answers
+        200 or 503 with an empty body); an upstream the gateway cannot reach is unhealthy too (503)."""
+        methods = VLLM_ROUTES[path]
+        if method not in methods:
+            message = f"{path} takes {' or '.join(methods)}"
+            await send_json(
+                send,
+                405,
+                error_body(message, "invalid_request_error", 405),
+                extra=[(b"allow", ", ".join(methods).encode())],
+            )
+            return
+        self.metrics.requests["models" if path == "/v1/models" else "vllm_routes"].inc()
+        assert self._client is not None, "the gateway was not started (ASGI lifespan)"
+        unreachable = 503 if path == "/health" else None
+        await relay_plain(self._client, self.config.upstream_base, scope, receive, send, unreachable)
 
     # -- generation requests ----------------------------------------------------------------------
 

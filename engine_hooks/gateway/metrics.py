@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-ENDPOINTS = ("completions", "chat_completions", "models")
+ENDPOINTS = ("completions", "chat_completions", "models", "vllm_routes")
 OUTCOMES = (
     "completed",  # the upstream answer was relayed to the end (any upstream status)
     "rejected_queue_full",  # 429: the admission queue was full

@@ -356,9 +356,16 @@ async def answer_upstream_failed(gw: Host, x: Exchange, exc: httpx.HTTPError) ->
 
 
 async def relay_plain(
-    client: httpx.AsyncClient, upstream: str, scope: Scope, receive: Receive, send: Send
+    client: httpx.AsyncClient,
+    upstream: str,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    unreachable: int | None = None,
 ) -> None:
-    """``/v1/models``: no admission, no events; status, headers and body as the upstream sent them."""
+    """vLLM's other routes (``/v1/models``, ``/health``, ...): no admission, no events; status, headers
+    and body as the upstream sent them. ``unreachable``: the status, with an empty body, for an upstream
+    that did not answer (default: 502, or 504 for a timeout, with an error body)."""
     try:
         body = await read_body(receive)
     except Disconnected:
@@ -373,6 +380,9 @@ async def relay_plain(
     try:
         response = await client.request(scope["method"], url, headers=headers, content=body or None)
     except httpx.HTTPError as exc:
+        if unreachable is not None:
+            await send_all(send, unreachable, [(b"content-length", b"0")], b"")
+            return
         status = (
             504
             if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout)

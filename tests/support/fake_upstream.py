@@ -1,7 +1,8 @@
 """A small OpenAI-compatible upstream for gateway tests and the gateway benchmark (a real HTTP server).
 
 It answers ``/v1/completions`` and ``/v1/chat/completions`` the way vLLM's OpenAI server does (SSE
-chunks ending with ``data: [DONE]``, or one JSON body) and ``/v1/models``. The request header
+chunks ending with ``data: [DONE]``, or one JSON body), ``/v1/models``, ``/health`` (``x-fake:
+engine-dead``: 503) and ``/version``. The request header
 ``x-fake`` picks a fault:
 
 * ``status-500``: HTTP 500 with an error body;
@@ -138,6 +139,16 @@ class FakeUpstream:
         )
         if path == "/v1/models":
             await self._json(send, 200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+            return
+        if path == "/health":  # vLLM's: an empty body, 503 once its engine is dead
+            status = 503 if headers.get("x-fake") == "engine-dead" else 200
+            await send(
+                {"type": "http.response.start", "status": status, "headers": [(b"content-length", b"0")]}
+            )
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if path == "/version":
+            await self._json(send, 200, {"version": "0.0.0-fake"})
             return
         rid = headers.get("x-request-id", "none")
         fault = headers.get("x-fake", "")

@@ -315,3 +315,21 @@ def test_vllm_ledger_cutoff_cuts_the_stream_and_the_engine_request(stack, make_g
     assert wait_until(
         lambda: (_row(stack["ledger"], "vllm-cut-1") or {}).get("cut_rule") == "token_cap", timeout=20
     )
+
+
+def test_vllm_routes_answer_through_the_gateway_as_vllm_answers_them(stack, make_gateway):
+    gw = make_gateway(stack["vllm"])
+    with httpx.Client(timeout=30) as client:
+        for method, path, body in (
+            ("GET", "/health", None),
+            ("GET", "/version", None),
+            ("GET", "/v1/models", None),
+            ("POST", "/tokenize", {"model": MODEL, "prompt": "the ledger"}),
+        ):
+            via = client.request(method, gw.url + path, json=body)
+            direct = client.request(method, stack["vllm"] + path, json=body)
+            assert via.status_code == direct.status_code == 200, path
+            if path == "/v1/models":  # each answer has its own creation time and permission ids
+                assert [m["id"] for m in via.json()["data"]] == [m["id"] for m in direct.json()["data"]]
+            else:
+                assert via.content == direct.content, path
