@@ -63,6 +63,9 @@ StatusCode = Annotated[int, msgspec.Meta(ge=0, le=999)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Ratio = Annotated[float, msgspec.Meta(ge=0, le=1)]
+# W3C Trace Context ids (``engine_hooks.tracecontext``): lowercase hex, never all zeros.
+TraceId = Annotated[str, msgspec.Meta(pattern="^(?!0{32}$)[0-9a-f]{32}$", description="W3C trace id")]
+SpanId = Annotated[str, msgspec.Meta(pattern="^(?!0{16}$)[0-9a-f]{16}$", description="W3C span id")]
 
 # The HTTP header carrying the producer key (``ledger.producers``): a random secret the exporter draws
 # once per source and keeps in its spool folder.
@@ -103,6 +106,9 @@ class Arrived(_RequestEvent, tag="arrived", kw_only=True, frozen=True):
     endpoint: str = ""  # API path, e.g. "/v1/chat/completions"
     stream: bool = False  # whether the client asked for a streamed response
     priority: Int64 = 0  # admission priority the client asked for (lower runs first)
+    trace_id: TraceId | None = None  # the client's trace (its traceparent), or one the gateway started
+    parent_span_id: SpanId | None = None  # the client's span that sent it; None when the gateway started it
+    span_id: SpanId | None = None  # the gateway's span for the request: the parent it sends to the engine
 
 
 class AdmissionEnqueued(_RequestEvent, tag="admission_enqueued", kw_only=True, frozen=True):
@@ -168,6 +174,8 @@ class Queued(_RequestEvent, tag="queued", kw_only=True, frozen=True):
     max_tokens: NonNegInt | None = None  # output cap the client asked for; None when unbounded
     arrival_ts: Timestamp | None = None  # engine front end's arrival time, when it differs from ts
     priority: Int64 = 0  # engine-side priority
+    trace_id: TraceId | None = None  # the trace vLLM received (traceparent), sent only without a gateway
+    parent_span_id: SpanId | None = None  # the span that sent it to vLLM, with trace_id
 
 
 class Chunk(_RequestEvent, tag="chunk", kw_only=True, frozen=True):

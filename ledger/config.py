@@ -211,6 +211,25 @@ class Settings(BaseSettings):
     sql_reader_url: str = Field(
         "", description="PostgreSQL: URL of the read-only role /v1/sql connects as (`chunkledger sql-reader`)"
     )
+    trace_url: str = Field(
+        "",
+        description="link to a request's trace in your trace UI, `{trace_id}` replaced by its W3C trace id "
+        "(e.g. `http://jaeger:16686/trace/{trace_id}`); shown by GET /v1/requests/{id} and the dashboard "
+        "(empty: no link)",
+    )
+
+    @field_validator("trace_url")
+    @classmethod
+    def _trace_url_template(cls, v: str) -> str:
+        if v and (not v.startswith(("http://", "https://")) or "{trace_id}" not in v):
+            raise ValueError("trace_url must be an http(s) URL containing {trace_id}")
+        return v
+
+    def trace_link(self, trace_id: str | None) -> str | None:
+        """The trace UI's page of ``trace_id`` (``trace_url``), or None."""
+        if not trace_id or not self.trace_url:
+            return None
+        return self.trace_url.replace("{trace_id}", trace_id)
 
     nats_url: str = Field(
         "",

@@ -90,6 +90,10 @@ AGGREGATES: dict[str, Agg] = {
     "first_token_out_ts": Agg("min", "float", "gateway wrote the first generated content to the client"),
     "last_token_out_ts": Agg("max", "float", "gateway wrote the last generated content to the client"),
     "first_wait_s": Agg("min", "float", "engine: queued -> first scheduled, as the engine measured it"),
+    # W3C trace context (migration 0011): the gateway's, or without a gateway the engine's.
+    "trace_id": Agg("max", "str", "W3C trace id the request ran under (32 hex digits)"),
+    "parent_span_id": Agg("max", "str", "the caller's span that sent the request (16 hex digits)"),
+    "span_id": Agg("max", "str", "the gateway's span for the request, the parent of the engine's"),
 }
 
 SUM_COLUMNS = frozenset(c for c, a in AGGREGATES.items() if a.op == "sum")
@@ -121,6 +125,9 @@ def _add(row: Row, col: str, v: Any) -> None:
 def _arrived(row: Row, e: Any, source: ev.Source) -> None:
     _max(row, "gateway_source_id", source.id)
     _min(row, "arrived_ts", e.ts)
+    _max(row, "trace_id", e.trace_id)
+    _max(row, "parent_span_id", e.parent_span_id)
+    _max(row, "span_id", e.span_id)
 
 
 def _admission_enqueued(row: Row, e: Any, source: ev.Source) -> None:
@@ -173,6 +180,8 @@ def _queued(row: Row, e: Any, source: ev.Source) -> None:
     _min(row, "engine_arrival_ts", e.arrival_ts if e.arrival_ts is not None else e.ts)
     _max(row, "prompt_tokens", e.prompt_tokens)
     _max(row, "max_tokens", e.max_tokens)
+    _max(row, "trace_id", e.trace_id)
+    _max(row, "parent_span_id", e.parent_span_id)
 
 
 def _chunk(row: Row, e: Any, source: ev.Source) -> None:

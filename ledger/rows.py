@@ -68,6 +68,7 @@ class RequestDetail(Record, kw_only=True):
 
     request: RequestRow  # type: ignore[valid-type]
     events: list[EventRow]  # type: ignore[valid-type]
+    trace_url: str | None = None  # the request's trace in the trace UI (CHUNKLEDGER_TRACE_URL), if set
 
 
 SourceRow: Any = table_record(

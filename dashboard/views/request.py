@@ -104,6 +104,12 @@ def render(data: LedgerData, request_id: str) -> None:
     c[3].metric("output (tokens)", f"{r.get('output_tokens') or 0:,}")
     c[4].metric("chunks / preemptions", f"{r.get('chunks') or 0} / {r.get('preemptions') or 0}")
     c[5].metric("finish", str(r.get("finish_reason") or "live"), help=r.get("stop_reason") or None)
+    trace_id = r.get("trace_id")
+    if trace_id:
+        link = doc.get("trace_url")
+        shown = f"[`{trace_id}`]({link})" if link else f"`{trace_id}`"
+        parent = r.get("parent_span_id")
+        st.caption(f"trace {shown}" + (f", parent span `{parent}`" if parent else ""))
     if r.get("cut_rule"):
         # cut_rule names any rule whose command a source applied: an abort cuts the request off, an
         # escape valve (slow pool, non-preemptible) only changes how the engine schedules it.

@@ -9,7 +9,9 @@ Per generation request (``POST /v1/completions``, ``POST /v1/chat/completions``)
 The request id is the client's ``X-Request-Id`` or a new one; it goes upstream in that header (vLLM's
 OpenAI server uses it for its own request id) and in the body as
 ``vllm_xargs.chunkledger_request_id``, which vLLM copies into ``SamplingParams.extra_args`` where the
-engine hook reads it, so gateway and engine rows of the ledger join. Durations in events are measured
+engine hook reads it, so gateway and engine rows of the ledger join. The request gets a span of the
+gateway's in the client's W3C trace (its ``traceparent``, else a new trace: ``GatewaySpan``), sent
+upstream as the engine's parent and to the ledger on ``arrived``. Durations in events are measured
 with the monotonic clock; ``ts`` is the wall clock.
 
 This module holds the ASGI entry, the routes, admission and the life cycle; a request's context
@@ -54,7 +56,7 @@ from engine_hooks.events import (
 from engine_hooks.exporter import Exporter
 from engine_hooks.gateway.admission import AdmissionQueue, AdmissionRefused
 from engine_hooks.gateway.config import GatewayConfig
-from engine_hooks.gateway.exchange import Exchange, Receive, Scope, Send
+from engine_hooks.gateway.exchange import Exchange, GatewaySpan, Receive, Scope, Send
 from engine_hooks.gateway.metrics import GatewayMetrics
 from engine_hooks.gateway.relay import (
     OutTimes,
@@ -186,7 +188,17 @@ class Gateway:
 
     def _emit_on(self, exporter: Exporter) -> None:
         e = exporter.emitter
-        self.e_arrived = e(Arrived, "ts", "request_id", "endpoint", "stream", "priority")
+        self.e_arrived = e(
+            Arrived,
+            "ts",
+            "request_id",
+            "endpoint",
+            "stream",
+            "priority",
+            "trace_id",
+            "parent_span_id",
+            "span_id",
+        )
         self.e_enqueued = e(AdmissionEnqueued, "request_id", "queue_depth", "entry_s")
         self.e_admitted = e(Admitted, "request_id", "wait_s", "in_flight")
         self.e_first_byte = e(FirstByte, "request_id", "since_arrived_s")
@@ -299,12 +311,17 @@ class Gateway:
     # -- generation requests ----------------------------------------------------------------------
 
     async def _generate(self, x: Exchange) -> None:
-        client_id = priority_raw = None
+        client_id = priority_raw = traceparent = tracestate = None
         for name, value in x.scope["headers"]:
             if name == self.id_header:
                 client_id = value
             elif name == self._priority_header:
                 priority_raw = value
+            elif name == b"traceparent":
+                traceparent = value
+            elif name == b"tracestate":
+                tracestate = value
+        x.trace = GatewaySpan(traceparent, tracestate)
         try:
             body = await read_body(x.receive, self.config.body_timeout_s)
         except Disconnected:
@@ -326,7 +343,7 @@ class Gateway:
             x.priority = parse_priority(priority_raw, self.config.priority_header)
             payload, x.stream, x.choices = parse_body(body)
         except BadRequest as exc:
-            self.e_arrived(x.ts0, x.request_id, x.path, False, 0)
+            self.e_arrived(x.ts0, x.request_id, x.path, False, 0, *self._trace_fields(x))
             self.report_completed(x, 400, None, "bad_request")
             body = error_body(str(exc), "invalid_request_error", 400, exc.param)
             await send_json(x.send, 400, body, x.request_id, self.id_header)
@@ -350,7 +367,7 @@ class Gateway:
         xargs = payload.get("vllm_xargs")
         payload["vllm_xargs"] = {**(xargs or {}), XARGS_KEY: x.request_id}
         x.body = _encode(payload)
-        self.e_arrived(x.ts0, x.request_id, x.path, x.stream, x.priority)
+        self.e_arrived(x.ts0, x.request_id, x.path, x.stream, x.priority, *self._trace_fields(x))
         self.e_enqueued(x.request_id, self.queue.depth, time.monotonic() - x.t0)
 
         request_id = x.request_id
@@ -363,6 +380,14 @@ class Gateway:
             watcher.cancel()
             if self._active.get(request_id) is x:
                 del self._active[request_id]
+
+    @staticmethod
+    def _trace_fields(x: Exchange) -> tuple[str | None, str | None, str | None]:
+        """``arrived``'s trace fields: the trace, the client's span, the gateway's span."""
+        trace = x.trace
+        if trace is None:
+            return None, None, None
+        return trace.trace_id, trace.parent_span_id, trace.span_id
 
     async def _watch(self, x: Exchange) -> None:
         """Wait for the client to go away (``http.disconnect``) and interrupt the exchange."""
@@ -412,7 +437,13 @@ class Gateway:
         request = httpx.Request(
             "POST",
             url.copy_with(query=query) if (query := scope.get("query_string")) else url,
-            headers=upstream_headers(scope["headers"], self.id_header, x.request_id, x.stream),
+            headers=upstream_headers(
+                scope["headers"],
+                self.id_header,
+                x.request_id,
+                x.stream,
+                x.trace.upstream_headers() if x.trace is not None else [],
+            ),
             content=x.body,
             extensions={"timeout": self._timeouts},
         )

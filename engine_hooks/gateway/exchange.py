@@ -19,11 +19,45 @@ from typing import Any
 import httpx
 
 from engine_hooks.events import Command
+from engine_hooks.tracecontext import (
+    SAMPLED,
+    format_traceparent,
+    new_span_id,
+    new_trace_id,
+    parse_traceparent,
+    valid_tracestate,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+
+
+class GatewaySpan:
+    """The gateway's span of one request (W3C Trace Context): in the client's trace when its
+    ``traceparent`` is valid (the client's span its parent, its ``tracestate`` passed on), else the root
+    of a new trace. The engine gets it as its parent (:meth:`upstream_headers`), so vLLM's own
+    ``llm_request`` span and the ledger's spans of the request are one trace under it."""
+
+    __slots__ = ("flags", "parent_span_id", "span_id", "trace_id", "tracestate")
+
+    def __init__(self, traceparent: bytes | None, tracestate: bytes | None):
+        parent = parse_traceparent(traceparent)
+        self.span_id = new_span_id()
+        if parent is None:
+            self.trace_id, self.parent_span_id, self.flags = new_trace_id(), None, SAMPLED
+            self.tracestate: bytes | None = None
+        else:
+            self.trace_id, self.parent_span_id, self.flags = parent
+            state = valid_tracestate(tracestate)
+            self.tracestate = state.encode() if state is not None else None
+
+    def upstream_headers(self) -> list[tuple[bytes, bytes]]:
+        out = [(b"traceparent", format_traceparent(self.trace_id, self.span_id, self.flags).encode())]
+        if self.tracestate is not None:
+            out.append((b"tracestate", self.tracestate))
+        return out
 
 
 class Exchange:
@@ -54,6 +88,7 @@ class Exchange:
         "stream",
         "t0",
         "task",
+        "trace",
         "ts0",
     )
 
@@ -73,6 +108,7 @@ class Exchange:
         self.model: str | None = None  # the body's model, when a string
         self.priority = 0
         self.body = b""  # what goes upstream: the client's JSON plus the request id in vllm_xargs
+        self.trace: GatewaySpan | None = None  # the request's span in the client's trace, or a new trace
         # The client's side and the upstream's.
         self.receive = receive
         self.send = send

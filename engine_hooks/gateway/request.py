@@ -134,19 +134,29 @@ def parse_body(body: bytes) -> tuple[CompletionRequest, bool, int]:
     return cast(CompletionRequest, payload), stream, choices
 
 
+_TRACE_HEADERS = frozenset((b"traceparent", b"tracestate"))
+
+
 def upstream_headers(
-    headers: list[tuple[bytes, bytes]], id_header: bytes, request_id: str, stream: bool
+    headers: list[tuple[bytes, bytes]],
+    id_header: bytes,
+    request_id: str,
+    stream: bool,
+    trace: list[tuple[bytes, bytes]] = [],  # noqa: B006 (read only)
 ) -> list[tuple[bytes, bytes]]:
-    """Client headers minus hop-by-hop ones, plus the request id. A stream is asked for unencoded, so
-    that the gateway can append its own final event; other bodies keep the client's accept-encoding."""
+    """Client headers minus hop-by-hop ones, plus the request id and ``trace``: the gateway's
+    ``traceparent`` (and the client's ``tracestate``) in place of the client's. A stream is asked for
+    unencoded, so that the gateway can append its own final event; other bodies keep the client's
+    accept-encoding."""
     out = []
     encoding = b"identity"
     for name, value in headers:
-        if name in DROP_REQUEST or name == id_header:
+        if name in DROP_REQUEST or name == id_header or name in _TRACE_HEADERS:
             if name == b"accept-encoding" and not stream:
                 encoding = value
             continue
         out.append((name, value))
     out.append((b"accept-encoding", encoding))
     out.append((id_header, request_id.encode()))
+    out.extend(trace)
     return out

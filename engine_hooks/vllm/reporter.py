@@ -46,6 +46,7 @@ from engine_hooks.vllm import compat
 from engine_hooks.vllm.compat import QUEUED, SCHEDULED, vllm_stamp
 from engine_hooks.vllm.folding import OutputFolder
 from engine_hooks.vllm.state import PREEMPTED, RUNNING, HookState, ReqState
+from engine_hooks.vllm.tracing import request_trace
 
 
 class StepRecord(NamedTuple):
@@ -144,7 +145,7 @@ class Reporter(HookState):
             self._e_resumed = self._e_finished = self._e_cutoff = self._e_step = null
         else:
             e = exporter.emitter
-            self._e_queued = e(Queued, *fields.QUEUED_FIELDS)
+            self._e_queued = e(Queued, *fields.QUEUED_FIELDS, "trace_id", "parent_span_id")
             self._e_chunk = e(Chunk, *fields.CHUNK_FIELDS)
             self._e_tokens = e(Tokens, *fields.TOKENS_FIELDS)
             self._e_preempted = e(Preempted, *fields.PREEMPTED_FIELDS)
@@ -181,6 +182,7 @@ class Reporter(HookState):
             request.max_tokens,
             arrival if arrival and arrival > 0 else None,
             request.priority,
+            *request_trace(request),
         )
 
     def _cl_report_finished(self, finished: list[Request], status: Any) -> None:

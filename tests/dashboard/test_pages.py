@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+import httpx
 import msgspec
 import pandas as pd
 import pyarrow as pa
@@ -586,3 +587,35 @@ def test_an_answer_in_another_shape_is_not_available_in_this_ledger(old_ledger) 
 def test_an_unbucketed_attribution_group_has_no_bucket_start() -> None:
     with pytest.raises(ValueError, match="bucket_s"):
         bucket_start(_group({}))
+
+
+def test_request_page_links_the_trace_when_a_trace_ui_is_configured(tmp_path, run_page) -> None:
+    from engine_hooks import events as ev
+    from tests.support.factories import ENGINE, GATEWAY, body, lifecycle, numbered
+    from tests.support.servers import LedgerServer
+
+    trace, caller = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    env = {"CHUNKLEDGER_TRACE_URL": "http://jaeger.example:16686/trace/{trace_id}"}
+    server = LedgerServer(f"duckdb:///{tmp_path / 'ledger.duckdb'}", tmp_path / "ledger.log", env)
+    server.start()
+    try:
+        gw, en = lifecycle("traced")
+        gw[0] = msgspec.structs.replace(
+            gw[0], trace_id=trace, parent_span_id=caller, span_id="b7ad6b7169203331"
+        )
+        plain = [ev.Queued(seq=0, ts=5.0, request_id="plain", prompt_tokens=3)]
+        for source, events in ((GATEWAY, gw), (ENGINE, numbered(en) + numbered(plain, start=100))):
+            httpx.post(
+                server.url + "/v1/events",
+                content=body(source, numbered(events) if source is GATEWAY else events),
+                headers={"content-type": "application/json"},
+            ).raise_for_status()
+        at = run_page(server.url, "request", {"id": "traced"})
+        no_exceptions(at)
+        assert f"[`{trace}`](http://jaeger.example:16686/trace/{trace})" in texts(at)
+        assert f"parent span `{caller}`" in texts(at)
+        untraced = run_page(server.url, "request", {"id": "plain"})
+        no_exceptions(untraced)
+        assert "trace" not in texts(untraced)
+    finally:
+        server.stop()

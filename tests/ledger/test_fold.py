@@ -115,6 +115,12 @@ def test_every_aggregate_column_is_reachable_from_some_event():
     extra = [
         (GATEWAY, ev.ClientDisconnected(seq=0, ts=T0 + 9, request_id="r")),
         (GATEWAY, ev.StreamCut(seq=0, ts=T0 + 9, request_id="r", rule="loop")),
+        (
+            GATEWAY,
+            ev.Arrived(
+                seq=0, ts=T0, request_id="r", trace_id="ab" * 16, parent_span_id="cd" * 8, span_id="ef" * 8
+            ),
+        ),
         # A decode-phase preemption, a finish while waiting, a step run and a step sat out.
         (ENGINE, ev.Resumed(seq=0, ts=T0 + 9, request_id="r", wait_s=0.2, output_tokens=5)),
         (ENGINE, ev.Finished(seq=0, ts=T0 + 9, request_id="r", reason="abort", wait_s=0.1)),
@@ -294,3 +300,50 @@ def test_tokens_carried_by_steps_fold_like_tokens_events_at_the_steps_ends():
     for rid in ("a", "b"):
         for k in ("first_token_ts", "last_token_ts", "output_tokens"):
             assert grouped[rid][k] == pytest.approx(by_steps[rid][k])
+
+
+def test_trace_context_comes_from_the_gateway_or_without_one_from_the_engine():
+    trace, caller, gateway_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", "b7ad6b7169203331"
+    gw = [
+        (
+            GATEWAY,
+            ev.Arrived(
+                seq=0, ts=T0, request_id="g", trace_id=trace, parent_span_id=caller, span_id=gateway_span
+            ),
+        )
+    ]
+    en = [
+        (
+            ENGINE,
+            ev.Queued(seq=0, ts=T0, request_id="e", prompt_tokens=3, trace_id=trace, parent_span_id=caller),
+        )
+    ]
+    rows = fold(gw + en)
+    assert (rows["g"]["trace_id"], rows["g"]["parent_span_id"], rows["g"]["span_id"]) == (
+        trace,
+        caller,
+        gateway_span,
+    )
+    assert (rows["e"]["trace_id"], rows["e"]["parent_span_id"], rows["e"].get("span_id")) == (
+        trace,
+        caller,
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("trace_id", "0" * 32),
+        ("trace_id", "AB" * 16),
+        ("trace_id", "ab" * 15),
+        ("span_id", "0" * 16),
+        ("parent_span_id", "xyz"),
+    ],
+)
+def test_trace_ids_that_are_not_w3c_ids_are_refused_naming_the_field(field, value):
+    import msgspec
+
+    body = {"kind": "arrived", "seq": 0, "ts": T0, "request_id": "r", field: value}
+    with pytest.raises(msgspec.ValidationError, match=field):
+        msgspec.convert(body, ev.Arrived)

@@ -374,3 +374,28 @@ def test_first_waits_are_vllms_own_queue_times_when_vllm_logs_stats(engine, atta
         (s,) = [v for k, v in stamps.items() if k.startswith(r + "-")]
         assert first.wait_s == s["SCHEDULED"] - s["QUEUED"], r
     assert len({events_of(events, Chunk, r)[0].step for r in ids}) >= 3  # waits of several steps
+
+
+def test_queued_carries_the_trace_vllm_received_unless_the_gateway_sent_it(engine, attach, ledger):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if not hasattr(engine.core, "add_request") or engine.__class__.__name__ != "Engine":
+        pytest.skip("the synthetic engine builds its requests without trace headers")
+    trace, span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    headers = {"traceparent": f"00-{trace}-{span}-01"}
+    exporter = attach(ledger.url)
+    plain, gw = rid("traced"), rid("traced-gw")
+    engine.core.add_request(
+        plain, TokensPrompt(prompt_token_ids=prompt(20)), SamplingParams(max_tokens=2), trace_headers=headers
+    )
+    engine.core.add_request(
+        "engine-side-traced",
+        TokensPrompt(prompt_token_ids=prompt(20)),
+        SamplingParams(max_tokens=2, extra_args={"chunkledger_request_id": gw}),
+        trace_headers=headers,
+    )
+    engine.run()
+    queued = {e.request_id: e for e in events_of(_events(ledger, exporter), Queued)}
+    assert (queued[plain].trace_id, queued[plain].parent_span_id) == (trace, span)
+    assert (queued[gw].trace_id, queued[gw].parent_span_id) == (None, None)
