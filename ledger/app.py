@@ -6,6 +6,7 @@ import gc
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -84,6 +85,8 @@ def _open_services(app: FastAPI, settings: Settings, store: Store | None) -> Non
             "targets": TargetPolicy.parse(settings.webhook_allow),
         },
     )
+    state.traces = _trace_export(state, settings)
+    state.runaway.traces = state.traces
     state.runaway.start()
     state.writer = IngestWriter(
         state.store,
@@ -94,11 +97,38 @@ def _open_services(app: FastAPI, settings: Settings, store: Store | None) -> Non
     state.writer.start()
 
 
+def _trace_export(state: Any, settings: Settings) -> Any:
+    """The OTLP export of finished requests when an endpoint is configured (``ledger.traces``), else
+    None. It needs the ``otlp`` extra (OpenTelemetry's SDK and OTLP/HTTP exporter)."""
+    from ledger.traces.enabled import export_enabled
+
+    if state.store.dialect == "null" or not export_enabled(settings.otlp_traces_endpoint):
+        return None
+    try:
+        from ledger.traces.export import TraceExport, TraceExportOptions
+    except ImportError as exc:
+        raise RuntimeError(
+            f"an OTLP traces endpoint is configured but OpenTelemetry is not installed ({exc}); "
+            "install chunkledger[otlp]"
+        ) from exc
+    options = TraceExportOptions(
+        settings.otlp_traces_endpoint,
+        max_queue_spans=settings.traces_max_queue_spans,
+        batch_spans=settings.traces_batch_spans,
+        delay_s=settings.traces_delay_s,
+    )
+    export = TraceExport(state.store.engine, state.metrics, options)
+    export.start()
+    return export
+
+
 def _close_services(app: FastAPI, *, close_store: bool) -> None:
     """Stop what ``_open_services`` started, the writer first (it drains into the store)."""
     state = app.state
     state.writer.stop()
     state.runaway.stop()
+    if state.traces is not None:
+        state.traces.shutdown(timeout=5.0)
     state.sql.close()
     state.reads.close()
     state.ingest_pool.shutdown(wait=False)

@@ -211,6 +211,21 @@ class Settings(BaseSettings):
     sql_reader_url: str = Field(
         "", description="PostgreSQL: URL of the read-only role /v1/sql connects as (`chunkledger sql-reader`)"
     )
+    otlp_traces_endpoint: str = Field(
+        "",
+        description="OTLP/HTTP (protobuf) URL to export every finished request's spans to, e.g. "
+        "`http://collector:4318/v1/traces` (empty: the standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, "
+        "else `OTEL_EXPORTER_OTLP_ENDPOINT` + `/v1/traces`; none set: no export). The exporter honours "
+        "the other `OTEL_EXPORTER_OTLP_*` variables (headers, timeout, compression, certificates), "
+        "`OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES`",
+    )
+    traces_max_queue_spans: int = Field(
+        65_536, ge=1, description="spans waiting for the OTLP endpoint at most; more are dropped and counted"
+    )
+    traces_batch_spans: int = Field(512, ge=1, le=65_536, description="spans per OTLP export request at most")
+    traces_delay_s: float = Field(
+        1.0, gt=0, le=60, description="how often finished requests are turned into spans and sent"
+    )
     trace_url: str = Field(
         "",
         description="link to a request's trace in your trace UI, `{trace_id}` replaced by its W3C trace id "

@@ -87,6 +87,9 @@ def _add(a: int, b: int) -> int:
     return a + b
 
 
+TRACE_DROP_REASONS = ("export_failed", "queue_full", "request_queue_full", "read_failed")
+
+
 class LedgerMetrics:
     """The ledger's metrics. ``max_models``, ``max_sources``, ``max_reasons``: how many distinct values
     of those labels get series of their own; ``max_label_length``: the longest value exported as is."""
@@ -115,6 +118,7 @@ class LedgerMetrics:
         self._webhooks(r)
         self._ingest(r)
         self._service(r)
+        self._traces(r)
         self.live = _LiveCollector(self.models)
         r.register(self.live)
         # Registered after the live gauges, whose values are folded while a scrape collects them: the
@@ -313,6 +317,41 @@ class LedgerMetrics:
             ["reason"],
             registry=r,
         )
+
+    def _traces(self, r: CollectorRegistry) -> None:
+        """OTLP export of finished requests (``ledger.traces``): spans sent, batches tried, spans lost."""
+        self.trace_spans_exported_total = Counter(
+            "chunkledger_trace_spans_exported_total", "Spans the OTLP endpoint accepted", registry=r
+        )
+        self.trace_exports = Counter(
+            "chunkledger_trace_exports_total", "OTLP export requests (batches) attempted", registry=r
+        )
+        self.trace_export_failures = Counter(
+            "chunkledger_trace_export_failures_total",
+            "OTLP export requests the exporter gave up on (after its retries)",
+            registry=r,
+        )
+        self.trace_spans_dropped_total = Counter(
+            "chunkledger_trace_spans_dropped_total",
+            "Spans not exported (reason: export_failed, the endpoint did not take them in time; queue_full, "
+            "the span queue was full; request_queue_full and read_failed count requests, not spans)",
+            ["reason"],
+            registry=r,
+        )
+        self._trace_dropped = {
+            reason: self.trace_spans_dropped_total.labels(reason) for reason in TRACE_DROP_REASONS
+        }
+
+    def trace_spans_exported(self, n: int) -> None:
+        self.trace_spans_exported_total.inc(n)
+
+    def trace_spans_dropped(self, reason: str, n: int) -> None:
+        self._trace_dropped[reason].inc(n)
+
+    def trace_export_attempt(self, ok: bool) -> None:
+        self.trace_exports.inc()
+        if not ok:
+            self.trace_export_failures.inc()
 
     def _prime_labels(self) -> None:
         """Every known label value at 0 from the start, so a rate() sees the first increment."""

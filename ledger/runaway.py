@@ -48,8 +48,9 @@ from ledger.rules.policy_store import PolicyStore
 from ledger.rules.slo import SloMonitor, itl_of
 from ledger.webhooks.outbox import Webhooks
 
-if TYPE_CHECKING:  # the app hands the service its metrics
+if TYPE_CHECKING:  # the app hands the service its metrics and its trace export
     from ledger.metrics import LedgerMetrics
+    from ledger.traces.export import TraceExport
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class RunawayService:
         self._decisions_stored: concurrent.futures.Future[None] | None = None
         self._to_observe: deque[tuple[float, str]] = deque()
         self._observed: dict[str, None] = {}
+        self.traces: TraceExport | None = None  # the OTLP export of finished requests, when configured
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_slo = 0.0
@@ -382,6 +384,8 @@ class RunawayService:
         )
         with self.engine.connect() as conn:
             rows = [dict(r._mapping) for r in conn.execute(stmt, {"ids": due})]
+        if self.traces is not None:
+            self.traces.offer([str(row["request_id"]) for row in rows])
         for row in rows:
             self.metrics.observe_request(row)
             # the SLO is on TTFT as the client saw it where a gateway measured it

@@ -24,6 +24,7 @@ import pytest
 
 from bench.toolkit import free_port, vllm_server_cmd
 from tests.support.fake_ledger import wait_until
+from tests.support.otlp_receiver import OtlpReceiver
 
 # pytest-timeout counts fixture setup: the first test pays for starting the ledger (60 s at most) and
 # vLLM (300 s at most), whose own deadlines should fire first, with the server's log in the message.
@@ -63,7 +64,7 @@ class Proc:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A real ledger and a real vLLM OpenAI server whose engine reports to it."""
     from engine_hooks.vllm.cpu import engine_settings
     from engine_hooks.vllm.tiny_model import build_tiny_model, vllm_env
@@ -72,6 +73,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
 
     base = tmp_path_factory.mktemp("gateway-vllm")
     model = build_tiny_model(base / "tiny-llama")
+    # One OTLP/HTTP receiver for vLLM's own spans (--otlp-traces-endpoint) and the ledger's.
+    receiver = OtlpReceiver()
     ledger_port, vllm_port = free_port(), free_port()
     ledger_url = f"http://127.0.0.1:{ledger_port}"
     ledger = Proc(
@@ -86,7 +89,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
             str(ledger_port),
         ],
         base / "ledger.log",
-        dict(os.environ),
+        {**os.environ, "CHUNKLEDGER_OTLP_TRACES_ENDPOINT": receiver.url, "CHUNKLEDGER_TRACES_DELAY_S": "0.2"},
         ledger_url + "/readyz",
         60,
     )
@@ -99,6 +102,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         "CHUNKLEDGER_SPOOL_DIR": str(base / "spool"),
         "CHUNKLEDGER_SPOOL_FSYNC": "0",
         "CHUNKLEDGER_FLUSH_INTERVAL_S": "0.02",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",  # vLLM's default is gRPC
+        "OTEL_BSP_SCHEDULE_DELAY": "200",  # ms: vLLM's batch span processor sends soon
     }
     try:
         vllm = Proc(
@@ -110,6 +115,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
                 max_model_len=2048,
                 max_num_seqs=16,
                 kv_cache_memory_bytes=8 << 20,
+                otlp_traces_endpoint=receiver.url,
             ),
             base / "vllm.log",
             env,
@@ -118,10 +124,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         )
     except BaseException:
         ledger.stop()
+        receiver.stop()
         raise
-    yield {"ledger": ledger_url, "vllm": f"http://127.0.0.1:{vllm_port}"}
+    yield {"ledger": ledger_url, "vllm": f"http://127.0.0.1:{vllm_port}", "receiver": receiver}  # type: ignore[misc]
     vllm.stop()
     ledger.stop()
+    receiver.stop()
 
 
 def _row(ledger: str, request_id: str) -> dict[str, Any] | None:
@@ -333,3 +341,50 @@ def test_vllm_routes_answer_through_the_gateway_as_vllm_answers_them(stack, make
                 assert [m["id"] for m in via.json()["data"]] == [m["id"] for m in direct.json()["data"]]
             else:
                 assert via.content == direct.content, path
+
+
+def test_vllm_one_trace_holds_the_gateway_span_vllms_llm_request_and_the_ledgers_layers(stack, make_gateway):
+    """The client's trace through the gateway into vLLM (exporting its own spans) and the ledger
+    (exporting the request's): the gateway's span under the client's, vLLM's llm_request under the
+    gateway's, the layers under the gateway's and adding up to it."""
+    receiver: OtlpReceiver = stack["receiver"]
+    trace, client_span = "5bf92f3577b34da6a3ce929d0e0e4737", "10f067aa0ba902b8"
+    gw = make_gateway(stack["vllm"], ledger_url=stack["ledger"])
+    with httpx.Client(timeout=60) as client:
+        r = client.post(
+            gw.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "traced end to end", "max_tokens": 6, "temperature": 0},
+            headers={"x-request-id": "vllm-traced-1", "traceparent": f"00-{trace}-{client_span}-01"},
+        )
+    assert r.status_code == 200
+    gw.flush()
+    names = ("llm_request", "entry", "admission", "frontend", "engine_queue", "prefill", "decode")
+
+    def complete() -> bool:
+        got = {s.name for s in receiver.of_trace(trace)}
+        return set(names) <= got and f"text_completion {MODEL}" in got
+
+    assert wait_until(complete, timeout=30), sorted({s.name for s in receiver.of_trace(trace)})
+    spans = receiver.of_trace(trace)
+    (request,) = [s for s in spans if s.name == f"text_completion {MODEL}"]
+    (llm,) = [s for s in spans if s.name == "llm_request"]
+    assert request.parent_span_id == client_span
+    assert llm.parent_span_id == request.span_id  # the gateway's span is vLLM's parent
+    assert (
+        llm.attributes["gen_ai.usage.completion_tokens"]
+        == request.attributes["gen_ai.usage.output_tokens"]
+        == 6
+    )
+    layers = sorted(
+        (s for s in spans if s.parent_span_id == request.span_id and s.name != "llm_request"),
+        key=lambda s: s.start_ns,
+    )
+    assert [s.name for s in layers] == list(names[1:])
+    assert layers[0].start_ns == request.start_ns and abs(layers[-1].end_ns - request.end_ns) <= 1000
+    assert abs(sum(s.duration_ns for s in layers) - request.duration_ns) <= 1000
+    row = _row(stack["ledger"], "vllm-traced-1")
+    assert row is not None and (row["trace_id"], row["parent_span_id"], row["span_id"]) == (
+        trace,
+        client_span,
+        request.span_id,
+    )

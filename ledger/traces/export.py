@@ -1,0 +1,268 @@
+"""OTLP/HTTP (protobuf) export of finished requests, beside ingest and never in its way.
+
+The shape of OpenTelemetry's batch processor, with the SDK's own OTLP/HTTP exporter underneath
+(``OTLPSpanExporter``: protobuf encoding, gzip, headers, TLS, retries with backoff and
+``Retry-After`` until its timeout; it reads the standard ``OTEL_EXPORTER_OTLP_*`` variables):
+
+* ``offer(request_ids)`` (the rules ticker, for requests it observed finished) appends to a bounded
+  deque and returns: it never blocks, never raises, and what does not fit is dropped and counted.
+* A builder thread wakes every ``delay_s``, reads the due requests' rows and events (two queries for
+  all of them, on the ledger's read engine) and turns each into spans (``ledger.traces.spans``), into a
+  bounded span queue; spans that do not fit are dropped, counted (``queue_full``).
+* A sender thread sends batches of up to ``batch_spans`` spans as soon as a batch is full or the
+  builder has added to the queue. A batch the exporter gave up on (endpoint down past its timeout,
+  4xx) is dropped and counted (``export_failed``): memory stays bounded by the two queues whatever the
+  endpoint does, and ingest never waits for it.
+* ``shutdown()`` builds what is due, sends what is queued (within a timeout), and stops; idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+import sqlalchemy as sa
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from ledger.traces.spans import EVENT_KINDS, RequestTrace, Span, request_trace
+
+log = logging.getLogger(__name__)
+
+_SCOPE = InstrumentationScope("chunkledger", "0.1.0")
+
+
+class SpanSender(Protocol):
+    """What sends a batch (``OTLPSpanExporter``)."""
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult: ...
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class TraceExportOptions:
+    endpoint: str  # full URL of the OTLP/HTTP traces endpoint ("": the OTEL_EXPORTER_OTLP_* variables)
+    max_queue_spans: int = 65_536
+    max_queue_requests: int = 65_536
+    batch_spans: int = 512
+    delay_s: float = 1.0
+
+
+class Counters(Protocol):
+    """The metrics the export reports to (``LedgerMetrics`` has them)."""
+
+    def trace_spans_exported(self, n: int) -> None: ...
+    def trace_spans_dropped(self, reason: str, n: int) -> None: ...
+    def trace_export_attempt(self, ok: bool) -> None: ...
+
+
+class TraceExport:
+    def __init__(
+        self,
+        engine: sa.Engine,
+        counters: Counters,
+        options: TraceExportOptions,
+        *,
+        sender: SpanSender | None = None,
+        resource: Resource | None = None,
+    ) -> None:
+        self.engine = engine
+        self.counters = counters
+        self.options = options
+        self.sender: SpanSender = sender or OTLPSpanExporter(endpoint=options.endpoint or None)
+        # Resource.create reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES.
+        self.resource = resource or Resource.create({"service.name": "chunkledger"})
+        self._ids: deque[str] = deque()
+        self._spans: deque[ReadableSpan] = deque()
+        self._lock = threading.Lock()
+        self._wake_builder = threading.Event()
+        self._wake_sender = threading.Event()
+        self._stop = threading.Event()
+        self._sending = 0  # spans taken by the sender and not yet settled
+        self._threads: list[threading.Thread] = []
+        self._stopped = False
+
+    # -- host API -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        for name, target in (
+            ("chunkledger-traces-build", self._build_loop),
+            ("chunkledger-traces-send", self._send_loop),
+        ):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def offer(self, request_ids: Sequence[str]) -> None:
+        """Queue finished requests for export (never blocks; a full queue drops and counts them)."""
+        try:
+            with self._lock:
+                room = self.options.max_queue_requests - len(self._ids)
+                self._ids.extend(request_ids[: max(0, room)])
+            if len(request_ids) > room:
+                self.counters.trace_spans_dropped("request_queue_full", len(request_ids) - max(0, room))
+        except Exception:
+            log.exception("trace export: could not queue finished requests")
+
+    @property
+    def queued(self) -> tuple[int, int]:
+        """(requests waiting to be built, spans waiting to be sent)."""
+        return len(self._ids), len(self._spans)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Build what is queued and wait until every span is settled (sent or dropped); False on timeout."""
+        deadline = time.monotonic() + timeout
+        self._wake_builder.set()
+        while time.monotonic() < deadline:
+            if not self._ids and not self._spans and not self._sending and not self._wake_builder.is_set():
+                return True
+            self._wake_sender.set()
+            time.sleep(0.01)
+        return False
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self.flush(timeout)
+        self._stop.set()
+        self._wake_builder.set()
+        self._wake_sender.set()
+        for t in self._threads:
+            t.join(timeout)
+        try:
+            self.sender.shutdown()
+        except Exception:
+            log.exception("trace export: the OTLP exporter's shutdown failed")
+
+    # -- builder --------------------------------------------------------------------------------------
+    def _build_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake_builder.wait(self.options.delay_s)
+            try:
+                while self._ids:
+                    self._build_once()
+            except Exception:
+                log.exception("trace export: building spans failed")
+            finally:
+                self._wake_builder.clear()
+
+    def _build_once(self, limit: int = 1000) -> None:
+        with self._lock:
+            ids = [self._ids.popleft() for _ in range(min(limit, len(self._ids)))]
+        if not ids:
+            return
+        try:
+            traces = self._read(ids)
+        except Exception:
+            log.exception("trace export: reading %d finished requests failed", len(ids))
+            self.counters.trace_spans_dropped("read_failed", len(ids))
+            return
+        spans = [s for t in traces for s in self._readable(t)]
+        with self._lock:
+            room = self.options.max_queue_spans - len(self._spans)
+            self._spans.extend(spans[: max(0, room)])
+        if len(spans) > room:
+            self.counters.trace_spans_dropped("queue_full", len(spans) - max(0, room))
+        self._wake_sender.set()
+
+    def _read(self, ids: list[str]) -> list[RequestTrace]:
+        rows_sql = sa.text("SELECT * FROM requests WHERE request_id IN :ids").bindparams(
+            sa.bindparam("ids", expanding=True)
+        )
+        # ts bounds the scan: DuckDB prunes the events table's row groups by it (no index on request_id).
+        events_sql = sa.text(
+            "SELECT request_id, kind, ts, data FROM events "
+            "WHERE request_id IN :ids AND kind IN :kinds AND ts >= :since"
+        ).bindparams(sa.bindparam("ids", expanding=True), sa.bindparam("kinds", expanding=True))
+        with self.engine.connect() as conn:
+            rows = [dict(r._mapping) for r in conn.execute(rows_sql, {"ids": ids})]
+            starts = [r["start_ts"] for r in rows if isinstance(r.get("start_ts"), (int, float))]
+            if not starts:
+                return []
+            since = min(starts) - 3600.0
+            found = conn.execute(events_sql, {"ids": ids, "kinds": list(EVENT_KINDS), "since": since}).all()
+        events: dict[str, list[dict[str, Any]]] = {}
+        for request_id, kind, ts, data in found:
+            fields = msgspec.json.decode(data) if data else {}
+            fields.update(kind=kind, ts=ts)
+            events.setdefault(request_id, []).append(fields)
+        out = []
+        for row in rows:
+            built = request_trace(row, events.get(row["request_id"], []))
+            if built is not None:
+                out.append(built)
+        return out
+
+    def _readable(self, built: RequestTrace) -> list[ReadableSpan]:
+        trace_id = int(built.trace_id, 16)
+        flags = TraceFlags(TraceFlags.SAMPLED)
+        out = []
+        for s in built.spans:
+            context = SpanContext(trace_id, int(s.span_id, 16), is_remote=False, trace_flags=flags)
+            parent = (
+                SpanContext(trace_id, int(s.parent_span_id, 16), is_remote=True, trace_flags=flags)
+                if s.parent_span_id
+                else None
+            )
+            out.append(
+                ReadableSpan(
+                    s.name,
+                    context=context,
+                    parent=parent,
+                    resource=self.resource,
+                    attributes=dict(s.attributes),
+                    events=[Event(e.name, dict(e.attributes), _ns(e.ts)) for e in s.events],
+                    kind=SpanKind.SERVER if s.server else SpanKind.INTERNAL,
+                    status=_status(s),
+                    start_time=_ns(s.start),
+                    end_time=_ns(s.end),
+                    instrumentation_scope=_SCOPE,
+                )
+            )
+        return out
+
+    # -- sender ---------------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        while True:
+            self._wake_sender.wait(self.options.delay_s)
+            self._wake_sender.clear()
+            while self._spans:
+                self._send_batch()
+            if self._stop.is_set() and not self._spans:
+                return
+
+    def _send_batch(self) -> None:
+        with self._lock:
+            batch = [self._spans.popleft() for _ in range(min(self.options.batch_spans, len(self._spans)))]
+            self._sending = len(batch)
+        try:
+            try:
+                ok = self.sender.export(batch) is SpanExportResult.SUCCESS
+            except Exception:
+                log.exception("trace export: the OTLP exporter raised")
+                ok = False
+            self.counters.trace_export_attempt(ok)
+            if ok:
+                self.counters.trace_spans_exported(len(batch))
+            else:
+                self.counters.trace_spans_dropped("export_failed", len(batch))
+        finally:
+            self._sending = 0
+
+
+def _ns(ts: float) -> int:
+    return round(ts * 1e9)
+
+
+def _status(s: Span) -> Status:
+    return Status(StatusCode.ERROR, s.error) if s.error else Status(StatusCode.UNSET)
