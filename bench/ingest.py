@@ -534,7 +534,8 @@ def main() -> None:
     ap.add_argument(
         "--backends",
         default="null,duckdb,postgres",
-        help="also: duckdb-gc-default (no GC tuning), postgres-x2 (two ledger processes on one database, "
+        help="also: duckdb-gc-default (no GC tuning), duckdb-otlp (exporting finished requests as spans "
+        "to an OTLP sink), postgres-x2 (two ledger processes on one database, "
         "the sources pinned to them in turn); NAME@DIR runs that server from the checkout in DIR "
         "(e.g. a git worktree of an older commit: null@/tmp/old,null compares old and new in one run)",
     )
@@ -620,6 +621,42 @@ def _build_extension(root: Path) -> None:
         raise SystemExit(f"building the loop detector in {root} failed:\n{built.stderr[-2000:]}")
 
 
+class OtlpSink:
+    """An OTLP/HTTP endpoint that accepts every export (an empty ``ExportTraceServiceResponse``) and
+    counts requests and bytes without decoding them: the ledger's cost of exporting, not a backend's."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        sink = self
+        self.requests = self.bytes = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # http.server's name
+                n = int(self.headers.get("content-length") or 0)
+                self.rfile.read(n)
+                sink.requests += 1
+                sink.bytes += n
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+
+    def __enter__(self) -> OtlpSink:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def _run_spec(spec: str, workload: str, args: argparse.Namespace, workdir: Path) -> dict:
     name, _, root = spec.partition("@")
     suffix = f"@{Path(root).name}" if root else ""
@@ -642,6 +679,15 @@ def _run_spec(spec: str, workload: str, args: argparse.Namespace, workdir: Path)
         env = {"CHUNKLEDGER_GC_TUNING": "0"} if name != "duckdb" else None
         path = f"duckdb:///{workdir}/bench-{name}-{uuid.uuid4().hex[:6]}.duckdb"
         return run(label, path, env=env, server_root=root_arg)
+    if name == "duckdb-otlp":
+        # DuckDB exporting every finished request's spans to an OTLP/HTTP sink in this process
+        path = f"duckdb:///{workdir}/bench-{name}-{uuid.uuid4().hex[:6]}.duckdb"
+        with OtlpSink() as sink:
+            env = {"CHUNKLEDGER_OTLP_TRACES_ENDPOINT": sink.url}
+            result = run(label, path, env=env, server_root=root_arg)
+        print(f"{label}: the OTLP sink took {sink.requests} exports, {sink.bytes:,} bytes", flush=True)
+        result["otlp_requests"], result["otlp_bytes"] = sink.requests, sink.bytes
+        return result
     if name not in ("postgres", "postgres-x2"):
         raise SystemExit(f"unknown backend {name!r}")
     import sqlalchemy as sa
