@@ -243,8 +243,8 @@ class TraceExport:
 
     def _send_batch(self) -> None:
         with self._lock:
-            batch = [self._spans.popleft() for _ in range(min(self.options.batch_spans, len(self._spans)))]
-            self._sending = len(batch)
+            self._sending = n = min(self.options.batch_spans, len(self._spans))  # before the queue shrinks
+            batch = [self._spans.popleft() for _ in range(n)]
         try:
             try:
                 ok = self.sender.export(batch) is SpanExportResult.SUCCESS
