@@ -16,11 +16,13 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import Collector
 
 from ledger.metric_labels import OVERFLOW_REASONS, LabelValues
 from ledger.rules.rules import RULE_NAMES
 from ledger.rules.slo import itl_of
+from ledger.traces.spans import derived_id
 
 LAYERS = ("entry", "admission", "backend_wait", "frontend", "engine_queue", "prefill", "decode", "delivery")
 _RULE_ACTIONS = {
@@ -29,6 +31,7 @@ _RULE_ACTIONS = {
     "slow_pool_starved": ("promote",),
 }
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_EXEMPLAR_MAX_CHARS = 128  # OpenMetrics: an exemplar's label names and values together
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
 
 # The limits ledger.api.gate refuses or abandons a request by (chunkledger_request_refusals_total).
@@ -381,29 +384,50 @@ class LedgerMetrics:
     def _overflow(self, label: str, reason: str) -> None:
         self.label_overflow.labels(label, reason).inc()
 
-    def render(self) -> bytes:
+    def render(self, openmetrics: bool = False) -> bytes:
+        """The exposition: Prometheus text, or OpenMetrics (``openmetrics``), which carries exemplars."""
+        if openmetrics:
+            return generate_openmetrics(self.registry)
         return generate_latest(self.registry)
 
     def observe_request(self, row: dict[str, object]) -> None:
-        """Latency histograms from one finished request's ``requests`` view row."""
+        """Latency histograms from one finished request's ``requests`` view row; the TTFT, e2e and layer
+        buckets it lands in get it as their exemplar (:func:`exemplar_of`)."""
         model = self.models(str(row.get("model") or ""))
+        exemplar = exemplar_of(row)
         for layer in LAYERS:
             v = row.get(f"{layer}_s")
             if isinstance(v, (int, float)) and v >= 0:
-                self.layer_seconds.labels(model, layer).observe(v)
+                self.layer_seconds.labels(model, layer).observe(v, exemplar)
         ttft = row.get("ttft_s")
         if isinstance(ttft, (int, float)) and ttft >= 0:
-            self.ttft_seconds.labels(model).observe(ttft)
+            self.ttft_seconds.labels(model).observe(ttft, exemplar)
         client_ttft = row.get("client_ttft_s")
         if isinstance(client_ttft, (int, float)) and client_ttft >= 0:
-            self.client_ttft_seconds.labels(model).observe(client_ttft)
+            self.client_ttft_seconds.labels(model).observe(client_ttft, exemplar)
         e2e = row.get("e2e_s")
         if isinstance(e2e, (int, float)) and e2e >= 0:
-            self.e2e_seconds.labels(model).observe(e2e)
+            self.e2e_seconds.labels(model).observe(e2e, exemplar)
         itl = itl_of(row)
         if itl is not None:
             self.itl_seconds.labels(model).observe(itl)
         self.requests_finished.labels(model).inc()
+
+
+def exemplar_of(row: dict[str, object]) -> dict[str, str] | None:
+    """A finished request as an exemplar: ``trace_id`` (its W3C trace, or the one the OTLP export gives
+    a request that came without one, derived from its id) and ``request_id`` when the two fit
+    OpenMetrics' 128 characters of exemplar label names and values (a request id over 78 characters is
+    left out: a cut one would open no request)."""
+    rid = row.get("request_id")
+    if rid is None:
+        return None
+    rid = str(rid)
+    trace = str(row.get("trace_id") or derived_id(rid, "trace", 16))
+    labels = {"trace_id": trace}
+    if len("request_id") + len(rid) + len("trace_id") + len(trace) <= _EXEMPLAR_MAX_CHARS:
+        labels["request_id"] = rid
+    return labels
 
 
 def set_advised_chunk(model: str, tokens: int) -> None:

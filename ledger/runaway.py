@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 OBSERVE_DELAY_S = 3.0  # wait this long after the engine's finish before reading the row (gateway end)
 _VIEW_COLUMNS = (
     "request_id, model, output_tokens, entry_s, admission_s, backend_wait_s, frontend_s, engine_queue_s, "
-    "prefill_s, decode_s, delivery_s, e2e_s, ttft_s, client_ttft_s"
+    "prefill_s, decode_s, delivery_s, e2e_s, ttft_s, client_ttft_s, trace_id"
 )
 
 
