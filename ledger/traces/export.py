@@ -40,6 +40,7 @@ from ledger.traces.spans import EVENT_KINDS, RequestTrace, Span, request_trace
 log = logging.getLogger(__name__)
 
 _SCOPE = InstrumentationScope("chunkledger", "0.1.0")
+_CLOCK_SLACK_S = 300.0  # how far one source's clock may be behind another's (max_clock_ahead_s's default)
 
 
 class SpanSender(Protocol):
@@ -179,7 +180,8 @@ class TraceExport:
         rows_sql = sa.text("SELECT * FROM requests WHERE request_id IN :ids").bindparams(
             sa.bindparam("ids", expanding=True)
         )
-        # ts bounds the scan: DuckDB prunes the events table's row groups by it (no index on request_id).
+        # ts bounds the scan: DuckDB prunes the events table's row groups by it (it has no index on
+        # request_id); an engine's stamps may run behind the gateway's start by up to _CLOCK_SLACK_S.
         events_sql = sa.text(
             "SELECT request_id, kind, ts, data FROM events "
             "WHERE request_id IN :ids AND kind IN :kinds AND ts >= :since"
@@ -189,7 +191,7 @@ class TraceExport:
             starts = [r["start_ts"] for r in rows if isinstance(r.get("start_ts"), (int, float))]
             if not starts:
                 return []
-            since = min(starts) - 3600.0
+            since = min(starts) - _CLOCK_SLACK_S
             found = conn.execute(events_sql, {"ids": ids, "kinds": list(EVENT_KINDS), "since": since}).all()
         events: dict[str, list[dict[str, Any]]] = {}
         for request_id, kind, ts, data in found:
