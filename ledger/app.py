@@ -99,7 +99,7 @@ def _open_services(app: FastAPI, settings: Settings, store: Store | None) -> Non
 
 def _trace_export(state: Any, settings: Settings) -> Any:
     """The OTLP export of finished requests when an endpoint is configured (``ledger.traces``), else
-    None. It needs the ``otlp`` extra (OpenTelemetry's SDK and OTLP/HTTP exporter)."""
+    None. It needs the ``otlp`` extra (OpenTelemetry's SDK and protobuf definitions)."""
     from ledger.traces.enabled import export_enabled
 
     if state.store.dialect == "null" or not export_enabled(settings.otlp_traces_endpoint):

@@ -77,7 +77,7 @@ EXTRA_ZONES = {
     "postgres": ("ledger/sql/runners.py", "ledger/store/postgres.py"),
     "dashboard": ("dashboard/", "chunkledger/dashboard.py"),
     "vllm": ("engine_hooks/vllm/",),
-    "otlp": ("ledger/traces/export.py",),
+    "otlp": ("ledger/traces/export.py", "ledger/traces/otlp.py"),
 }
 
 

@@ -1,18 +1,16 @@
 """OTLP/HTTP (protobuf) export of finished requests, beside ingest and never in its way.
 
-The shape of OpenTelemetry's batch processor, with the SDK's own OTLP/HTTP exporter underneath
-(``OTLPSpanExporter``: protobuf encoding, gzip, headers, TLS, retries with backoff and
-``Retry-After`` until its timeout; it reads the standard ``OTEL_EXPORTER_OTLP_*`` variables):
+The shape of OpenTelemetry's batch processor (the messages and the POST: ``ledger.traces.otlp``):
 
 * ``offer(request_ids)`` (the rules ticker, for requests it observed finished) appends to a bounded
   deque and returns: it never blocks, never raises, and what does not fit is dropped and counted.
 * A builder thread wakes every ``delay_s``, reads the due requests' rows and events (two queries for
   all of them, on the ledger's read engine) and turns each into spans (``ledger.traces.spans``), into a
   bounded span queue; spans that do not fit are dropped, counted (``queue_full``).
-* A sender thread sends batches of up to ``batch_spans`` spans as soon as a batch is full or the
-  builder has added to the queue. A batch the exporter gave up on (endpoint down past its timeout,
-  4xx) is dropped and counted (``export_failed``): memory stays bounded by the two queues whatever the
-  endpoint does, and ingest never waits for it.
+* A sender thread sends batches of up to ``batch_spans`` spans as soon as the builder has added to the
+  queue. A batch the sender gave up on (endpoint down past its timeout, a 4xx) is dropped and counted
+  (``export_failed``): memory stays bounded by the two queues whatever the endpoint does, and ingest
+  never waits for it.
 * ``shutdown()`` builds what is due, sends what is queued (within a timeout), and stops; idempotent.
 """
 
@@ -28,26 +26,21 @@ from typing import Any, Protocol
 
 import msgspec
 import sqlalchemy as sa
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExportResult
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from ledger.traces.otlp import OtlpHttpSender, SenderConfig, encode
 from ledger.traces.spans import EVENT_KINDS, RequestTrace, Span, request_trace
 
 log = logging.getLogger(__name__)
 
-_SCOPE = InstrumentationScope("chunkledger", "0.1.0")
 _CLOCK_SLACK_S = 300.0  # how far one source's clock may be behind another's (max_clock_ahead_s's default)
 
 
 class SpanSender(Protocol):
-    """What sends a batch (``OTLPSpanExporter``)."""
+    """What sends an encoded batch (``OtlpHttpSender``): True when the endpoint took it."""
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult: ...
-    def shutdown(self) -> None: ...
+    def send(self, body: bytes) -> bool: ...
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -80,11 +73,11 @@ class TraceExport:
         self.engine = engine
         self.counters = counters
         self.options = options
-        self.sender: SpanSender = sender or OTLPSpanExporter(endpoint=options.endpoint or None)
+        self.sender: SpanSender = sender or OtlpHttpSender(SenderConfig.resolve(options.endpoint))
         # Resource.create reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES.
         self.resource = resource or Resource.create({"service.name": "chunkledger"})
         self._ids: deque[str] = deque()
-        self._spans: deque[ReadableSpan] = deque()
+        self._spans: deque[tuple[str, Span]] = deque()  # (trace id, span)
         self._lock = threading.Lock()
         self._wake_builder = threading.Event()
         self._wake_sender = threading.Event()
@@ -141,9 +134,9 @@ class TraceExport:
         for t in self._threads:
             t.join(timeout)
         try:
-            self.sender.shutdown()
+            self.sender.close()
         except Exception:
-            log.exception("trace export: the OTLP exporter's shutdown failed")
+            log.exception("trace export: closing the OTLP sender failed")
 
     # -- builder --------------------------------------------------------------------------------------
     def _build_loop(self) -> None:
@@ -168,7 +161,7 @@ class TraceExport:
             log.exception("trace export: reading %d finished requests failed", len(ids))
             self.counters.trace_spans_dropped("read_failed", len(ids))
             return
-        spans = [s for t in traces for s in self._readable(t)]
+        spans = [(t.trace_id, s) for t in traces for s in t.spans]
         with self._lock:
             room = self.options.max_queue_spans - len(self._spans)
             self._spans.extend(spans[: max(0, room)])
@@ -205,34 +198,6 @@ class TraceExport:
                 out.append(built)
         return out
 
-    def _readable(self, built: RequestTrace) -> list[ReadableSpan]:
-        trace_id = int(built.trace_id, 16)
-        flags = TraceFlags(TraceFlags.SAMPLED)
-        out = []
-        for s in built.spans:
-            context = SpanContext(trace_id, int(s.span_id, 16), is_remote=False, trace_flags=flags)
-            parent = (
-                SpanContext(trace_id, int(s.parent_span_id, 16), is_remote=True, trace_flags=flags)
-                if s.parent_span_id
-                else None
-            )
-            out.append(
-                ReadableSpan(
-                    s.name,
-                    context=context,
-                    parent=parent,
-                    resource=self.resource,
-                    attributes=dict(s.attributes),
-                    events=[Event(e.name, dict(e.attributes), _ns(e.ts)) for e in s.events],
-                    kind=SpanKind.SERVER if s.server else SpanKind.INTERNAL,
-                    status=_status(s),
-                    start_time=_ns(s.start),
-                    end_time=_ns(s.end),
-                    instrumentation_scope=_SCOPE,
-                )
-            )
-        return out
-
     # -- sender ---------------------------------------------------------------------------------------
     def _send_loop(self) -> None:
         while True:
@@ -249,9 +214,9 @@ class TraceExport:
             batch = [self._spans.popleft() for _ in range(n)]
         try:
             try:
-                ok = self.sender.export(batch) is SpanExportResult.SUCCESS
+                ok = self.sender.send(encode(batch, self.resource))
             except Exception:
-                log.exception("trace export: the OTLP exporter raised")
+                log.exception("trace export: encoding or sending a batch failed")
                 ok = False
             self.counters.trace_export_attempt(ok)
             if ok:
@@ -260,11 +225,3 @@ class TraceExport:
                 self.counters.trace_spans_dropped("export_failed", len(batch))
         finally:
             self._sending = 0
-
-
-def _ns(ts: float) -> int:
-    return round(ts * 1e9)
-
-
-def _status(s: Span) -> Status:
-    return Status(StatusCode.ERROR, s.error) if s.error else Status(StatusCode.UNSET)

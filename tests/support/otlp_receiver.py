@@ -1,12 +1,14 @@
 """A real OTLP/HTTP traces receiver for tests: ``POST /v1/traces`` with an ``ExportTraceServiceRequest``
 in protobuf (gzip or not), decoded with the official definitions (opentelemetry-proto), every span kept.
 
-``status`` answers every export with that HTTP status (503: the exporter retries; 200: accepted)."""
+``status`` answers every export with that HTTP status (503: the exporter retries; 200: accepted), after
+the statuses queued in ``first`` (one per export, with ``retry_after`` as its Retry-After when set)."""
 
 from __future__ import annotations
 
 import gzip
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -50,8 +52,14 @@ def _attrs(kvs: Any) -> dict[str, Any]:
 
 
 class OtlpReceiver:
-    def __init__(self, status: int = 200) -> None:
+    def __init__(
+        self, status: int = 200, first: list[int] | None = None, retry_after: str | None = None
+    ) -> None:
         self.status = status
+        self.first = list(first or [])
+        self.retry_after = retry_after
+        self.headers: list[dict[str, str]] = []
+        self.times: list[float] = []
         self.spans: list[ReceivedSpan] = []
         self.requests = 0
         self.content_types: set[str] = set()
@@ -66,12 +74,16 @@ class OtlpReceiver:
                     body = gzip.decompress(body)
                 elif encoding == "deflate":
                     body = zlib.decompress(body)
-                receiver._receive(self.path, self.headers.get("content-type") or "", body)
-                status = receiver.status
+                status = receiver.first.pop(0) if receiver.first else receiver.status
+                receiver.headers.append({k.lower(): v for k, v in self.headers.items()})
+                receiver.times.append(time.monotonic())
+                receiver._receive(self.path, self.headers.get("content-type") or "", body, status)
                 answer = ExportTraceServiceResponse().SerializeToString() if status == 200 else b""
                 self.send_response(status)
                 self.send_header("content-type", "application/x-protobuf")
                 self.send_header("content-length", str(len(answer)))
+                if status != 200 and receiver.retry_after is not None:
+                    self.send_header("retry-after", receiver.retry_after)
                 self.end_headers()
                 self.wfile.write(answer)
 
@@ -82,14 +94,14 @@ class OtlpReceiver:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def _receive(self, path: str, content_type: str, body: bytes) -> None:
+    def _receive(self, path: str, content_type: str, body: bytes, status: int) -> None:
         assert path == "/v1/traces", path
         request = ExportTraceServiceRequest()
         request.ParseFromString(body)
         with self._lock:
             self.requests += 1
             self.content_types.add(content_type)
-            if self.status != 200:
+            if status != 200:
                 return
             for rs in request.resource_spans:
                 resource = _attrs(rs.resource.attributes)
