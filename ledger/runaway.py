@@ -379,13 +379,14 @@ class RunawayService:
             due.append(self._to_observe.popleft()[1])
         if not due or self.engine is None:
             return
-        stmt = sa.text(f"SELECT {_VIEW_COLUMNS} FROM requests WHERE request_id IN :ids").bindparams(
+        columns = "*" if self.traces is not None else _VIEW_COLUMNS  # the trace export's spans need them all
+        stmt = sa.text(f"SELECT {columns} FROM requests WHERE request_id IN :ids").bindparams(
             sa.bindparam("ids", expanding=True)
         )
         with self.engine.connect() as conn:
             rows = [dict(r._mapping) for r in conn.execute(stmt, {"ids": due})]
         if self.traces is not None:
-            self.traces.offer([str(row["request_id"]) for row in rows])
+            self.traces.offer(rows)
         for row in rows:
             self.metrics.observe_request(row)
             # the SLO is on TTFT as the client saw it where a gateway measured it

@@ -2,10 +2,11 @@
 
 The shape of OpenTelemetry's batch processor (the messages and the POST: ``ledger.traces.otlp``):
 
-* ``offer(request_ids)`` (the rules ticker, for requests it observed finished) appends to a bounded
-  deque and returns: it never blocks, never raises, and what does not fit is dropped and counted.
-* A builder thread wakes every ``delay_s``, reads the due requests' rows and events (two queries for
-  all of them, on the ledger's read engine) and turns each into spans (``ledger.traces.spans``), into a
+* ``offer(rows)`` (the rules ticker, with the ``requests`` rows of the requests it observed finished,
+  read once for the metrics and for this) appends to a bounded deque and returns: it never blocks,
+  never raises, and what does not fit is dropped and counted.
+* A builder thread wakes every ``delay_s``, reads the due requests' events (one query for all of
+  them, on the ledger's read engine) and turns each into spans (``ledger.traces.spans``), into a
   bounded span queue; spans that do not fit are dropped, counted (``queue_full``).
 * A sender thread sends batches of up to ``batch_spans`` spans as soon as the builder has added to the
   queue. A batch the sender gave up on (endpoint down past its timeout, a 4xx) is dropped and counted
@@ -20,7 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,7 +48,7 @@ class SpanSender(Protocol):
 class TraceExportOptions:
     endpoint: str  # full URL of the OTLP/HTTP traces endpoint ("": the OTEL_EXPORTER_OTLP_* variables)
     max_queue_spans: int = 65_536
-    max_queue_requests: int = 65_536
+    max_queue_requests: int = 4096  # rows of about 5 KB each
     batch_spans: int = 512
     delay_s: float = 1.0
 
@@ -76,7 +77,7 @@ class TraceExport:
         self.sender: SpanSender = sender or OtlpHttpSender(SenderConfig.resolve(options.endpoint))
         # Resource.create reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES.
         self.resource = resource or Resource.create({"service.name": "chunkledger"})
-        self._ids: deque[str] = deque()
+        self._rows: deque[Mapping[str, Any]] = deque()
         self._spans: deque[tuple[str, Span]] = deque()  # (trace id, span)
         self._lock = threading.Lock()
         self._wake_builder = threading.Event()
@@ -96,28 +97,29 @@ class TraceExport:
             t.start()
             self._threads.append(t)
 
-    def offer(self, request_ids: Sequence[str]) -> None:
-        """Queue finished requests for export (never blocks; a full queue drops and counts them)."""
+    def offer(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Queue finished requests (their ``requests`` rows) for export; never blocks: a full queue drops
+        and counts them."""
         try:
             with self._lock:
-                room = self.options.max_queue_requests - len(self._ids)
-                self._ids.extend(request_ids[: max(0, room)])
-            if len(request_ids) > room:
-                self.counters.trace_spans_dropped("request_queue_full", len(request_ids) - max(0, room))
+                room = self.options.max_queue_requests - len(self._rows)
+                self._rows.extend(rows[: max(0, room)])
+            if len(rows) > room:
+                self.counters.trace_spans_dropped("request_queue_full", len(rows) - max(0, room))
         except Exception:
             log.exception("trace export: could not queue finished requests")
 
     @property
     def queued(self) -> tuple[int, int]:
         """(requests waiting to be built, spans waiting to be sent)."""
-        return len(self._ids), len(self._spans)
+        return len(self._rows), len(self._spans)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Build what is queued and wait until every span is settled (sent or dropped); False on timeout."""
         deadline = time.monotonic() + timeout
         self._wake_builder.set()
         while time.monotonic() < deadline:
-            if not self._ids and not self._spans and not self._sending and not self._wake_builder.is_set():
+            if not self._rows and not self._spans and not self._sending and not self._wake_builder.is_set():
                 return True
             self._wake_sender.set()
             time.sleep(0.01)
@@ -143,7 +145,7 @@ class TraceExport:
         while not self._stop.is_set():
             self._wake_builder.wait(self.options.delay_s)
             try:
-                while self._ids:
+                while self._rows:
                     self._build_once()
             except Exception:
                 log.exception("trace export: building spans failed")
@@ -152,14 +154,14 @@ class TraceExport:
 
     def _build_once(self, limit: int = 1000) -> None:
         with self._lock:
-            ids = [self._ids.popleft() for _ in range(min(limit, len(self._ids)))]
-        if not ids:
+            rows = [self._rows.popleft() for _ in range(min(limit, len(self._rows)))]
+        if not rows:
             return
         try:
-            traces = self._read(ids)
+            traces = self._read(rows)
         except Exception:
-            log.exception("trace export: reading %d finished requests failed", len(ids))
-            self.counters.trace_spans_dropped("read_failed", len(ids))
+            log.exception("trace export: reading the events of %d finished requests failed", len(rows))
+            self.counters.trace_spans_dropped("read_failed", len(rows))
             return
         spans = [(t.trace_id, s) for t in traces for s in t.spans]
         with self._lock:
@@ -169,22 +171,19 @@ class TraceExport:
             self.counters.trace_spans_dropped("queue_full", len(spans) - max(0, room))
         self._wake_sender.set()
 
-    def _read(self, ids: list[str]) -> list[RequestTrace]:
-        rows_sql = sa.text("SELECT * FROM requests WHERE request_id IN :ids").bindparams(
-            sa.bindparam("ids", expanding=True)
-        )
+    def _read(self, rows: list[Mapping[str, Any]]) -> list[RequestTrace]:
         # ts bounds the scan: DuckDB prunes the events table's row groups by it (it has no index on
         # request_id); an engine's stamps may run behind the gateway's start by up to _CLOCK_SLACK_S.
         events_sql = sa.text(
             "SELECT request_id, kind, ts, data FROM events "
             "WHERE request_id IN :ids AND kind IN :kinds AND ts >= :since"
         ).bindparams(sa.bindparam("ids", expanding=True), sa.bindparam("kinds", expanding=True))
+        starts = [r["start_ts"] for r in rows if isinstance(r.get("start_ts"), (int, float))]
+        if not starts:
+            return []
+        ids = [str(r["request_id"]) for r in rows]
+        since = min(starts) - _CLOCK_SLACK_S
         with self.engine.connect() as conn:
-            rows = [dict(r._mapping) for r in conn.execute(rows_sql, {"ids": ids})]
-            starts = [r["start_ts"] for r in rows if isinstance(r.get("start_ts"), (int, float))]
-            if not starts:
-                return []
-            since = min(starts) - _CLOCK_SLACK_S
             found = conn.execute(events_sql, {"ids": ids, "kinds": list(EVENT_KINDS), "since": since}).all()
         events: dict[str, list[dict[str, Any]]] = {}
         for request_id, kind, ts, data in found:
@@ -193,7 +192,7 @@ class TraceExport:
             events.setdefault(request_id, []).append(fields)
         out = []
         for row in rows:
-            built = request_trace(row, events.get(row["request_id"], []))
+            built = request_trace(dict(row), events.get(str(row["request_id"]), []))
             if built is not None:
                 out.append(built)
         return out
