@@ -22,6 +22,7 @@ import gzip
 import logging
 import os
 import random
+import ssl
 import threading
 import time
 import urllib.parse
@@ -123,8 +124,9 @@ class SenderConfig:
     headers: dict[str, str]
     timeout_s: float
     gzip: bool
-    verify: str | bool
-    cert: tuple[str, str] | str | None
+    ca_file: str  # "": the system's CAs
+    client_cert: str  # "": none (a PEM file, with its key in it or in client_key)
+    client_key: str
 
     @classmethod
     def resolve(cls, endpoint: str, environ: Mapping[str, str] | None = None) -> SenderConfig:
@@ -148,9 +150,19 @@ class SenderConfig:
             headers=parse_headers(_env(env, "HEADERS")),
             timeout_s=timeout,
             gzip=compression == "gzip",
-            verify=ca or True,
-            cert=(cert, key) if cert and key else (cert or None),
+            ca_file=ca,
+            client_cert=cert,
+            client_key=key,
         )
+
+    def tls(self) -> ssl.SSLContext | bool:
+        """The TLS context for ``_CERTIFICATE`` and the client certificate, or True (the defaults)."""
+        if not (self.ca_file or self.client_cert):
+            return True
+        context = ssl.create_default_context(cafile=self.ca_file or None)
+        if self.client_cert:
+            context.load_cert_chain(self.client_cert, self.client_key or None)
+        return context
 
 
 class OtlpHttpSender:
@@ -162,7 +174,7 @@ class OtlpHttpSender:
         if config.gzip:
             headers["content-encoding"] = "gzip"
         self._client = httpx.Client(
-            headers=headers, timeout=config.timeout_s, verify=config.verify, cert=config.cert, trust_env=False
+            headers=headers, timeout=config.timeout_s, verify=config.tls(), trust_env=False
         )
         self._closed = threading.Event()
         self._logged: set[str] = set()

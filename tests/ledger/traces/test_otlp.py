@@ -139,3 +139,29 @@ def test_bad_settings_are_refused_naming_the_variable(name, value):
 
 def test_header_pairs_without_a_key_are_skipped():
     assert parse_headers("a=1,broken,=x, b = 2 ") == {"a": "1", "b": "2"}
+
+
+def test_the_ca_file_and_client_certificate_variables_make_the_tls_context(tmp_path):
+    import ssl
+    import subprocess
+
+    assert SenderConfig.resolve("https://c/v1/traces", {}).tls() is True
+    key, cert = tmp_path / "client.key", tmp_path / "client.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=client", "-days", "1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    env = {
+        "OTEL_EXPORTER_OTLP_CERTIFICATE": str(cert),
+        "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE": str(cert),
+        "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": str(key),
+    }
+    context = SenderConfig.resolve("https://c/v1/traces", env).tls()
+    assert isinstance(context, ssl.SSLContext)
+    assert [c["subject"] for c in context.get_ca_certs()] == [((("commonName", "client"),),)]
+    OtlpHttpSender(SenderConfig.resolve("https://c/v1/traces", env)).close()  # httpx takes the context
+    with pytest.raises(FileNotFoundError):
+        SenderConfig.resolve(
+            "https://c/v1/traces", {"OTEL_EXPORTER_OTLP_CERTIFICATE": str(tmp_path / "none.pem")}
+        ).tls()
