@@ -347,3 +347,74 @@ def _open(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+async def _commands_seen(url: str, subject: str, seconds: float) -> list[str]:
+    """The command ids published on ``subject`` over ``seconds`` (as a source's exporter takes them)."""
+    import nats
+
+    seen: list[str] = []
+    nc = await nats.connect(url)
+    try:
+
+        async def on_message(msg) -> None:
+            seen.extend(c.id for c in _decode_commands(msg.data))
+
+        await nc.subscribe(subject, cb=on_message)
+        await asyncio.sleep(seconds)
+    finally:
+        await nc.drain()
+    return seen
+
+
+def _decode_commands(data: bytes) -> list[ev.Command]:
+    import msgspec
+
+    return msgspec.json.decode(data, type=ev.CommandsResponse).commands
+
+
+def test_a_pending_command_is_sent_again_by_the_next_owner_when_its_decider_is_killed(
+    workers, nats_url, stream, pg_url
+):
+    """A loop decided on one worker, never confirmed by its engine: killed, that worker's partitions go
+    to the other, which loads the pending command and sends it on until the engine confirms."""
+    from tests.ledger.rules.test_commands import looping_tokens
+
+    first = workers(partitions=2)
+    wait_until(lambda: len(holders(pg_url, stream)) == 2, 10, "the first worker holds both partitions")
+    src = ev.Source(id="engine.loop", kind="engine", model="m")
+    t = time.time()
+    evs = numbered(
+        [ev.Queued(seq=0, ts=t, request_id="r-loop", prompt_tokens=3), *looping_tokens("r-loop", ts=t)]
+    )
+    subject = streams.events_subject(stream, src.id, 2)
+    asyncio.run(_publish(nats_url, subject, [(body(src, evs), {})]))
+    wait_until(
+        lambda: count(pg_url, "SELECT count(*) FROM cutoffs WHERE state = 'pending'") == 1, 10, "a decision"
+    )
+    commands = streams.commands_subject(stream, src.id)
+    before = asyncio.run(_commands_seen(nats_url, commands, 2.5))
+    assert len(set(before)) == 1 and len(before) >= 2, before  # sent, and again until confirmed
+    workers(partitions=2)
+    first.stop(kill=True)
+    wait_until(
+        lambda: len(holders(pg_url, stream)) == 2 and len(set(holders(pg_url, stream).values())) == 1,
+        5,
+        "the second worker holds both partitions",
+    )
+    after = asyncio.run(_commands_seen(nats_url, commands, 2.5))
+    assert set(after) == set(before) and len(after) >= 2, after
+    # the engine confirms: the new owner stops sending and the command is applied
+    confirm = numbered(
+        [
+            ev.CutoffApplied(
+                seq=0, ts=time.time(), request_id="r-loop", command_id=before[0], action="abort", rule="loop"
+            )
+        ],
+        len(evs) + 1,
+    )
+    asyncio.run(_publish(nats_url, subject, [(body(src, confirm), {})]))
+    wait_until(
+        lambda: count(pg_url, "SELECT count(*) FROM cutoffs WHERE state = 'applied'") == 1, 10, "applied"
+    )
+    assert asyncio.run(_commands_seen(nats_url, commands, 1.5)) == []
