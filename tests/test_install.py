@@ -78,6 +78,7 @@ EXTRA_ZONES = {
     "dashboard": ("dashboard/", "chunkledger/dashboard.py"),
     "vllm": ("engine_hooks/vllm/",),
     "otlp": ("ledger/traces/export.py", "ledger/traces/otlp.py"),
+    "nats": ("engine_hooks/exporter/jetstream.py", "ledger/jetstream/"),
 }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib.util
 import logging
 import threading
 from collections.abc import Callable
@@ -26,7 +27,7 @@ import msgspec
 
 from engine_hooks import streams
 from engine_hooks.columnar import MEDIA_TYPE, is_message
-from engine_hooks.config import ExporterConfig
+from engine_hooks.config import ConfigError, ExporterConfig
 from engine_hooks.events import PRODUCER_HEADER, Command, CommandsResponse
 from engine_hooks.exporter.logonce import LogOnce
 from engine_hooks.exporter.stats import Counters
@@ -140,6 +141,8 @@ class JetStreamTransport(Sender):
     def __init__(
         self, config: ExporterConfig, counters: Counters, log: LogOnce, *, producer_key: str | None = None
     ) -> None:
+        if importlib.util.find_spec("nats") is None:
+            raise ConfigError("nats_url is set but nats-py is not installed: pip install 'chunkledger[nats]'")
         self._config = config
         self._counters = counters
         self._log = log

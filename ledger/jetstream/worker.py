@@ -69,7 +69,12 @@ class StreamWorker:
 
     # -- life ---------------------------------------------------------------------------------------
     async def start(self) -> None:
-        import nats
+        try:
+            import nats
+        except ImportError:
+            raise RuntimeError(
+                "nats_url is set but nats-py is not installed: pip install 'chunkledger[nats]'"
+            ) from None
 
         self._loop = asyncio.get_running_loop()
         if self.state.store.dialect != "postgresql":

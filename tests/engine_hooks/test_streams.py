@@ -33,3 +33,22 @@ def test_the_streams_description_carries_its_partitions_and_nothing_else_is_read
     assert streams.partitions_of(None) is None
     assert streams.partitions_of("partitions=0") is None
     assert streams.partitions_of(f"partitions={streams.MAX_PARTITIONS + 1}") is None
+
+
+def test_an_exporter_set_to_a_stream_without_nats_py_installed_names_the_extra(monkeypatch):
+    import importlib.util
+
+    import pytest
+
+    from engine_hooks.config import ConfigError, ExporterConfig
+    from engine_hooks.exporter import Exporter
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "nats" else real(name, *a)
+    )
+    config = ExporterConfig(
+        url="http://127.0.0.1:9", source_id="e", nats_url="nats://127.0.0.1:1", spool_dir=None
+    )
+    with pytest.raises(ConfigError, match=r"chunkledger\[nats\]"):
+        Exporter(config)

@@ -331,7 +331,9 @@ def test_downgrade_below_step_parts_moves_them_to_request_parts(tmp_path):
         migrate.downgrade(engine, "0009")
         with engine.connect() as conn:
             assert "request_step_parts" not in set(sa.inspect(conn).get_table_names())
-        assert _all_rows(engine) == before
+        down = _all_rows(engine)
+        # the same rows, in the columns that revision has (later ones add columns: 0011's trace ids)
+        assert down and down == [{k: r[k] for k in down[0]} for r in before]
         migrate.upgrade(engine)
         assert _all_rows(engine) == before
     finally:
