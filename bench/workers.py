@@ -36,19 +36,15 @@ import httpx
 import sqlalchemy as sa
 
 from bench.fleet_workload import STEP_S, Cycle, build_cycle
+from bench.ingest import _cpu_s
 from bench.toolkit import free_port
 from engine_hooks import streams
 from engine_hooks.config import ExporterConfig
-from ledger.jetstream.leases import lock_space
+from ledger.jetstream.leases import holders as _holders
 from ledger.store import open_store
 
 PG_ADMIN = os.environ.get("CHUNKLEDGER_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 NATS = os.environ.get("CHUNKLEDGER_BENCH_NATS", "nats://127.0.0.1:4222")
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _engine(
@@ -123,22 +119,6 @@ def _scalar(db: str, sql: str) -> Any:
             return conn.execute(sa.text(sql)).scalar_one()
     finally:
         eng.dispose()
-
-
-def _holders(db: str, stream: str) -> dict[int, int]:
-    eng = sa.create_engine(db)
-    try:
-        with eng.connect() as conn:
-            rows = conn.execute(
-                sa.text(
-                    "SELECT objid::bigint, pid FROM pg_locks WHERE locktype = 'advisory' AND classid = :c "
-                    "AND objsubid = 2 AND granted"
-                ),
-                {"c": lock_space(stream, "partitions")},
-            ).all()
-    finally:
-        eng.dispose()
-    return {int(p): int(pid) for p, pid in rows}
 
 
 def run(

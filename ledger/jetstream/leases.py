@@ -39,6 +39,22 @@ def libpq_url(url: str) -> str:
     return sa.engine.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
+_HOLDERS = (
+    "SELECT objid::bigint, pid FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND objsubid = 2 "
+    "AND granted"
+)
+
+
+def holders(db_url: str, stream: str) -> dict[int, int]:
+    """partition -> the PostgreSQL backend pid holding its lease (one per worker), for operators,
+    benches and tests; from a connection of its own."""
+    import psycopg
+
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        rows = conn.execute(_HOLDERS, (lock_space(stream, "partitions"),)).fetchall()
+    return {int(p): int(pid) for p, pid in rows}
+
+
 @dataclass
 class Change:
     """What a balance changed: the partitions taken and those to hand back."""
@@ -73,12 +89,7 @@ class Leases:
         raise RuntimeError(f"more than {MAX_WORKERS} workers on this stream")
 
     def _granted(self, space: int) -> list[int]:
-        rows = self._conn.execute(
-            "SELECT objid::bigint FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
-            "AND objsubid = 2 AND granted",
-            (space,),
-        ).fetchall()
-        return [int(r[0]) for r in rows]
+        return [int(r[0]) for r in self._conn.execute(_HOLDERS, (space,)).fetchall()]
 
     def live_workers(self) -> int:
         return max(1, len(self._granted(self._workers)))
@@ -115,11 +126,7 @@ class Leases:
 
     def owners(self) -> dict[int, int]:
         """partition -> the backend pid holding it (for the operators' view)."""
-        rows = self._conn.execute(
-            "SELECT objid::bigint, pid FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
-            "AND objsubid = 2 AND granted",
-            (self._parts,),
-        ).fetchall()
+        rows = self._conn.execute(_HOLDERS, (self._parts,)).fetchall()
         return {int(p): int(pid) for p, pid in rows}
 
     def close(self) -> None:

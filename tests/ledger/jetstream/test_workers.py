@@ -22,7 +22,7 @@ from engine_hooks import streams
 from engine_hooks.config import ExporterConfig
 from engine_hooks.exporter import Exporter
 from engine_hooks.simulator import run_simulation
-from ledger.jetstream.leases import lock_space
+from ledger.jetstream.leases import holders
 from tests.support.factories import body, numbered
 from tests.support.servers import free_port
 
@@ -37,23 +37,6 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
             raise AssertionError(f"not within {timeout} s: {what}")
         time.sleep(0.05)
     return time.monotonic() - t0
-
-
-def holders(pg_url: str, stream: str) -> dict[int, int]:
-    """partition -> the PostgreSQL backend (one per worker) holding its lease."""
-    eng = sa.create_engine(pg_url)
-    try:
-        with eng.connect() as conn:
-            rows = conn.execute(
-                sa.text(
-                    "SELECT objid::bigint, pid FROM pg_locks WHERE locktype = 'advisory' AND classid = :c "
-                    "AND objsubid = 2 AND granted"
-                ),
-                {"c": lock_space(stream, "partitions")},
-            ).all()
-    finally:
-        eng.dispose()
-    return {int(p): int(pid) for p, pid in rows}
 
 
 def one(pg_url: str, sql: str) -> Any:
