@@ -23,6 +23,7 @@ from engine_hooks.config import ExporterConfig
 from engine_hooks.exporter import Exporter
 from engine_hooks.simulator import run_simulation
 from ledger.jetstream.leases import holders
+from tests.ledger.jetstream.conftest import _reachable
 from tests.support.factories import body, numbered
 from tests.support.servers import free_port
 
@@ -279,7 +280,7 @@ def test_nats_down_the_exporter_spools_without_blocking_and_everything_arrives_o
     nats = _nats_server(port, tmp_path / "js")
     worker = None
     try:
-        wait_until(lambda: _open(port), 10, "nats-server listening")
+        wait_until(lambda: _reachable(url), 10, "nats-server listening")
         worker = LedgerServer(
             pg_url,
             tmp_path / "worker.log",
@@ -320,16 +321,6 @@ def test_nats_down_the_exporter_spools_without_blocking_and_everything_arrives_o
             worker.stop(kill=True)
         nats.kill()
         nats.wait(10)
-
-
-def _open(port: int) -> bool:
-    import socket
-
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 async def _commands_seen(url: str, subject: str, seconds: float) -> list[str]:
